@@ -1,0 +1,30 @@
+"""Per-architecture layer maps, found through a registry keyed by `config.model_type`.
+
+Adding an architecture is one file here that defines a `LayerMap` subclass decorated with
+`register_layer_map`, plus its import below.
+"""
+
+from .base import (
+    LAYER_NORM,
+    LINEAR,
+    RMS_NORM,
+    LayerMap,
+    ModuleSpec,
+    Stack,
+    get_layer_map,
+    register_layer_map,
+    supported_model_types,
+)
+from . import clip  # noqa: F401  (registers the CLIP layer map)
+
+__all__ = [
+    "LAYER_NORM",
+    "LINEAR",
+    "RMS_NORM",
+    "LayerMap",
+    "ModuleSpec",
+    "Stack",
+    "get_layer_map",
+    "register_layer_map",
+    "supported_model_types",
+]

@@ -1,0 +1,598 @@
+"""`FeatCalCalibrator`: the forward-order loop. Nothing architecture-specific lives here.
+
+Pipeline per block: capture module inputs of the merged (student) and expert streams →
+accumulate statistics per task → solve every selected module in closed form → write → propagate
+the student stream through the calibrated block.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import send_to_device
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .architectures import LAYER_NORM, LINEAR, LayerMap, ModuleSpec, get_layer_map
+from .config import FeatCalConfig, matches_module_pattern
+from .data import Batch, batch_size_of, prepare_batches
+from .experts import ModelSource, block_on_device, load_model, module_device
+from .hooks import capture_module_inputs, eval_mode, restore_on_failure
+from .report import DriftReport, build_model_card
+from .solver import (
+    anchor,
+    gram_is_singular,
+    solve_layer_norm,
+    solve_linear_bias,
+    solve_linear_weight,
+    solve_scale_only_norm,
+)
+from .statistics import LinearGroupStatistics, LinearTargets, NormStatistics
+from .streams import StreamBatch
+
+logger = logging.getLogger(__name__)
+
+
+class FeatCalWarning(UserWarning):
+    """A module whose solution is set by the ridge rather than by the data."""
+
+
+class FeatCalError(ValueError):
+    """Calibration cannot go on (non-finite features or solutions); the model is left as it was."""
+
+
+@dataclass
+class _BlockPlan:
+    """The selected modules of one block and how their statistics are grouped."""
+
+    stack_index: int
+    block_index: int
+    specs: list[ModuleSpec]
+    pooled: bool  # last block of a pooled-head stack: non-key/value modules down-weight other tokens
+    linear_groups: dict[tuple[str, bool], list[str]] = field(default_factory=dict)  # (source, pooled) → modules
+    norms: list[tuple[str, bool]] = field(default_factory=list)  # (module, pooled)
+
+    @property
+    def capture_sources(self) -> list[str]:
+        sources = {source for source, _ in self.linear_groups} | {name for name, _ in self.norms}
+        return sorted(sources)
+
+
+class FeatCalCalibrator:
+    """Calibrate a merged model towards its experts with FeatCal, in a `Trainer`-like way.
+
+    Args:
+        model: the merged `PreTrainedModel` (calibrated in place by `calibrate()`; left exactly as it
+            was if calibration raises).
+        base_model: the pre-trained model the experts were fine-tuned from (a model, local path or hub
+            id), or None to anchor at the merged weights.
+        experts: task name → expert (model, local path or hub id).
+        calibration_data: task name → `datasets.Dataset` or an iterable of batches (dicts of tensors
+            the model's forward accepts, used as given).
+        config: a `FeatCalConfig` (defaults: the authors' demo settings).
+        data_collator: turns a list of dataset rows into a batch (default: transformers'
+            `default_data_collator`).
+        processing_class: an image processor or tokenizer applied to dataset rows that lack the
+            model's main input.
+        accelerator: an `accelerate.Accelerator` whose device is used.
+        device: an explicit device (overrides `accelerator`). Default: the accelerate state's device.
+        merge_info: how the merged model was made (for the model card); default
+            `model.config.hf_featcal_merge` when present.
+        show_progress: show a progress bar per block.
+
+    All inputs are checked here, before any expensive work; errors name the offending argument.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        base_model: ModelSource | None = None,
+        experts: Mapping[str, ModelSource] | None = None,
+        calibration_data: Mapping[str, Any] | None = None,
+        config: FeatCalConfig | None = None,
+        data_collator: Callable[[list[dict]], Batch] | None = None,
+        processing_class: Any = None,
+        accelerator: Accelerator | None = None,
+        device: str | torch.device | None = None,
+        merge_info: dict[str, Any] | None = None,
+        show_progress: bool = True,
+    ) -> None:
+        if config is None:
+            config = FeatCalConfig()
+        if not isinstance(config, FeatCalConfig):
+            raise TypeError(f"`config` must be a FeatCalConfig, got {type(config).__name__}.")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"`model` must be the merged PreTrainedModel, got {type(model).__name__}.")
+        self.config = config
+        self.model = model
+        self.layer_map: LayerMap = get_layer_map(model, "model")
+        self.device = _resolve_device(accelerator, device)
+        self.show_progress = show_progress
+        self._compute_dtype = getattr(torch, config.compute_dtype)
+
+        tasks = _check_tasks(experts, calibration_data)
+        self.tasks = tasks
+        self._plans = self._plan_blocks()
+
+        # Models: load, then check that every tower matches the merged one.
+        self.expert_sources = {task: experts[task] for task in tasks}
+        self.experts = {task: load_model(experts[task], f"experts[{task!r}]") for task in tasks}
+        self.base_source = base_model
+        self.base_model = None if base_model is None else load_model(base_model, "base_model")
+        for task, expert in self.experts.items():
+            self._check_compatible(expert, f"experts[{task!r}]")
+        if self.base_model is not None:
+            self._check_compatible(self.base_model, "base_model")
+
+        # Data: batches per task, non-empty, accepted by the merged model's input path.
+        self.batches: dict[str, list[Batch]] = {}
+        for task in tasks:
+            batches = prepare_batches(
+                task,
+                calibration_data[task],
+                main_input_name=self.layer_map.main_input_name,
+                num_samples=config.num_samples_per_task,
+                batch_size=config.batch_size,
+                seed=config.seed,
+                data_collator=data_collator,
+                processing_class=processing_class,
+            )
+            if not batches:
+                raise ValueError(f"calibration_data[{task!r}] is empty: FeatCal needs at least one example per task.")
+            self.batches[task] = batches
+        self.samples_per_task = {
+            task: sum(batch_size_of(b, self.layer_map.main_input_name) for b in batches)
+            for task, batches in self.batches.items()
+        }
+        self._check_batches_enter_model()
+
+        self.merge_info = merge_info if merge_info is not None else getattr(getattr(model, "config", None), "hf_featcal_merge", None)
+        self._report: DriftReport | None = None
+        self._calibrated = False
+
+    # ================================================================== public API
+    @property
+    def report(self) -> DriftReport | None:
+        """The drift report of the last `calibrate()` (None before, or with `report_drift=False`)."""
+        return self._report
+
+    def calibrate(self) -> nn.Module:
+        """Run FeatCal and return the calibrated model (the merged model, updated in place)."""
+        if self._calibrated:
+            raise RuntimeError("calibrate() was already run on this calibrator; build a new one to calibrate again.")
+        names = self._parameter_names()
+        with restore_on_failure(self.model, names), eval_mode(self.model, *self._reference_models()), torch.no_grad():
+            self.model.to(self.device)
+            report = self._sweep()
+        self._report = report
+        self._calibrated = True
+        return self.model
+
+    def save_model(self, output_dir: str | os.PathLike) -> None:
+        """Save the calibrated model with its model card, drift report and FeatCal config in one folder
+        (on the main process only)."""
+        if not self._calibrated:
+            raise RuntimeError("save_model() needs a calibrated model: call calibrate() first.")
+        if not PartialState().is_main_process:
+            return
+        output_dir = os.fspath(output_dir)
+        self.model.save_pretrained(output_dir)
+        self.config.save_pretrained(output_dir)
+        if self._report is not None:
+            self._report.save(output_dir)
+        self.create_model_card().save(os.path.join(output_dir, "README.md"))
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        private: bool | None = None,
+        token: str | None = None,
+        commit_message: str = "Upload FeatCal-calibrated merged model",
+    ) -> Any:
+        """Upload the calibrated model, card, drift report and config to the hub in one commit."""
+        from huggingface_hub import HfApi
+
+        if not self._calibrated:
+            raise RuntimeError("push_to_hub() needs a calibrated model: call calibrate() first.")
+        if not PartialState().is_main_process:
+            return None
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_model(folder)
+            return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message)
+
+    def create_model_card(self) -> Any:
+        """The model card (a `huggingface_hub.ModelCard`) describing this calibration."""
+        return build_model_card(
+            model_class=type(self.model).__name__,
+            base_model=_source_name(self.base_source),
+            experts={task: _source_name(src) or "in-memory model" for task, src in self.expert_sources.items()},
+            samples_per_task=self.samples_per_task,
+            featcal_config=self.config.to_dict(),
+            report=self._report,
+            merge_info=self.merge_info,
+        )
+
+    # ================================================================== checks
+    def _check_compatible(self, other: nn.Module, argument: str) -> None:
+        other_map = get_layer_map(other, argument)
+        if type(other_map) is not type(self.layer_map):
+            raise ValueError(
+                f"`{argument}` is a {type(other).__name__} (model_type={other.config.model_type!r}), which does not "
+                f"match the merged {type(self.model).__name__}."
+            )
+        ours, theirs = self.layer_map.compatibility(self.model), other_map.compatibility(other)
+        diff = {k: (ours[k], theirs.get(k)) for k in ours if ours[k] != theirs.get(k)}
+        if diff:
+            detail = ", ".join(f"{k}: merged {a!r} vs {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(f"`{argument}` has a different configuration from the merged model ({detail}).")
+        mine = {k: tuple(v.shape) for k, v in self.layer_map.tower(self.model).state_dict().items()}
+        other_shapes = {k: tuple(v.shape) for k, v in other_map.tower(other).state_dict().items()}
+        missing = sorted(set(mine) - set(other_shapes))
+        if missing:
+            raise ValueError(f"`{argument}` lacks parameters of the merged model's tower: {missing[:5]}.")
+        wrong = [k for k in mine if mine[k] != other_shapes[k]]
+        if wrong:
+            k = wrong[0]
+            raise ValueError(
+                f"`{argument}` has parameter shapes that differ from the merged model: {k} is "
+                f"{other_shapes[k]} vs {mine[k]} (and {len(wrong) - 1} more)."
+            )
+
+    def _check_batches_enter_model(self) -> None:
+        tower = self.layer_map.tower(self.model)
+        device = module_device(tower)
+        with eval_mode(self.model):
+            for task, batches in self.batches.items():
+                probe = {k: v[:1] if isinstance(v, Tensor) and v.dim() > 0 else v for k, v in batches[0].items()}
+                try:
+                    self.layer_map.enter_stack(tower, send_to_device(probe, device), 0, None)
+                except Exception as err:  # noqa: BLE001 - re-raised with the task named
+                    raise ValueError(
+                        f"calibration_data[{task!r}]: the merged model cannot take its batches "
+                        f"(keys {sorted(batches[0])}): {type(err).__name__}: {err}"
+                    ) from err
+
+    def _plan_blocks(self) -> dict[tuple[int, int], _BlockPlan]:
+        cfg, lm = self.config, self.layer_map
+        stacks = lm.stacks(lm.tower(self.model))
+        total_blocks = sum(len(s.blocks) for s in stacks)
+        if cfg.layers_to_transform is not None:
+            bad = [i for i in cfg.layers_to_transform if not -total_blocks <= i < total_blocks]
+            if bad:
+                raise ValueError(
+                    f"FeatCalConfig.layers_to_transform has block indices {bad} outside the model's "
+                    f"{total_blocks} blocks."
+                )
+        plans: dict[tuple[int, int], _BlockPlan] = {}
+        all_names: set[str] = set()
+        selected_any = False
+        flat = 0
+        for si, stack in enumerate(stacks):
+            for bi, block in enumerate(stack.blocks):
+                specs = lm.block_modules(block)
+                all_names.update(s.name for s in specs)
+                chosen = [
+                    s
+                    for s in specs
+                    if cfg.block_selected(flat, total_blocks)
+                    and cfg.module_selected(s.name)
+                    and (s.kind == LINEAR or cfg.calibrate_norms)
+                ]
+                selected_any |= bool(chosen)
+                pooled = stack.pooled_token_index is not None and bi == len(stack.blocks) - 1
+                plans[(si, bi)] = self._group(si, bi, chosen, pooled)
+                flat += 1
+        self._check_patterns(all_names)
+        if not selected_any:
+            raise ValueError(
+                "FeatCalConfig selects no module to calibrate (check target_modules, exclude_modules, "
+                f"layers_to_transform and calibrate_norms); block modules are: {sorted(all_names)}."
+            )
+        return plans
+
+    def _check_patterns(self, names: set[str]) -> None:
+        for argument in ("target_modules", "exclude_modules"):
+            patterns = getattr(self.config, argument)
+            if patterns is None:
+                continue
+            # a regex string is one pattern; a list is checked entry by entry
+            entries = [patterns] if isinstance(patterns, str) else [[p] for p in patterns]
+            for entry in entries:
+                if not any(matches_module_pattern(entry, n) for n in names):
+                    shown = entry if isinstance(entry, str) else entry[0]
+                    raise ValueError(
+                        f"FeatCalConfig.{argument} entry {shown!r} matches no module; block modules are: "
+                        f"{sorted(names)}."
+                    )
+
+    def _group(self, si: int, bi: int, specs: list[ModuleSpec], pooled: bool) -> _BlockPlan:
+        lm = self.layer_map
+        plan = _BlockPlan(si, bi, specs, pooled)
+        selected = {s.name for s in specs}
+        for spec in specs:
+            weighted = pooled and spec.name not in lm.key_value_modules
+            if spec.kind != LINEAR:
+                plan.norms.append((spec.name, weighted))
+                continue
+            group = next((g for g in lm.shared_input_groups if spec.name in g), (spec.name,))
+            source = next(n for n in group if n in selected)
+            plan.linear_groups.setdefault((source, weighted), []).append(spec.name)
+        return plan
+
+    # ================================================================== the sweep
+    def _reference_models(self) -> list[nn.Module]:
+        models = list(self.experts.values())
+        if self.base_model is not None:
+            models.append(self.base_model)
+        return models
+
+    def _parameter_names(self) -> list[str]:
+        names_by_id = {id(p): n for n, p in self.model.named_parameters()}
+        stacks = self.layer_map.stacks(self.layer_map.tower(self.model))
+        names = []
+        for (si, bi), plan in self._plans.items():
+            block = stacks[si].blocks[bi]
+            for spec in plan.specs:
+                for param in block.get_submodule(spec.name).parameters(recurse=False):
+                    names.append(names_by_id[id(param)])
+        return names
+
+    def _enter(self, model: nn.Module, stack_index: int, previous: dict[str, list[StreamBatch]] | None, task: str) -> list[StreamBatch]:
+        tower = self.layer_map.tower(model)
+        source_device = module_device(tower)
+        states = []
+        for b, batch in enumerate(self.batches[task]):
+            prev = None if previous is None else send_to_device(previous[task][b], source_device)
+            state = self.layer_map.enter_stack(tower, send_to_device(batch, source_device), stack_index, prev)
+            states.append(send_to_device(state, self.device))
+        return states
+
+    def _sweep(self) -> DriftReport | None:
+        cfg, lm = self.config, self.layer_map
+        tower = lm.tower(self.model)
+        stacks = lm.stacks(tower)
+        total = sum(len(s.blocks) for s in stacks)
+        report = {task: {"before": [], "after": []} for task in self.tasks} if cfg.report_drift else None
+        progress = tqdm(total=total, desc="FeatCal", disable=not self.show_progress, unit="block")
+        student: dict[str, list[StreamBatch]] | None = None
+        expert: dict[str, list[StreamBatch]] | None = None
+        given: dict[str, list[StreamBatch]] | None = None
+        flat = 0
+        try:
+            for si, stack in enumerate(stacks):
+                progress.set_postfix_str(f"entering {stack.name}")
+                student = {t: self._enter(self.model, si, student, t) for t in self.tasks}
+                expert = {t: self._enter(self.experts[t], si, expert, t) for t in self.tasks}
+                if report is not None:
+                    given = {t: (student[t] if si == 0 else self._enter(self.model, si, given, t)) for t in self.tasks}
+                for bi, block in enumerate(stack.blocks):
+                    flat += 1
+                    plan = self._plans[(si, bi)]
+                    student, expert, given = self._calibrate_block(plan, block, student, expert, given, report, progress, f"{flat}/{total}")
+                    progress.update(1)
+        finally:
+            progress.close()
+        return None if report is None else DriftReport(report)
+
+    def _calibrate_block(
+        self,
+        plan: _BlockPlan,
+        block: nn.Module,
+        student: dict[str, list[StreamBatch]],
+        expert: dict[str, list[StreamBatch]],
+        given: dict[str, list[StreamBatch]] | None,
+        report: dict[str, dict[str, list[float]]] | None,
+        progress: tqdm,
+        position: str,
+    ) -> tuple[dict, dict, dict | None]:
+        cfg, lm = self.config, self.layer_map
+        si, bi = plan.stack_index, plan.block_index
+        stacks_of = lambda model: lm.stacks(lm.tower(model))  # noqa: E731
+        calibrating = bool(plan.specs)
+        linear_stats, norm_stats = self._new_statistics(plan, block) if calibrating else ({}, {})
+        sources = plan.capture_sources
+        new_student, new_expert, new_given = {}, {}, ({} if given is not None else None)
+        for task in self.tasks:
+            progress.set_postfix_str(f"({position}) {'collecting statistics' if calibrating else 'forwarding'} · {task}")
+            expert_block = block_on_device(stacks_of(self.experts[task])[si].blocks[bi], self.device)
+            new_student[task], new_expert[task] = [], []
+            if new_given is not None:
+                new_given[task] = []
+            with eval_mode(expert_block), capture_module_inputs(block, sources) as xs, capture_module_inputs(expert_block, sources) as xe:
+                for b, state in enumerate(student[task]):
+                    out_student = lm.run_block(block, bi, state)
+                    out_expert = lm.run_block(expert_block, bi, expert[task][b])
+                    if calibrating:
+                        self._accumulate(plan, linear_stats, norm_stats, xs, xe, state.weights)
+                    new_expert[task].append(out_expert)
+                    if new_given is not None:
+                        same = given[task][b] is state
+                        new_given[task].append(out_student if same else lm.run_block(block, bi, given[task][b]))
+                    if not calibrating:
+                        new_student[task].append(out_student)
+            if calibrating:
+                self._finish_task(task, expert_block, linear_stats, norm_stats)
+        if calibrating:
+            progress.set_postfix_str(f"({position}) solving")
+            self._solve_and_write(plan, block, linear_stats, norm_stats)
+            progress.set_postfix_str(f"({position}) propagating")
+            for task in self.tasks:
+                new_student[task] = [lm.run_block(block, bi, state) for state in student[task]]
+        if report is not None:
+            for task in self.tasks:
+                report[task]["before"].append(_drift(new_given[task], new_expert[task]))
+                report[task]["after"].append(_drift(new_student[task], new_expert[task]))
+        return new_student, new_expert, new_given
+
+    def _new_statistics(self, plan: _BlockPlan, block: nn.Module) -> tuple[dict, dict]:
+        kw = {"dtype": self._compute_dtype, "device": self.device}
+        linear = {
+            key: LinearGroupStatistics(tuple(names), block.get_submodule(names[0]).in_features, epsilon=self.config.epsilon, **kw)
+            for key, names in plan.linear_groups.items()
+        }
+        norms = {}
+        for name, weighted in plan.norms:
+            module = block.get_submodule(name)
+            kind = next(s.kind for s in plan.specs if s.name == name)
+            norms[(name, weighted)] = NormStatistics(
+                name, module.weight.shape[0], centered=kind == LAYER_NORM, norm_eps=self.layer_map.norm_eps(module), **kw
+            )
+        return linear, norms
+
+    def _accumulate(self, plan: _BlockPlan, linear: dict, norms: dict, xs: dict, xe: dict, weights: Tensor) -> None:
+        alpha = self.config.teacher_alpha
+        pooled_weights = None
+        if plan.pooled:
+            stack_pool = self.layer_map.stacks(self.layer_map.tower(self.model))[plan.stack_index].pooled_token_index
+            factor = torch.full_like(weights, self.config.final_block_token_weight)
+            factor[:, stack_pool] = 1.0
+            pooled_weights = weights * factor
+        for (source, weighted), stats in linear.items():
+            x_s = xs[source]
+            x_t = torch.lerp(x_s.to(self._compute_dtype), xe[source].to(self._compute_dtype), alpha)
+            stats.accumulate(x_s, x_t, pooled_weights if weighted else weights)
+        for (name, weighted), stats in norms.items():
+            stats.accumulate(xs[name], pooled_weights if weighted else weights)
+
+    def _finish_task(self, task: str, expert_block: nn.Module, linear: dict, norms: dict) -> None:
+        for stats in linear.values():
+            targets = {}
+            for name in stats.modules:
+                module = expert_block.get_submodule(name)
+                targets[name] = LinearTargets(module.weight.detach(), None if module.bias is None else module.bias.detach())
+            stats.finish_task(targets)
+        for (name, _), stats in norms.items():
+            module = expert_block.get_submodule(name)
+            stats.finish_task(module.weight.detach(), getattr(module, "bias", None))
+
+    def _solve_and_write(self, plan: _BlockPlan, block: nn.Module, linear: dict, norms: dict) -> None:
+        cfg = self.config
+        lam, eps, rho = cfg.lambda_ratio, cfg.epsilon, cfg.anchor_rho
+        where = f"block {plan.block_index} of {self.layer_map.stacks(self.layer_map.tower(self.model))[plan.stack_index].name}"
+        base_block = None
+        if self.base_model is not None:
+            base_block = self.layer_map.stacks(self.layer_map.tower(self.base_model))[plan.stack_index].blocks[plan.block_index]
+
+        def anchor_of(name: str, attr: str) -> Tensor:
+            merged = getattr(block.get_submodule(name), attr).detach().to(self._compute_dtype)
+            base = None
+            if base_block is not None:
+                base = getattr(base_block.get_submodule(name), attr).detach().to(device=merged.device, dtype=self._compute_dtype)
+            return anchor(merged, base, rho)
+
+        updates: dict[str, dict[str, Tensor]] = {}
+        for stats in linear.values():
+            names = list(stats.modules)
+            _check_finite(stats.gram_sum, f"features entering {where}, module {', '.join(names)}")
+            if stats.weighted_tokens < stats.dim:
+                warnings.warn(
+                    f"{where}, modules {names}: {stats.weighted_tokens} weighted tokens for input dimension "
+                    f"{stats.dim}; the solution there is set by the ridge.",
+                    FeatCalWarning,
+                    stacklevel=4,
+                )
+            elif gram_is_singular(stats.gram_sum):
+                warnings.warn(
+                    f"{where}, modules {names}: the input Gram is numerically singular; the solution in its "
+                    "null directions is set by the ridge.",
+                    FeatCalWarning,
+                    stacklevel=4,
+                )
+            for name in names:
+                module = block.get_submodule(name)
+                weight, info = solve_linear_weight(stats.gram_sum, stats.rhs_sum[name], anchor_of(name, "weight"), lam, eps)
+                if info.method != "cholesky":
+                    logger.info("%s %s: solved by %s (damping %.3g)", where, name, info.method, info.damping)
+                update = {"weight": weight}
+                if module.bias is not None and cfg.calibrate_bias:
+                    update["bias"] = solve_linear_bias(
+                        weight, stats.bias_target_sum[name], stats.student_mean_sum, stats.scale_sum, anchor_of(name, "bias"), lam
+                    )
+                updates[name] = update
+        for (name, _), stats in norms.items():
+            module = block.get_submodule(name)
+            _check_finite(stats.second_moment_sum, f"features entering {where}, module {name}")
+            has_bias = getattr(module, "bias", None) is not None
+            if stats.centered and has_bias:
+                gamma, beta = solve_layer_norm(
+                    stats.second_moment_sum, stats.mean_sum, stats.gamma_target_sum, stats.beta_target_sum,
+                    stats.num_tasks, anchor_of(name, "weight"), anchor_of(name, "bias"), lam, eps,
+                )
+                updates[name] = {"weight": gamma, "bias": beta}
+            else:
+                updates[name] = {
+                    "weight": solve_scale_only_norm(stats.second_moment_sum, stats.gamma_target_sum, anchor_of(name, "weight"), lam, eps)
+                }
+        for name, update in updates.items():
+            for attr, value in update.items():
+                _check_finite(value, f"solution for {where}, module {name}.{attr}")
+        for name, update in updates.items():
+            module = block.get_submodule(name)
+            for attr, value in update.items():
+                param = getattr(module, attr)
+                param.data.copy_(value.to(device=param.device, dtype=param.dtype))
+
+
+# ====================================================================== helpers
+def _resolve_device(accelerator: Accelerator | None, device: str | torch.device | None) -> torch.device:
+    if device is not None:
+        try:
+            return torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"`device` must name a torch device, got {device!r}: {err}") from None
+    if accelerator is not None:
+        if not isinstance(accelerator, Accelerator):
+            raise TypeError(f"`accelerator` must be an accelerate.Accelerator, got {type(accelerator).__name__}.")
+        return accelerator.device
+    return PartialState().device
+
+
+def _check_tasks(experts: Any, calibration_data: Any) -> list[str]:
+    if not isinstance(experts, Mapping) or not experts:
+        raise ValueError("`experts` must be a non-empty mapping task name → expert model, local path or hub id.")
+    if not isinstance(calibration_data, Mapping) or not calibration_data:
+        raise ValueError("`calibration_data` must be a non-empty mapping task name → Dataset or iterable of batches.")
+    no_data = [t for t in experts if t not in calibration_data]
+    no_expert = [t for t in calibration_data if t not in experts]
+    if no_data:
+        raise ValueError(f"tasks {no_data} have an expert in `experts` but no entry in `calibration_data`.")
+    if no_expert:
+        raise ValueError(f"tasks {no_expert} have data in `calibration_data` but no expert in `experts`.")
+    return list(experts)
+
+
+def _check_finite(value: Tensor, what: str) -> None:
+    if not bool(torch.isfinite(value).all()):
+        raise FeatCalError(f"non-finite values in the {what}; the model was left unchanged.")
+
+
+def _drift(merged: list[StreamBatch], expert: list[StreamBatch]) -> float:
+    """Σ‖h_merged − h_expert‖₂ / N over the non-padding positions of all batches."""
+    total, count = None, None
+    for m, e in zip(merged, expert):
+        mask = (m.weights > 0).to(torch.float64)
+        dist = (m.hidden.double() - e.hidden.double()).norm(dim=-1)
+        part, n = (dist * mask).sum(), mask.sum()
+        total = part if total is None else total + part
+        count = n if count is None else count + n
+    return float(total / count)
+
+
+def _source_name(source: Any) -> str | None:
+    if source is None:
+        return None
+    if isinstance(source, (str, os.PathLike)):
+        return os.fspath(source)
+    name = getattr(getattr(source, "config", None), "_name_or_path", "") or getattr(source, "name_or_path", "")
+    return name or None

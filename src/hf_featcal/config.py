@@ -1,0 +1,206 @@
+"""`FeatCalConfig`: every setting of a FeatCal run, in the style of PEFT's configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+CONFIG_NAME = "featcal_config.json"
+
+
+@dataclass
+class FeatCalConfig:
+    """Settings of a FeatCal calibration.
+
+    Defaults follow the authors' released demo (the published reference numbers); the paper text's
+    values are noted in each field's help. Validated on construction; saved and loaded as JSON with
+    `save_pretrained` / `from_pretrained`.
+    """
+
+    lambda_ratio: float = field(
+        default=0.05,
+        metadata={"help": "Ridge strength λ pulling every solved parameter towards the anchor (≥ 0)."},
+    )
+    anchor_rho: float = field(
+        default=2.2,
+        metadata={
+            "help": "Anchor A = base + ρ·(merged − base). 1 anchors at the merged weights. "
+            "Demo 2.2, paper text 2.0. Without a base model the anchor is the merged weights."
+        },
+    )
+    teacher_alpha: float = field(
+        default=0.25,
+        metadata={
+            "help": "Teacher input x_t = α·x_expert + (1−α)·x_student, in [0, 1]. Demo 0.25, paper text 0.3."
+        },
+    )
+    final_block_token_weight: float = field(
+        default=0.01,
+        metadata={
+            "help": "For pooled-head models (CLIP vision), weight of the non-pooled tokens in the last block "
+            "for every module except key/value projections, in [0, 1]."
+        },
+    )
+    epsilon: float = field(
+        default=1e-8,
+        metadata={"help": "Floor on norms and determinants, and added to the Gram diagonal (> 0)."},
+    )
+    num_samples_per_task: int | None = field(
+        default=256,
+        metadata={"help": "Calibration examples used per task (None: all that are given)."},
+    )
+    batch_size: int = field(
+        default=16,
+        metadata={"help": "Batch size when calibration data is a `datasets.Dataset` (iterables are used as given)."},
+    )
+    calibrate_bias: bool = field(default=True, metadata={"help": "Solve Linear biases (else keep the merged ones)."})
+    calibrate_norms: bool = field(
+        default=True, metadata={"help": "Solve normalisation layers' affine parameters (else keep the merged ones)."}
+    )
+    seed: int = field(default=42, metadata={"help": "Seed for shuffling `datasets.Dataset` calibration data."})
+    target_modules: list[str] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Modules to calibrate, named relative to a block (e.g. 'mlp.fc2'). A list matches exact "
+            "names or name suffixes after a '.', a string is a regex that must match the whole name "
+            "(as in PEFT). None: every Linear and norm of every block."
+        },
+    )
+    exclude_modules: list[str] | str | None = field(
+        default=None,
+        metadata={"help": "Modules to leave at their merged values; same matching rules as `target_modules`."},
+    )
+    layers_to_transform: list[int] | int | None = field(
+        default=None,
+        metadata={
+            "help": "Indices of the blocks to calibrate (an int or a list; negative indices count from the end). "
+            "None: every block. Other blocks keep their merged values but still carry the feature streams."
+        },
+    )
+    report_drift: bool = field(
+        default=True,
+        metadata={"help": "Measure the per-block feature drift before and after calibration (one extra merged forward per block)."},
+    )
+    compute_dtype: str = field(
+        default="float32",
+        metadata={"help": "dtype of the accumulated statistics and of the solves: 'float32' or 'float64'."},
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_modules, tuple):
+            self.target_modules = list(self.target_modules)
+        if isinstance(self.exclude_modules, tuple):
+            self.exclude_modules = list(self.exclude_modules)
+        if isinstance(self.layers_to_transform, (tuple, range)):
+            self.layers_to_transform = list(self.layers_to_transform)
+        self._validate()
+
+    def _validate(self) -> None:
+        def real(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"FeatCalConfig.{name} must be a finite real number, got {value!r}.")
+            return float(value)
+
+        if real("lambda_ratio") < 0:
+            raise ValueError(f"FeatCalConfig.lambda_ratio must be ≥ 0, got {self.lambda_ratio!r}.")
+        real("anchor_rho")
+        for name in ("teacher_alpha", "final_block_token_weight"):
+            if not 0.0 <= real(name) <= 1.0:
+                raise ValueError(f"FeatCalConfig.{name} must be in [0, 1], got {getattr(self, name)!r}.")
+        if real("epsilon") <= 0:
+            raise ValueError(f"FeatCalConfig.epsilon must be > 0, got {self.epsilon!r}.")
+        if self.num_samples_per_task is not None and (
+            isinstance(self.num_samples_per_task, bool)
+            or not isinstance(self.num_samples_per_task, int)
+            or self.num_samples_per_task < 1
+        ):
+            raise ValueError(
+                f"FeatCalConfig.num_samples_per_task must be a positive integer or None, got {self.num_samples_per_task!r}."
+            )
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"FeatCalConfig.batch_size must be a positive integer, got {self.batch_size!r}.")
+        for name in ("calibrate_bias", "calibrate_norms", "report_drift"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"FeatCalConfig.{name} must be a bool, got {getattr(self, name)!r}.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"FeatCalConfig.seed must be an integer, got {self.seed!r}.")
+        for name in ("target_modules", "exclude_modules"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, str):
+                try:
+                    re.compile(value)
+                except re.error as err:
+                    raise ValueError(f"FeatCalConfig.{name} is not a valid regular expression: {err}.") from None
+            elif not (isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)):
+                raise ValueError(
+                    f"FeatCalConfig.{name} must be None, a regex string or a non-empty list of module names, got {value!r}."
+                )
+        layers = self.layers_to_transform
+        if isinstance(layers, int) and not isinstance(layers, bool):
+            self.layers_to_transform = layers = [layers]
+        if layers is not None and not (
+            isinstance(layers, list)
+            and layers
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+        ):
+            raise ValueError(
+                f"FeatCalConfig.layers_to_transform must be None, an int or a non-empty list of ints, got {layers!r}."
+            )
+        if self.compute_dtype not in ("float32", "float64"):
+            raise ValueError(f"FeatCalConfig.compute_dtype must be 'float32' or 'float64', got {self.compute_dtype!r}.")
+
+    # ------------------------------------------------------------------ selection
+    def module_selected(self, name: str) -> bool:
+        """Whether the block-relative module `name` passes `target_modules` / `exclude_modules`."""
+        if self.target_modules is not None and not matches_module_pattern(self.target_modules, name):
+            return False
+        return not (self.exclude_modules is not None and matches_module_pattern(self.exclude_modules, name))
+
+    def block_selected(self, index: int, num_blocks: int) -> bool:
+        """Whether block `index` (of `num_blocks`) is calibrated."""
+        if self.layers_to_transform is None:
+            return True
+        return any(i % num_blocks == index for i in self.layers_to_transform if -num_blocks <= i < num_blocks)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> str:
+        """Write the config as `featcal_config.json` into `save_directory`; returns the file path."""
+        os.makedirs(save_directory, exist_ok=True)
+        path = os.path.join(save_directory, CONFIG_NAME)
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(self.to_dict(), handle, indent=2, sort_keys=True)
+            handle.write("\n")
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "FeatCalConfig":
+        """Load a config from a folder holding `featcal_config.json`, or from that file itself."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, CONFIG_NAME)
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown FeatCalConfig fields {unknown}.")
+        return cls(**data)
+
+
+def matches_module_pattern(patterns: list[str] | str, name: str) -> bool:
+    """PEFT's rule: a string is a regex matching the whole name; a list matches a name or a '.'-suffix."""
+    if isinstance(patterns, str):
+        return re.fullmatch(patterns, name) is not None
+    return any(name == p or name.endswith("." + p) for p in patterns)

@@ -1,0 +1,137 @@
+"""Calibration data: turn a `datasets.Dataset` or an iterable of batches into a list of batches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import default_data_collator
+
+try:  # `datasets` is a dependency, but keep the import local to what needs it
+    from datasets import Dataset
+except ImportError:  # pragma: no cover
+    Dataset = None  # type: ignore[assignment,misc]
+
+Batch = dict[str, Any]
+
+_IMAGE_COLUMNS = ("image", "img", "images")
+_TEXT_COLUMNS = ("text", "sentence", "input_text")
+
+
+def batch_size_of(batch: Mapping[str, Any], main_input_name: str) -> int:
+    """Number of examples in a batch: the leading dimension of its main input."""
+    value = batch.get(main_input_name)
+    if not isinstance(value, Tensor) or value.dim() == 0:
+        raise ValueError(f"the batch has no tensor '{main_input_name}' (keys: {sorted(batch)})")
+    return int(value.shape[0])
+
+
+def cut_batch(batch: Mapping[str, Any], size: int, keep: int) -> Batch:
+    """The first `keep` examples of a batch of `size` (tensors with that leading dimension are cut)."""
+    return {k: (v[:keep] if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == size else v) for k, v in batch.items()}
+
+
+def prepare_batches(
+    task: str,
+    data: Any,
+    *,
+    main_input_name: str,
+    num_samples: int | None,
+    batch_size: int,
+    seed: int,
+    data_collator: Callable[[list[dict]], Batch] | None = None,
+    processing_class: Any = None,
+) -> list[Batch]:
+    """The calibration batches of one task.
+
+    An iterable is used as given (each item one batch, examples taken in order, the last batch cut so
+    that at most `num_samples` are used). A `datasets.Dataset` is shuffled with `seed`, cut to
+    `num_samples` and batched by `batch_size` through `data_collator` and/or `processing_class`.
+    """
+    if Dataset is not None and isinstance(data, Dataset):
+        return _batches_from_dataset(task, data, main_input_name, num_samples, batch_size, seed, data_collator, processing_class)
+    if isinstance(data, (str, bytes, Mapping)) or not isinstance(data, Iterable):
+        raise TypeError(
+            f"calibration_data[{task!r}] must be a datasets.Dataset or an iterable of batches "
+            f"(dicts of tensors), got {type(data).__name__}."
+        )
+    batches: list[Batch] = []
+    used = 0
+    for index, batch in enumerate(data):
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                f"calibration_data[{task!r}] item {index} must be a batch: a dict of tensors such as "
+                f"{{'{main_input_name}': tensor}}, got {type(batch).__name__}."
+            )
+        try:
+            size = batch_size_of(batch, main_input_name)
+        except ValueError as err:
+            raise ValueError(f"calibration_data[{task!r}] item {index}: {err}") from None
+        if size == 0:
+            continue
+        if num_samples is not None and used + size > num_samples:
+            batches.append(cut_batch(batch, size, num_samples - used))
+            used = num_samples
+            break
+        batches.append(dict(batch))
+        used += size
+        if num_samples is not None and used >= num_samples:
+            break
+    return batches
+
+
+def _batches_from_dataset(
+    task: str,
+    dataset: Any,
+    main_input_name: str,
+    num_samples: int | None,
+    batch_size: int,
+    seed: int,
+    data_collator: Callable | None,
+    processing_class: Any,
+) -> list[Batch]:
+    if len(dataset) == 0:
+        return []
+    dataset = dataset.shuffle(seed=seed)
+    if num_samples is not None and num_samples < len(dataset):
+        dataset = dataset.select(range(num_samples))
+    batches = []
+    for start in range(0, len(dataset), batch_size):
+        rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
+        batches.append(collate(task, rows, main_input_name, data_collator, processing_class))
+    return batches
+
+
+def collate(
+    task: str,
+    rows: list[dict],
+    main_input_name: str,
+    data_collator: Callable | None,
+    processing_class: Any,
+) -> Batch:
+    """Turn dataset rows into a batch: the processor first (images or text), then the collator."""
+    if processing_class is not None and main_input_name not in rows[0]:
+        rows = _process(task, rows, processing_class)
+    collator = data_collator or default_data_collator
+    batch = collator(rows)
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"the data collator returned {type(batch).__name__} for task {task!r}; expected a dict")
+    return {k: (torch.as_tensor(v) if isinstance(v, list) else v) for k, v in dict(batch).items()}
+
+
+def _process(task: str, rows: list[dict], processing_class: Any) -> list[dict]:
+    image_column = next((c for c in _IMAGE_COLUMNS if c in rows[0]), None)
+    text_column = next((c for c in _TEXT_COLUMNS if c in rows[0]), None)
+    if image_column is not None and hasattr(processing_class, "preprocess"):
+        out = processing_class(images=[r[image_column] for r in rows], return_tensors="pt")
+    elif text_column is not None:
+        out = processing_class([r[text_column] for r in rows], return_tensors="pt", padding=True)
+    else:
+        raise ValueError(
+            f"calibration_data[{task!r}]: the processing_class needs an image column {_IMAGE_COLUMNS} or a "
+            f"text column {_TEXT_COLUMNS}; the dataset has {sorted(rows[0])}."
+        )
+    keys = list(out.keys())
+    return [{k: out[k][i] for k in keys} for i in range(len(rows))]

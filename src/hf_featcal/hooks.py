@@ -1,0 +1,71 @@
+"""Context managers owning every hook and temporary change FeatCal makes to a model."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from .streams import module_input
+
+
+@contextlib.contextmanager
+def capture_module_inputs(block: nn.Module, names: Iterable[str]) -> Iterator[dict[str, Tensor]]:
+    """While active, every call of the named submodules of `block` stores its input tensor
+    (the last call wins) in the yielded dict. Hooks are removed on exit, also on error."""
+    store: dict[str, Tensor] = {}
+    handles = []
+    try:
+        for name in names:
+            module = block.get_submodule(name)
+
+            def hook(mod: nn.Module, args: tuple, kwargs: dict, _name: str = name) -> None:
+                store[_name] = module_input(args, kwargs)
+
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        yield store
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def eval_mode(*modules: nn.Module) -> Iterator[None]:
+    """Put modules in eval mode (no dropout) and restore each submodule's training flag on exit."""
+    flags = [(m, m.training) for module in modules for m in module.modules()]
+    try:
+        for module in modules:
+            module.eval()
+        yield
+    finally:
+        for module, training in flags:
+            module.training = training
+
+
+@contextlib.contextmanager
+def restore_on_failure(model: nn.Module, parameter_names: Iterable[str]) -> Iterator[None]:
+    """If the body raises, put `model` back exactly as it was: the named parameters' values (kept as
+    a CPU copy while the body runs) and the device and dtype of every parameter and buffer."""
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    placement = {name: (t.device, t.dtype) for name, t in tensors.items()}
+    snapshot = {name: tensors[name].detach().to("cpu", copy=True) for name in parameter_names}
+    try:
+        yield
+    except BaseException:
+        with torch.no_grad():
+            for name, module_tensor in _named_tensors(model):
+                device, dtype = placement[name]
+                if module_tensor.device != device or module_tensor.dtype != dtype:
+                    module_tensor.data = module_tensor.data.to(device=device, dtype=dtype)
+            current = dict(model.named_parameters())
+            for name, value in snapshot.items():
+                current[name].data.copy_(value)
+        raise
+
+
+def _named_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    yield from model.named_parameters()
+    yield from model.named_buffers()

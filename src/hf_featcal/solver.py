@@ -1,0 +1,151 @@
+"""FeatCal's closed forms. Pure tensor functions: no model knowledge, no hooks, no I/O.
+
+Notation follows `featcal-method.md`: for task i, C_i = E_w[x_s x_sᵀ], X_i = E_w[x_s x_tᵀ],
+μ_s,i = E_w[x_s], μ_t,i = E_w[x_t], s_i = 1 / max(‖C_i‖_F, ε); A is the anchor; λ the ridge.
+Callers pass the task-summed quantities; every function returns new tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def task_scale(gram: Tensor, epsilon: float) -> float:
+    """s_i = 1 / max(‖C_i‖_F, ε): puts tasks with different feature scales on an equal footing."""
+    return 1.0 / max(float(torch.linalg.matrix_norm(gram, ord="fro")), epsilon)
+
+
+def anchor(merged: Tensor, base: Tensor | None, rho: float) -> Tensor:
+    """A = base + ρ·(merged − base); the merged tensor itself when there is no base."""
+    if base is None:
+        return merged.clone()
+    return base + rho * (merged - base)
+
+
+@dataclass
+class SolveInfo:
+    """How a symmetric system was solved (for logging and warnings)."""
+
+    method: str  # "cholesky", "cholesky+damping" or "lstsq"
+    damping: float = 0.0
+
+
+def symmetric_solve(lhs: Tensor, rhs: Tensor, max_tries: int = 8) -> tuple[Tensor, SolveInfo]:
+    """Solve `lhs @ X = rhs` for a symmetric positive (semi-)definite `lhs`.
+
+    Cholesky first; if the factorisation fails, add a growing multiple of the mean diagonal and retry;
+    as a last resort a least-squares solve. Never returns non-finite values without saying so: the
+    caller checks the result.
+    """
+    factor, info = torch.linalg.cholesky_ex(lhs)
+    if int(info) == 0:
+        return torch.cholesky_solve(rhs, factor), SolveInfo("cholesky")
+    scale = float(lhs.diagonal().abs().mean()) or 1.0
+    eye = torch.eye(lhs.shape[0], dtype=lhs.dtype, device=lhs.device)
+    damping = scale * torch.finfo(lhs.dtype).eps * lhs.shape[0]
+    for _ in range(max_tries):
+        factor, info = torch.linalg.cholesky_ex(lhs + damping * eye)
+        if int(info) == 0:
+            return torch.cholesky_solve(rhs, factor), SolveInfo("cholesky+damping", damping)
+        damping *= 10.0
+    solution = torch.linalg.lstsq(lhs.cpu().double(), rhs.cpu().double()).solution
+    return solution.to(dtype=lhs.dtype, device=lhs.device), SolveInfo("lstsq")
+
+
+def solve_linear_weight(
+    gram_sum: Tensor,
+    rhs_sum: Tensor,
+    anchor_weight: Tensor,
+    lambda_ratio: float,
+    epsilon: float,
+) -> tuple[Tensor, SolveInfo]:
+    """Weight of a Linear (out×in) from (Σ s_i C_i + (λ+ε) I) Wᵀ = Σ s_i X_i W_iᵀ + λ A_Wᵀ.
+
+    `gram_sum` is Σ s_i C_i (in×in), `rhs_sum` is Σ s_i X_i W_iᵀ (in×out).
+    """
+    lhs = gram_sum.clone()
+    lhs.diagonal().add_(lambda_ratio + epsilon)
+    rhs = rhs_sum + lambda_ratio * anchor_weight.T.to(rhs_sum.dtype)
+    weight_t, info = symmetric_solve(lhs, rhs)
+    return weight_t.T.contiguous(), info
+
+
+def solve_linear_bias(
+    weight: Tensor,
+    target_sum: Tensor,
+    student_mean_sum: Tensor,
+    scale_sum: float,
+    anchor_bias: Tensor,
+    lambda_ratio: float,
+) -> Tensor:
+    """Bias of a Linear given its new weight W.
+
+    b = [Σ s_i (b_i + W_i μ_t,i − W μ_s,i) + λ A_b] / (Σ s_i + λ), with `target_sum` = Σ s_i (b_i + W_i μ_t,i)
+    and `student_mean_sum` = Σ s_i μ_s,i.
+    """
+    numerator = target_sum - weight.to(target_sum.dtype) @ student_mean_sum + lambda_ratio * anchor_bias.to(target_sum.dtype)
+    return numerator / (scale_sum + lambda_ratio)
+
+
+def solve_layer_norm(
+    second_moment_sum: Tensor,
+    mean_sum: Tensor,
+    gamma_target_sum: Tensor,
+    beta_target_sum: Tensor,
+    num_tasks: int,
+    anchor_gamma: Tensor,
+    anchor_beta: Tensor,
+    lambda_ratio: float,
+    epsilon: float,
+) -> tuple[Tensor, Tensor]:
+    """LayerNorm affine (γ, β) per channel from the 2×2 system of the method.
+
+    Inputs are task sums of e_i = E_w[z²], m_i = E_w[z], Σ(e_i γ_i + m_i β_i) and Σ(m_i γ_i + β_i).
+    The determinant is clamped to at least ε.
+    """
+    a11 = second_moment_sum + lambda_ratio
+    a12 = mean_sum
+    a22 = num_tasks + lambda_ratio
+    r1 = gamma_target_sum + lambda_ratio * anchor_gamma.to(gamma_target_sum.dtype)
+    r2 = beta_target_sum + lambda_ratio * anchor_beta.to(beta_target_sum.dtype)
+    det = (a11 * a22 - a12 * a12).clamp_min(epsilon)
+    gamma = (a22 * r1 - a12 * r2) / det
+    beta = (a11 * r2 - a12 * r1) / det
+    return gamma, beta
+
+
+def solve_scale_only_norm(
+    second_moment_sum: Tensor,
+    gamma_target_sum: Tensor,
+    anchor_gamma: Tensor,
+    lambda_ratio: float,
+    epsilon: float,
+) -> Tensor:
+    """Scale of an RMS norm (or a bias-free LayerNorm): γ = (Σ e_i γ_i + λ A_γ) / (Σ e_i + λ).
+
+    The denominator is floored at ε so a dead channel with λ = 0 cannot divide by zero.
+    """
+    numerator = gamma_target_sum + lambda_ratio * anchor_gamma.to(gamma_target_sum.dtype)
+    return numerator / (second_moment_sum + lambda_ratio).clamp_min(epsilon)
+
+
+def gram_is_singular(gram: Tensor, rtol: float = 1e-5) -> bool:
+    """Cheap test for a numerically singular PSD Gram: a Cholesky pivot of `gram + δI` that is tiny.
+
+    With δ well below `rtol`·max(diag), a null direction leaves a pivot of order δ; a well-conditioned
+    Gram keeps every pivot of order its eigenvalues.
+    """
+    diag_max = float(gram.diagonal().max())
+    if diag_max <= 0.0:
+        return True
+    if float(gram.diagonal().min()) <= rtol * diag_max:
+        return True  # a dead (or nearly dead) input dimension
+    work = gram.double() if gram.dtype != torch.float64 else gram
+    delta = 1e-3 * rtol * diag_max
+    factor, info = torch.linalg.cholesky_ex(work + delta * torch.eye(work.shape[0], dtype=work.dtype, device=work.device))
+    if int(info) != 0:
+        return True
+    return float(factor.diagonal().square().min()) <= rtol * diag_max

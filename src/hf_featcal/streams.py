@@ -1,0 +1,67 @@
+"""Feature streams: capture a stream's input to a block, and the per-batch state carried between blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class StreamBatch:
+    """One batch of one stream between blocks.
+
+    `hidden` is the hidden state entering the next block; `args` / `kwargs` are the other inputs the
+    stream's own model passes to its blocks (masks, position biases, ...); `weights` (B, N) are the
+    per-token weights of `hidden`'s positions (0 for padding). `extras` is free for layer maps.
+    """
+
+    hidden: Tensor
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    weights: Tensor | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def with_hidden(self, hidden: Tensor) -> "StreamBatch":
+        return replace(self, hidden=hidden)
+
+
+class _StopForward(Exception):
+    """Raised by a capture hook to end a forward pass once the wanted inputs are stored."""
+
+
+def capture_first_block_inputs(run_forward: Callable[[], Any], block: nn.Module) -> tuple[tuple, dict]:
+    """Run `run_forward()` until `block` is called; return the positional and keyword inputs it got.
+
+    The forward is cut short right there (nothing after the block's input runs).
+    """
+    captured: dict[str, Any] = {}
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        captured["args"], captured["kwargs"] = args, dict(kwargs)
+        raise _StopForward
+
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            run_forward()
+    except _StopForward:
+        pass
+    finally:
+        handle.remove()
+    if "args" not in captured:
+        raise RuntimeError(f"the forward pass never reached {type(block).__name__}")
+    return captured["args"], captured["kwargs"]
+
+
+def module_input(args: tuple, kwargs: dict) -> Tensor:
+    """The hidden-state input of a module call: its first positional argument or `hidden_states`/`input`."""
+    if args:
+        return args[0]
+    for key in ("hidden_states", "input", "x"):
+        if key in kwargs:
+            return kwargs[key]
+    raise ValueError("cannot find the input tensor of a module call")

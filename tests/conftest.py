@@ -1,0 +1,97 @@
+"""Shared fixtures: tiny random-init CLIP models built from configs (no hub access)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+# Tests never reach the hub: fail fast instead of waiting on the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest
+import torch
+from transformers import CLIPConfig, CLIPModel, CLIPVisionConfig, CLIPVisionModel
+
+# Tiny models: one thread avoids oversubscription on small matmuls (and CI machines are 2-core).
+torch.set_num_threads(1)
+
+
+def tiny_vision_config(**overrides) -> CLIPVisionConfig:
+    values = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=8,
+        patch_size=4,
+        num_channels=3,
+    )
+    values.update(overrides)
+    return CLIPVisionConfig(**values)
+
+
+def tiny_clip_config(**vision_overrides) -> CLIPConfig:
+    text = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64,
+                bos_token_id=0, eos_token_id=1, pad_token_id=1, max_position_embeddings=16)
+    return CLIPConfig(vision_config=tiny_vision_config(**vision_overrides).to_dict(), text_config=text, projection_dim=8)
+
+
+def randomise_norms(model: torch.nn.Module, generator: torch.Generator, scale: float = 0.2) -> None:
+    """Give every LayerNorm a non-trivial affine (random init has γ=1, β=0, which makes the Linears
+    after it see a singular Gram)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.add_(scale * torch.randn(module.weight.shape, generator=generator))
+                module.bias.add_(scale * torch.randn(module.bias.shape, generator=generator))
+
+
+def perturbed(model: torch.nn.Module, generator: torch.Generator, scale: float) -> torch.nn.Module:
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=generator))
+    return out
+
+
+def task_arithmetic(base: torch.nn.Module, experts: dict, scaling: float = 0.3) -> torch.nn.Module:
+    merged = copy.deepcopy(base)
+    base_sd = base.state_dict()
+    with torch.no_grad():
+        for name, value in merged.state_dict().items():
+            if value.is_floating_point():
+                value.copy_(base_sd[name] + scaling * sum(e.state_dict()[name] - base_sd[name] for e in experts.values()))
+    return merged
+
+
+def pixel_batches(generator: torch.Generator, sizes: list[int], image_size: int = 8) -> list[dict]:
+    return [{"pixel_values": torch.randn(n, 3, image_size, image_size, generator=generator)} for n in sizes]
+
+
+@pytest.fixture
+def generator() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+@pytest.fixture
+def clip_setting(generator):
+    """A base CLIPVisionModel, two experts, their task-arithmetic merge and calibration batches."""
+    base = CLIPVisionModel(tiny_vision_config()).eval()
+    randomise_norms(base, generator)
+    experts = {t: perturbed(base, generator, 0.05).eval() for t in ("cars", "dtd")}
+    merged = task_arithmetic(base, experts)
+    data = {t: pixel_batches(generator, [5, 5, 3]) for t in experts}
+    return base, experts, merged, data
+
+
+__all__ = [
+    "CLIPModel",
+    "CLIPVisionModel",
+    "perturbed",
+    "pixel_batches",
+    "randomise_norms",
+    "task_arithmetic",
+    "tiny_clip_config",
+    "tiny_vision_config",
+]

@@ -1,0 +1,182 @@
+"""End-to-end checks on tiny CLIP vision models against independent computations."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import CLIPModel, CLIPVisionModel, CLIPVisionModelWithProjection
+
+from conftest import perturbed, pixel_batches, randomise_norms, tiny_clip_config, tiny_vision_config
+from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalWarning
+
+
+def _hidden_states(model, pixels):
+    with torch.no_grad():
+        return model(pixel_values=pixels, output_hidden_states=True).hidden_states
+
+
+def _independent_drift(merged, expert, batches):
+    """Σ‖h_m − h_e‖ / N at every block output, from each full model's own forward."""
+    num_blocks = merged.config.num_hidden_layers
+    sums, count = torch.zeros(num_blocks, dtype=torch.float64), 0
+    for batch in batches:
+        hm = _hidden_states(merged, batch["pixel_values"])
+        he = _hidden_states(expert, batch["pixel_values"])
+        for layer in range(num_blocks):
+            sums[layer] += (hm[layer + 1].double() - he[layer + 1].double()).norm(dim=-1).sum()
+        count += hm[0].shape[0] * hm[0].shape[1]
+    return (sums / count).tolist()
+
+
+def test_exact_recovery_when_only_fc2_differs(generator):
+    expert = CLIPVisionModel(tiny_vision_config()).eval()
+    randomise_norms(expert, generator)
+    merged = copy.deepcopy(expert)
+    with torch.no_grad():
+        for layer in merged.encoder.layers:
+            layer.mlp.fc2.weight.add_(0.3 * torch.randn(layer.mlp.fc2.weight.shape, generator=generator))
+            layer.mlp.fc2.bias.add_(0.3 * torch.randn(layer.mlp.fc2.bias.shape, generator=generator))
+    # 40 examples × 5 tokens = 200 tokens per module ≥ the largest input dimension (32)
+    data = {"task": pixel_batches(generator, [16, 16, 8])}
+    config = FeatCalConfig(teacher_alpha=1.0, lambda_ratio=0.0)
+    probe = torch.randn(6, 3, 8, 8, generator=generator)
+    with torch.no_grad():
+        assert (merged(pixel_values=probe).last_hidden_state - expert(pixel_values=probe).last_hidden_state).abs().max() > 0.1
+    FeatCalCalibrator(merged, None, {"task": expert}, data, config, show_progress=False).calibrate()
+    with torch.no_grad():
+        got, want = merged(pixel_values=probe).last_hidden_state, expert(pixel_values=probe).last_hidden_state
+    assert float((got - want).norm() / want.norm()) <= 1e-4
+    for ml, el in zip(merged.encoder.layers, expert.encoder.layers):
+        torch.testing.assert_close(ml.mlp.fc2.weight, el.mlp.fc2.weight, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ml.mlp.fc2.bias, el.mlp.fc2.bias, rtol=1e-4, atol=1e-4)
+        # every other module sees the expert's inputs, so it keeps the expert's values (norms exactly;
+        # Linears up to float32 round-off of their Gram: compare W·x on real inputs)
+        torch.testing.assert_close(ml.layer_norm1.weight, el.layer_norm1.weight, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ml.layer_norm2.bias, el.layer_norm2.bias, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        states = expert(pixel_values=probe, output_hidden_states=True).hidden_states
+        for i, (ml, el) in enumerate(zip(merged.encoder.layers, expert.encoder.layers)):
+            x = el.layer_norm1(states[i])
+            for name in ("q_proj", "k_proj", "v_proj"):
+                want = getattr(el.self_attn, name)(x)
+                got = getattr(ml.self_attn, name)(x)
+                assert float((got - want).norm() / want.norm()) <= 1e-4
+
+
+def test_drift_report_matches_full_model_forwards(clip_setting):
+    base, experts, merged, data = clip_setting
+    given = copy.deepcopy(merged)
+    calibrator = FeatCalCalibrator(merged, base, experts, data, show_progress=False)
+    calibrator.calibrate()
+    report = calibrator.report.to_dict()
+    assert set(report["tasks"]) == set(experts)
+    for task, expert in experts.items():
+        stages = report["tasks"][task]
+        assert all(isinstance(v, float) for v in stages["before"] + stages["after"])
+        assert stages["before"] == pytest.approx(_independent_drift(given, expert, data[task]), rel=1e-5)
+        assert stages["after"] == pytest.approx(_independent_drift(merged, expert, data[task]), rel=1e-5)
+        assert stages["after"][-1] < stages["before"][-1]
+
+
+def test_mixed_wrapper_classes_give_the_same_tower(generator, tmp_path):
+    """Base saved as a full CLIPModel, experts as CLIPVisionModel folders, merged as any wrapper."""
+    clip = CLIPModel(tiny_clip_config()).eval()
+    randomise_norms(clip, generator)
+    base_vision = CLIPVisionModel(clip.config.vision_config).eval()
+    base_vision.load_state_dict(clip.vision_model.state_dict())
+    experts = {t: perturbed(base_vision, generator, 0.05).eval() for t in ("a", "b")}
+    clip.save_pretrained(tmp_path / "base")
+    for t, e in experts.items():
+        e.save_pretrained(tmp_path / t)
+    data = {t: pixel_batches(generator, [6, 6]) for t in experts}
+
+    def merged_tower_state():
+        sd = {}
+        for k, v in base_vision.state_dict().items():
+            sd[k] = v + 0.3 * sum(e.state_dict()[k] - v for e in experts.values())
+        return sd
+
+    reference = CLIPVisionModel(clip.config.vision_config).eval()
+    reference.load_state_dict(merged_tower_state())
+    FeatCalCalibrator(reference, base_vision, experts, data, show_progress=False).calibrate()
+
+    from_paths = CLIPVisionModel(clip.config.vision_config).eval()
+    from_paths.load_state_dict(merged_tower_state())
+    FeatCalCalibrator(
+        from_paths, str(tmp_path / "base"), {t: str(tmp_path / t) for t in experts}, data, show_progress=False
+    ).calibrate()
+    for k, v in reference.state_dict().items():
+        torch.testing.assert_close(from_paths.state_dict()[k], v, rtol=1e-6, atol=1e-6)
+
+    full = copy.deepcopy(clip)
+    full.vision_model.load_state_dict(merged_tower_state())
+    text_before = copy.deepcopy(full.text_model.state_dict())
+    projection_before = full.visual_projection.weight.clone()
+    out = FeatCalCalibrator(full, str(tmp_path / "base"), experts, data, show_progress=False).calibrate()
+    assert type(out) is CLIPModel
+    for k, v in reference.state_dict().items():
+        torch.testing.assert_close(full.vision_model.state_dict()[k], v, rtol=1e-6, atol=1e-6)
+    for k, v in text_before.items():
+        assert torch.equal(full.text_model.state_dict()[k], v)
+    assert torch.equal(full.visual_projection.weight, projection_before)
+
+    projected = CLIPVisionModelWithProjection(clip.config.vision_config).eval()
+    projected.vision_model.load_state_dict(merged_tower_state())
+    FeatCalCalibrator(projected, clip, experts, data, show_progress=False).calibrate()
+    for k, v in reference.state_dict().items():
+        torch.testing.assert_close(projected.vision_model.state_dict()[k], v, rtol=1e-6, atol=1e-6)
+
+
+def test_selection_leaves_unselected_modules_untouched(clip_setting):
+    base, experts, merged, data = clip_setting
+    before = copy.deepcopy(merged.state_dict())
+    config = FeatCalConfig(target_modules=["fc2", "layer_norm1"], layers_to_transform=[-1], calibrate_bias=False)
+    FeatCalCalibrator(merged, base, experts, data, config, show_progress=False).calibrate()
+    after = merged.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed == {
+        "encoder.layers.1.mlp.fc2.weight",
+        "encoder.layers.1.layer_norm1.weight",
+        "encoder.layers.1.layer_norm1.bias",
+    }
+
+
+def test_regex_exclusion_and_no_norms(clip_setting):
+    base, experts, merged, data = clip_setting
+    before = copy.deepcopy(merged.state_dict())
+    config = FeatCalConfig(exclude_modules=r"self_attn\..*", calibrate_norms=False)
+    FeatCalCalibrator(merged, base, experts, data, config, show_progress=False).calibrate()
+    after = merged.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(".mlp.fc" in k for k in changed)
+    assert len(changed) == 8  # fc1/fc2 weight and bias in both blocks
+
+
+def test_warns_when_tokens_are_fewer_than_the_input_dimension(clip_setting):
+    base, experts, merged, data = clip_setting
+    few = {t: [{"pixel_values": bs[0]["pixel_values"][:1]}] for t, bs in data.items()}  # 5 tokens per task
+    with pytest.warns(FeatCalWarning, match=r"mlp\.fc2.*weighted tokens for input dimension 32"):
+        FeatCalCalibrator(merged, base, experts, few, show_progress=False).calibrate()
+
+
+def test_warns_on_singular_gram_after_zero_bias_layer_norm(generator):
+    base = CLIPVisionModel(tiny_vision_config()).eval()  # random init: LayerNorm γ=1, β=0
+    experts = {"a": perturbed(base, generator, 0.02)}
+    with torch.no_grad():
+        for m in experts["a"].modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.fill_(1.0)
+                m.bias.zero_()
+    data = {"a": pixel_batches(generator, [16, 16])}
+    with pytest.warns(FeatCalWarning, match=r"self_attn\.q_proj.*numerically singular"):
+        FeatCalCalibrator(copy.deepcopy(base), None, experts, data, show_progress=False).calibrate()
+
+
+def test_training_flag_and_device_are_restored(clip_setting):
+    base, experts, merged, data = clip_setting
+    merged.train()
+    out = FeatCalCalibrator(merged, base, experts, data, show_progress=False, device="cpu").calibrate()
+    assert out.training
+    assert all(e.training is False for e in experts.values())

@@ -1,0 +1,72 @@
+"""Calibration data handling: iterables used as given, Datasets shuffled, cut and batched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from PIL import Image
+from transformers import CLIPImageProcessor
+
+from hf_featcal import FeatCalCalibrator, FeatCalConfig
+from hf_featcal.data import prepare_batches
+
+
+def _prepare(data, **kw):
+    args = dict(main_input_name="pixel_values", num_samples=None, batch_size=4, seed=0)
+    args.update(kw)
+    return prepare_batches("t", data, **args)
+
+
+def test_iterables_are_used_as_given_and_cut(generator):
+    batches = [{"pixel_values": torch.randn(n, 3, 8, 8, generator=generator), "tag": "x"} for n in (5, 5, 5)]
+    out = _prepare(iter(batches), num_samples=7, batch_size=2)
+    assert [b["pixel_values"].shape[0] for b in out] == [5, 2]  # batch_size does not re-chunk
+    assert torch.equal(out[1]["pixel_values"], batches[1]["pixel_values"][:2])
+    assert out[1]["tag"] == "x"
+    assert [b["pixel_values"].shape[0] for b in _prepare(batches, num_samples=None)] == [5, 5, 5]
+    assert [b["pixel_values"].shape[0] for b in _prepare(batches, num_samples=10)] == [5, 5]
+
+
+def test_dataset_is_shuffled_with_the_seed_cut_and_batched(generator):
+    pixels = torch.randn(11, 3, 8, 8, generator=generator)
+    dataset = Dataset.from_dict({"pixel_values": pixels.numpy(), "label": list(range(11))}).with_format("torch")
+    out = _prepare(dataset, num_samples=9, batch_size=4, seed=3)
+    assert [b["pixel_values"].shape[0] for b in out] == [4, 4, 1]
+    order = [int(row["label"]) for row in dataset.shuffle(seed=3).select(range(9))]
+    got = torch.cat([b["labels"] for b in out]).tolist()  # default_data_collator renames label → labels
+    assert got == order
+    assert torch.allclose(torch.cat([b["pixel_values"] for b in out]), pixels[order])
+
+
+def test_dataset_with_images_and_processing_class(generator):
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (12, 12, 3), dtype=np.uint8)) for _ in range(6)]
+    dataset = Dataset.from_dict({"image": images, "label": [0, 1, 0, 1, 0, 1]})
+    processor = CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
+    out = _prepare(dataset, batch_size=4, seed=1, processing_class=processor)
+    assert [b["pixel_values"].shape for b in out] == [torch.Size([4, 3, 8, 8]), torch.Size([2, 3, 8, 8])]
+    shuffled = dataset.shuffle(seed=1)
+    want = processor(images=[shuffled[i]["image"] for i in range(4)], return_tensors="pt")["pixel_values"]
+    assert torch.allclose(out[0]["pixel_values"], want)
+
+
+def test_calibrator_accepts_datasets(clip_setting, generator):
+    base, experts, merged, data = clip_setting
+    datasets = {
+        t: Dataset.from_dict({"pixel_values": torch.cat([b["pixel_values"] for b in bs]).numpy()}).with_format("torch")
+        for t, bs in data.items()
+    }
+    config = FeatCalConfig(num_samples_per_task=8, batch_size=3)
+    calibrator = FeatCalCalibrator(merged, base, experts, datasets, config, show_progress=False)
+    assert calibrator.samples_per_task == {"cars": 8, "dtd": 8}
+    assert [b["pixel_values"].shape[0] for b in calibrator.batches["cars"]] == [3, 3, 2]
+    calibrator.calibrate()
+    assert calibrator.report.tasks["cars"]["after"][-1] < calibrator.report.tasks["cars"]["before"][-1]
+
+
+def test_extra_batch_keys_are_ignored_by_the_model(clip_setting, generator):
+    base, experts, merged, data = clip_setting
+    with_labels = {t: [{**b, "labels": torch.zeros(b["pixel_values"].shape[0])} for b in bs] for t, bs in data.items()}
+    FeatCalCalibrator(merged, base, experts, with_labels, show_progress=False).calibrate()

@@ -1,0 +1,107 @@
+"""save_model / push_to_hub / config and report round trips."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from transformers import CLIPVisionModel
+
+from hf_featcal import DriftReport, FeatCalCalibrator, FeatCalConfig
+
+
+@pytest.fixture
+def calibrated(clip_setting, tmp_path):
+    base, experts, merged, data = clip_setting
+    base.save_pretrained(tmp_path / "base")
+    merged.config.hf_featcal_merge = {"method": "task_arithmetic", "scaling_factor": 0.3}
+    config = FeatCalConfig(num_samples_per_task=10)
+    calibrator = FeatCalCalibrator(merged, str(tmp_path / "base"), experts, data, config, show_progress=False)
+    calibrator.calibrate()
+    return calibrator, data
+
+
+def test_save_model_round_trip(calibrated, tmp_path):
+    calibrator, data = calibrated
+    out = tmp_path / "calibrated"
+    calibrator.save_model(out)
+    assert {"config.json", "model.safetensors", "README.md", "featcal_config.json", "featcal_drift_report.json"} <= set(os.listdir(out))
+    loaded = CLIPVisionModel.from_pretrained(out).eval()
+    pixels = data["cars"][0]["pixel_values"]
+    with torch.no_grad():
+        assert torch.equal(loaded(pixel_values=pixels).last_hidden_state, calibrator.model(pixel_values=pixels).last_hidden_state)
+    assert FeatCalConfig.from_pretrained(out) == calibrator.config
+    assert DriftReport.load(out).to_dict() == calibrator.report.to_dict()
+    assert json.loads((out / "featcal_drift_report.json").read_text()) == calibrator.report.to_dict()
+
+    card = ModelCard.load(out / "README.md")
+    meta = card.data.to_dict()
+    assert meta["base_model"] == str(tmp_path / "base")
+    assert meta["library_name"] == "transformers"
+    assert "featcal" in meta["tags"]
+    assert meta["featcal"]["tasks"] == ["cars", "dtd"]
+    assert meta["featcal"]["samples_per_task"] == {"cars": 10, "dtd": 10}
+    assert meta["featcal"]["merge"] == {"method": "task_arithmetic", "scaling_factor": 0.3}
+    assert meta["featcal"]["config"]["lambda_ratio"] == 0.05
+    last_before = calibrator.report.tasks["cars"]["before"][-1]
+    assert f"{last_before:.4g}" in card.text
+
+
+def test_push_to_hub_uploads_the_saved_folder(calibrated, monkeypatch):
+    """The hub cannot be reached here: record what the standard huggingface_hub calls receive."""
+    from huggingface_hub import HfApi
+
+    calibrator, _ = calibrated
+    calls = {}
+
+    def create_repo(self, repo_id, **kwargs):
+        calls["create_repo"] = (repo_id, kwargs)
+
+    def upload_folder(self, *, repo_id, folder_path, commit_message, **kwargs):
+        calls["upload_folder"] = (repo_id, sorted(os.listdir(folder_path)), commit_message)
+        return "commit-info"
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    assert calibrator.push_to_hub("me/clip-featcal", private=True) == "commit-info"
+    assert calls["create_repo"] == ("me/clip-featcal", {"private": True, "exist_ok": True})
+    repo, files, _ = calls["upload_folder"]
+    assert repo == "me/clip-featcal"
+    assert {"model.safetensors", "README.md", "featcal_config.json", "featcal_drift_report.json"} <= set(files)
+
+
+def test_saving_before_calibration_is_refused(clip_setting, tmp_path):
+    base, experts, merged, data = clip_setting
+    calibrator = FeatCalCalibrator(merged, base, experts, data, show_progress=False)
+    with pytest.raises(RuntimeError, match="call calibrate"):
+        calibrator.save_model(tmp_path)
+
+
+def test_config_json_round_trip(tmp_path):
+    config = FeatCalConfig(lambda_ratio=0.1, target_modules=r".*fc\d", layers_to_transform=range(0, 2), num_samples_per_task=None)
+    config.save_pretrained(tmp_path)
+    again = FeatCalConfig.from_pretrained(tmp_path)
+    assert again == config
+    assert again.layers_to_transform == [0, 1]
+    (tmp_path / "bad.json").write_text(json.dumps({"lambda_ratio": 0.1, "lamda": 2}))
+    with pytest.raises(ValueError, match=r"unknown FeatCalConfig fields \['lamda'\]"):
+        FeatCalConfig.from_pretrained(tmp_path / "bad.json")
+
+
+def test_config_fields_have_help():
+    import dataclasses
+
+    for f in dataclasses.fields(FeatCalConfig):
+        assert f.metadata.get("help"), f.name
+
+
+def test_module_selection_rules():
+    config = FeatCalConfig(target_modules=["fc2", "self_attn.q_proj"], exclude_modules=r"mlp\.fc2")
+    assert config.module_selected("self_attn.q_proj")
+    assert not config.module_selected("mlp.fc2")
+    assert not config.module_selected("self_attn.k_proj")
+    assert FeatCalConfig(layers_to_transform=-1).block_selected(11, 12)
+    assert not FeatCalConfig(layers_to_transform=-1).block_selected(10, 12)
