@@ -69,6 +69,12 @@ def pixel_batches(generator: torch.Generator, sizes: list[int], image_size: int 
     return [{"pixel_values": torch.randn(n, 3, image_size, image_size, generator=generator)} for n in sizes]
 
 
+@pytest.fixture(autouse=True)
+def _seed_global_rng():
+    """transformers initialises weights from the global RNG: make every test deterministic."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture
 def generator() -> torch.Generator:
     return torch.Generator().manual_seed(0)

@@ -56,7 +56,8 @@ class _BlockPlan:
     stack_index: int
     block_index: int
     specs: list[ModuleSpec]
-    pooled: bool  # last block of a pooled-head stack: non-key/value modules down-weight other tokens
+    # set in the last block of a pooled-head stack: its non-key/value modules down-weight other tokens
+    pooled_token_index: int | None
     linear_groups: dict[tuple[str, bool], list[str]] = field(default_factory=dict)  # (source, pooled) → modules
     norms: list[tuple[str, bool]] = field(default_factory=list)  # (module, pooled)
 
@@ -290,7 +291,7 @@ class FeatCalCalibrator:
                     and (s.kind == LINEAR or cfg.calibrate_norms)
                 ]
                 selected_any |= bool(chosen)
-                pooled = stack.pooled_token_index is not None and bi == len(stack.blocks) - 1
+                pooled = stack.pooled_token_index if bi == len(stack.blocks) - 1 else None
                 plans[(si, bi)] = self._group(si, bi, chosen, pooled)
                 flat += 1
         self._check_patterns(all_names)
@@ -316,12 +317,12 @@ class FeatCalCalibrator:
                         f"{sorted(names)}."
                     )
 
-    def _group(self, si: int, bi: int, specs: list[ModuleSpec], pooled: bool) -> _BlockPlan:
+    def _group(self, si: int, bi: int, specs: list[ModuleSpec], pooled: int | None) -> _BlockPlan:
         lm = self.layer_map
         plan = _BlockPlan(si, bi, specs, pooled)
         selected = {s.name for s in specs}
         for spec in specs:
-            weighted = pooled and spec.name not in lm.key_value_modules
+            weighted = pooled is not None and spec.name not in lm.key_value_modules
             if spec.kind != LINEAR:
                 plan.norms.append((spec.name, weighted))
                 continue
@@ -414,7 +415,7 @@ class FeatCalCalibrator:
                     out_student = lm.run_block(block, bi, state)
                     out_expert = lm.run_block(expert_block, bi, expert[task][b])
                     if calibrating:
-                        self._accumulate(plan, linear_stats, norm_stats, xs, xe, state.weights)
+                        self._accumulate(plan, linear_stats, norm_stats, xs, xe, state)
                     new_expert[task].append(out_expert)
                     if new_given is not None:
                         same = given[task][b] is state
@@ -450,20 +451,24 @@ class FeatCalCalibrator:
             )
         return linear, norms
 
-    def _accumulate(self, plan: _BlockPlan, linear: dict, norms: dict, xs: dict, xe: dict, weights: Tensor) -> None:
+    def _accumulate(self, plan: _BlockPlan, linear: dict, norms: dict, xs: dict, xe: dict, state: StreamBatch) -> None:
         alpha = self.config.teacher_alpha
-        pooled_weights = None
-        if plan.pooled:
-            stack_pool = self.layer_map.stacks(self.layer_map.tower(self.model))[plan.stack_index].pooled_token_index
-            factor = torch.full_like(weights, self.config.final_block_token_weight)
-            factor[:, stack_pool] = 1.0
-            pooled_weights = weights * factor
         for (source, weighted), stats in linear.items():
             x_s = xs[source]
             x_t = torch.lerp(x_s.to(self._compute_dtype), xe[source].to(self._compute_dtype), alpha)
-            stats.accumulate(x_s, x_t, pooled_weights if weighted else weights)
+            stats.accumulate(x_s, x_t, self._module_weights(plan, source, weighted, state))
         for (name, weighted), stats in norms.items():
-            stats.accumulate(xs[name], pooled_weights if weighted else weights)
+            stats.accumulate(xs[name], self._module_weights(plan, name, weighted, state))
+
+    def _module_weights(self, plan: _BlockPlan, name: str, weighted: bool, state: StreamBatch) -> Tensor:
+        """Token weights of a module's input: padding 0, and in the last block of a pooled-head stack
+        `final_block_token_weight` for every token but the pooled one (unless a key/value projection)."""
+        weights = self.layer_map.input_weights(name, state)
+        if not weighted:
+            return weights
+        factor = torch.full_like(weights, self.config.final_block_token_weight)
+        factor[:, plan.pooled_token_index] = 1.0
+        return weights * factor
 
     def _finish_task(self, task: str, expert_block: nn.Module, linear: dict, norms: dict) -> None:
         for stats in linear.values():

@@ -46,6 +46,8 @@ class LayerMap:
     model_types: ClassVar[tuple[str, ...]] = ()
     #: Batch keys the tower's forward takes.
     input_names: ClassVar[tuple[str, ...]] = ()
+    #: Batch keys every calibration batch must have.
+    required_inputs: ClassVar[tuple[str, ...]] = ()
     #: The batch key whose leading dimension counts examples.
     main_input_name: ClassVar[str] = "input_ids"
     #: Key/value projections (block-relative names): they keep weight 1 for every token in the last
@@ -115,6 +117,17 @@ class LayerMap:
         if isinstance(mask, Tensor) and mask.shape == hidden.shape[:2]:
             return mask.to(device=hidden.device, dtype=torch.float32)
         return torch.ones(hidden.shape[:2], device=hidden.device, dtype=torch.float32)
+
+    def input_weights(self, module_name: str, state: StreamBatch) -> Tensor:
+        """Token weights (B, N_in) of the positions a module reads. Default: the stream's own positions;
+        a module reading another sequence (cross-attention keys/values) overrides this."""
+        return state.weights
+
+    def check_batch(self, batch: Mapping[str, Any]) -> None:
+        """Raise ValueError if a calibration batch lacks something this architecture needs."""
+        missing = [name for name in self.required_inputs if name not in batch]
+        if missing:
+            raise ValueError(f"the batch lacks {missing} (keys: {sorted(batch)})")
 
     def enter_stack(
         self, tower: nn.Module, batch: Mapping[str, Any], stack_index: int, previous: StreamBatch | None
