@@ -255,6 +255,11 @@ class FeatCalCalibrator:
         device = module_device(tower)
         with eval_mode(self.model):
             for task, batches in self.batches.items():
+                for index, batch in enumerate(batches):
+                    try:
+                        self.layer_map.check_batch(self.model, batch)
+                    except ValueError as err:
+                        raise ValueError(f"calibration_data[{task!r}] batch {index}: {err}") from None
                 probe = {k: v[:1] if isinstance(v, Tensor) and v.dim() > 0 else v for k, v in batches[0].items()}
                 try:
                     self.layer_map.enter_stack(tower, send_to_device(probe, device), 0, None)

@@ -114,7 +114,7 @@ def collate(
     """Turn dataset rows into a batch: the processor first (images or text), then the collator."""
     if processing_class is not None and main_input_name not in rows[0]:
         rows = _process(task, rows, processing_class)
-    collator = data_collator or default_data_collator
+    collator = data_collator or _default_collator(rows, processing_class)
     batch = collator(rows)
     if not isinstance(batch, Mapping):
         raise TypeError(f"the data collator returned {type(batch).__name__} for task {task!r}; expected a dict")
@@ -135,3 +135,15 @@ def _process(task: str, rows: list[dict], processing_class: Any) -> list[dict]:
         )
     keys = list(out.keys())
     return [{k: out[k][i] for k in keys} for i in range(len(rows))]
+
+
+def _default_collator(rows: list[dict], processing_class: Any) -> Callable[[list[dict]], Batch]:
+    """As `Trainer` does: pad with the tokenizer when there is one (labels padded with -100),
+    else stack with transformers' `default_data_collator`."""
+    if processing_class is not None and getattr(processing_class, "pad_token_id", None) is not None:
+        from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding
+
+        if "labels" in rows[0]:
+            return DataCollatorForSeq2Seq(processing_class, return_tensors="pt")
+        return DataCollatorWithPadding(processing_class, return_tensors="pt")
+    return default_data_collator

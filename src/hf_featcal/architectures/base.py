@@ -46,8 +46,6 @@ class LayerMap:
     model_types: ClassVar[tuple[str, ...]] = ()
     #: Batch keys the tower's forward takes.
     input_names: ClassVar[tuple[str, ...]] = ()
-    #: Batch keys every calibration batch must have.
-    required_inputs: ClassVar[tuple[str, ...]] = ()
     #: The batch key whose leading dimension counts examples.
     main_input_name: ClassVar[str] = "input_ids"
     #: Key/value projections (block-relative names): they keep weight 1 for every token in the last
@@ -123,9 +121,13 @@ class LayerMap:
         a module reading another sequence (cross-attention keys/values) overrides this."""
         return state.weights
 
-    def check_batch(self, batch: Mapping[str, Any]) -> None:
-        """Raise ValueError if a calibration batch lacks something this architecture needs."""
-        missing = [name for name in self.required_inputs if name not in batch]
+    def required_batch_keys(self, model: nn.Module) -> tuple[str, ...]:
+        """Batch keys every calibration batch for `model` must have."""
+        return (self.main_input_name,)
+
+    def check_batch(self, model: nn.Module, batch: Mapping[str, Any]) -> None:
+        """Raise ValueError if a calibration batch lacks something `model` needs."""
+        missing = [name for name in self.required_batch_keys(model) if name not in batch]
         if missing:
             raise ValueError(f"the batch lacks {missing} (keys: {sorted(batch)})")
 
