@@ -197,3 +197,22 @@ def test_training_flag_and_device_are_restored(clip_setting):
     out = FeatCalCalibrator(merged, base, experts, data, show_progress=False, device="cpu").calibrate()
     assert out.training
     assert all(e.training is False for e in experts.values())
+
+
+def test_expert_checkpoint_with_transformers4_key_prefix(clip_setting, tmp_path):
+    """The public CLIP experts were saved by transformers 4.x with `vision_model.`-prefixed keys."""
+    from safetensors.torch import save_file
+
+    base, experts, merged, data = clip_setting
+    folder = tmp_path / "old-expert"
+    experts["dtd"].config.save_pretrained(folder)
+    save_file(
+        {f"vision_model.{k}": v.contiguous() for k, v in experts["dtd"].state_dict().items()},
+        str(folder / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    reference = copy.deepcopy(merged)
+    FeatCalCalibrator(reference, base, experts, data, show_progress=False).calibrate()
+    FeatCalCalibrator(merged, base, {**experts, "dtd": str(folder)}, data, show_progress=False).calibrate()
+    for (name, p), q in zip(merged.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name

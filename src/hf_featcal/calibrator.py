@@ -510,14 +510,14 @@ class FeatCalCalibrator:
                     f"{where}, modules {names}: {stats.weighted_tokens} weighted tokens for input dimension "
                     f"{stats.dim}; the solution there is set by the ridge.",
                     FeatCalWarning,
-                    stacklevel=4,
+                    stacklevel=5,
                 )
             elif gram_is_singular(stats.gram_sum):
                 warnings.warn(
                     f"{where}, modules {names}: the input Gram is numerically singular; the solution in its "
                     "null directions is set by the ridge.",
                     FeatCalWarning,
-                    stacklevel=4,
+                    stacklevel=5,
                 )
             for name in names:
                 module = block.get_submodule(name)

@@ -1,0 +1,71 @@
+"""The paper's CLIP ViT-B/32 eight-task setting (needs the Hugging Face hub).
+
+base `openai/clip-vit-base-patch32` (a full CLIPModel), experts
+`tanganke/clip-vit-base-patch32_<task>` (CLIPVisionModels), Task Arithmetic (λ = 0.3), 256 train
+images per task, FeatCal with the default (demo) settings; the calibrated merge is saved with its model
+card and drift report, and optionally pushed to the hub.
+
+    python examples/clip_vit_b32_ta8.py --output clip-vit-b32-ta8-featcal [--push-to-hub me/repo]
+
+Published (arXiv 2605.13030): Task Arithmetic 67.5 → FeatCal 85.5 mean top-1 (zero-shot heads from
+the base CLIP text encoder).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from datasets import load_dataset
+from transformers import CLIPImageProcessor, CLIPModel, CLIPVisionModel
+
+from hf_featcal import FeatCalCalibrator, FeatCalConfig
+from hf_featcal.merging import task_arithmetic
+
+BASE = "openai/clip-vit-base-patch32"
+TASKS = ["sun397", "stanford-cars", "resisc45", "eurosat", "svhn", "gtsrb", "mnist", "dtd"]
+# task → (dataset id, config)
+DATASETS = {
+    "sun397": ("tanganke/sun397", None),
+    "stanford-cars": ("tanganke/stanford_cars", None),
+    "resisc45": ("tanganke/resisc45", None),
+    "eurosat": ("tanganke/eurosat", None),
+    "svhn": ("ufldl-stanford/svhn", "cropped_digits"),
+    "gtsrb": ("tanganke/gtsrb", None),
+    "mnist": ("ylecun/mnist", None),
+    "dtd": ("tanganke/dtd", None),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS)
+    parser.add_argument("--samples-per-task", type=int, default=256)
+    parser.add_argument("--output", default="clip-vit-b32-ta8-featcal")
+    parser.add_argument("--push-to-hub", metavar="REPO_ID", default=None)
+    args = parser.parse_args()
+
+    processor = CLIPImageProcessor.from_pretrained(BASE)
+    base = CLIPModel.from_pretrained(BASE)
+    experts = {t: CLIPVisionModel.from_pretrained(f"tanganke/clip-vit-base-patch32_{t}") for t in args.tasks}
+    merged = task_arithmetic(base, experts, scaling_factor=0.3)  # a CLIPModel; only its vision tower changes
+
+    calibration = {}
+    for task in args.tasks:
+        name, config = DATASETS[task]
+        calibration[task] = load_dataset(name, config, split="train")  # images are processed per batch
+
+    calibrator = FeatCalCalibrator(
+        merged, base, experts, calibration,
+        FeatCalConfig(num_samples_per_task=args.samples_per_task),
+        processing_class=processor,
+    )
+    calibrator.calibrate()
+    print(calibrator.report.summary_markdown())
+    calibrator.save_model(args.output)
+    processor.save_pretrained(args.output)
+    if args.push_to_hub:
+        calibrator.push_to_hub(args.push_to_hub)
+
+
+if __name__ == "__main__":
+    main()
