@@ -83,11 +83,15 @@ def generator() -> torch.Generator:
 @pytest.fixture
 def clip_setting(generator):
     """A base CLIPVisionModel, two experts, their task-arithmetic merge and calibration batches."""
+    return build_clip_setting(generator)
+
+
+def build_clip_setting(generator: torch.Generator, batch_sizes: tuple[int, ...] = (5, 5, 3)):
     base = CLIPVisionModel(tiny_vision_config()).eval()
     randomise_norms(base, generator)
     experts = {t: perturbed(base, generator, 0.05).eval() for t in ("cars", "dtd")}
     merged = task_arithmetic(base, experts)
-    data = {t: pixel_batches(generator, [5, 5, 3]) for t in experts}
+    data = {t: pixel_batches(generator, list(batch_sizes)) for t in experts}
     return base, experts, merged, data
 
 

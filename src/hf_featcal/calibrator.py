@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import send_to_device
+from accelerate.utils import reduce, send_to_device
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -115,7 +115,10 @@ class FeatCalCalibrator:
         self.config = config
         self.model = model
         self.layer_map: LayerMap = get_layer_map(model, "model")
-        self.device = _resolve_device(accelerator, device)
+        # Processes (accelerate launch / torchrun): each takes a disjoint shard of every task's
+        # batches; statistics are sums, reduced across processes before every solve.
+        self.state = accelerator.state if accelerator is not None else _default_state()
+        self.device = _resolve_device(accelerator, device, self.state)
         self.show_progress = show_progress
         self._compute_dtype = getattr(torch, config.compute_dtype)
 
@@ -154,6 +157,9 @@ class FeatCalCalibrator:
             for task, batches in self.batches.items()
         }
         self._check_batches_enter_model()
+        if self.state.num_processes > 1:
+            rank, world = self.state.process_index, self.state.num_processes
+            self.batches = {task: batches[rank::world] for task, batches in self.batches.items()}
 
         self.merge_info = merge_info if merge_info is not None else getattr(getattr(model, "config", None), "hf_featcal_merge", None)
         self._report: DriftReport | None = None
@@ -182,7 +188,7 @@ class FeatCalCalibrator:
         (on the main process only)."""
         if not self._calibrated:
             raise RuntimeError("save_model() needs a calibrated model: call calibrate() first.")
-        if not PartialState().is_main_process:
+        if not self.state.is_main_process:
             return
         output_dir = os.fspath(output_dir)
         self.model.save_pretrained(output_dir)
@@ -204,7 +210,7 @@ class FeatCalCalibrator:
 
         if not self._calibrated:
             raise RuntimeError("push_to_hub() needs a calibrated model: call calibrate() first.")
-        if not PartialState().is_main_process:
+        if not self.state.is_main_process:
             return None
         api = HfApi(token=token)
         api.create_repo(repo_id, private=private, exist_ok=True)
@@ -437,9 +443,26 @@ class FeatCalCalibrator:
                 new_student[task] = [lm.run_block(block, bi, state) for state in student[task]]
         if report is not None:
             for task in self.tasks:
-                report[task]["before"].append(_drift(new_given[task], new_expert[task]))
-                report[task]["after"].append(_drift(new_student[task], new_expert[task]))
+                report[task]["before"].append(self._drift(new_given[task], new_expert[task]))
+                report[task]["after"].append(self._drift(new_student[task], new_expert[task]))
         return new_student, new_expert, new_given
+
+    def _reduce(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Sum tensors across processes (identity on one process)."""
+        if self.state.num_processes == 1:
+            return tensors
+        return reduce(tensors, reduction="sum")
+
+    def _drift(self, merged: list[StreamBatch], expert: list[StreamBatch]) -> float:
+        """Σ‖h_merged − h_expert‖₂ / N over the non-padding positions of all batches (all processes)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = torch.zeros((), dtype=torch.float64, device=self.device)
+        for m, e in zip(merged, expert):
+            mask = (m.weights > 0).to(torch.float64)
+            total += ((m.hidden.double() - e.hidden.double()).norm(dim=-1) * mask).sum()
+            count += mask.sum()
+        total, count = self._reduce([total, count])
+        return float(total / count)
 
     def _new_statistics(self, plan: _BlockPlan, block: nn.Module) -> tuple[dict, dict]:
         kw = {"dtype": self._compute_dtype, "device": self.device}
@@ -481,10 +504,10 @@ class FeatCalCalibrator:
             for name in stats.modules:
                 module = expert_block.get_submodule(name)
                 targets[name] = LinearTargets(module.weight.detach(), None if module.bias is None else module.bias.detach())
-            stats.finish_task(targets)
+            stats.finish_task(targets, self._reduce)
         for (name, _), stats in norms.items():
             module = expert_block.get_submodule(name)
-            stats.finish_task(module.weight.detach(), getattr(module, "bias", None))
+            stats.finish_task(module.weight.detach(), getattr(module, "bias", None), self._reduce)
 
     def _solve_and_write(self, plan: _BlockPlan, block: nn.Module, linear: dict, norms: dict) -> None:
         cfg = self.config
@@ -555,7 +578,12 @@ class FeatCalCalibrator:
 
 
 # ====================================================================== helpers
-def _resolve_device(accelerator: Accelerator | None, device: str | torch.device | None) -> torch.device:
+def _default_state() -> PartialState:
+    # without a GPU, `cpu=True` lets accelerate set up gloo when launched with several processes
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
+def _resolve_device(accelerator: Accelerator | None, device: str | torch.device | None, state: Any) -> torch.device:
     if device is not None:
         try:
             return torch.device(device)
@@ -565,7 +593,7 @@ def _resolve_device(accelerator: Accelerator | None, device: str | torch.device 
         if not isinstance(accelerator, Accelerator):
             raise TypeError(f"`accelerator` must be an accelerate.Accelerator, got {type(accelerator).__name__}.")
         return accelerator.device
-    return PartialState().device
+    return state.device
 
 
 def _check_tasks(experts: Any, calibration_data: Any) -> list[str]:
@@ -585,18 +613,6 @@ def _check_tasks(experts: Any, calibration_data: Any) -> list[str]:
 def _check_finite(value: Tensor, what: str) -> None:
     if not bool(torch.isfinite(value).all()):
         raise FeatCalError(f"non-finite values in the {what}; the model was left unchanged.")
-
-
-def _drift(merged: list[StreamBatch], expert: list[StreamBatch]) -> float:
-    """Σ‖h_merged − h_expert‖₂ / N over the non-padding positions of all batches."""
-    total, count = None, None
-    for m, e in zip(merged, expert):
-        mask = (m.weights > 0).to(torch.float64)
-        dist = (m.hidden.double() - e.hidden.double()).norm(dim=-1)
-        part, n = (dist * mask).sum(), mask.sum()
-        total = part if total is None else total + part
-        count = n if count is None else count + n
-    return float(total / count)
 
 
 def _source_name(source: Any) -> str | None:

@@ -1,0 +1,32 @@
+"""Run by `torchrun --nproc_per_node N` from test_distributed.py: calibrate the shared tiny CLIP setting
+with the same user code as on one process; the main process saves the result."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import build_clip_setting  # noqa: E402
+
+from hf_featcal import FeatCalCalibrator, FeatCalConfig  # noqa: E402
+
+
+def main(output: str) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    base, experts, merged, data = build_clip_setting(torch.Generator().manual_seed(0), (4, 3, 5, 2, 4))
+    calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(), show_progress=False)
+    calibrator.calibrate()
+    calibrator.save_model(output)  # writes on the main process only
+    rank = calibrator.state.process_index
+    state = {k: v.clone() for k, v in merged.state_dict().items()}
+    state["local_batches"] = {task: len(batches) for task, batches in calibrator.batches.items()}
+    state["num_processes"] = calibrator.state.num_processes
+    torch.save(state, os.path.join(output, f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
