@@ -95,6 +95,9 @@ def test_drift_report_matches_full_model_forwards(clip_setting):
         assert stages["before"] == pytest.approx(_independent_drift(given, expert, data[task]), rel=1e-5)
         assert stages["after"] == pytest.approx(_independent_drift(merged, expert, data[task]), rel=1e-5)
         assert stages["after"][-1] < stages["before"][-1]
+    # every Linear of both blocks was solved and its objective went down
+    assert len(calibrator.solve_log) == 2 * 6
+    assert all(entry["objective_decrease"] > 0 for entry in calibrator.solve_log)
 
 
 def test_mixed_wrapper_classes_give_the_same_tower(generator, tmp_path):

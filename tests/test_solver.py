@@ -209,3 +209,27 @@ def test_gram_singularity_detection(generator):
     x = torch.randn(100, 5, generator=generator)
     x[:, 2] = 0.0  # a dead input dimension
     assert gram_is_singular(x.T @ x)
+
+
+def test_objective_decrease_equals_direct_evaluation(generator):
+    """J(old) − J(new) from the statistics equals the objective evaluated on the raw rows."""
+    alpha, lam, eps = 0.25, 0.05, 1e-8
+    tasks = _tasks(generator)
+    stats = _linear_statistics(tasks, alpha, eps)
+    a_w = torch.randn(4, 6, generator=generator, dtype=F64)
+    old = torch.randn(4, 6, generator=generator, dtype=F64)
+    new, _ = solve_linear_weight(stats.gram_sum, stats.rhs_sum["m"], a_w, lam, eps)
+
+    def objective(w):
+        total = lam * float((w - a_w).square().sum()) + eps * float(w.square().sum())
+        for s, t in zip(stats.task_scales, tasks):
+            x_t = alpha * t["x_e"] + (1 - alpha) * t["x_s"]
+            wn = t["w"] / t["w"].sum()
+            total += s * float((wn * (t["x_s"] @ w.T - x_t @ t["weight"].T).square().sum(1)).sum())
+        return total
+
+    from hf_featcal.solver import linear_objective_decrease
+
+    got = linear_objective_decrease(stats.gram_sum, stats.rhs_sum["m"], a_w, old, new, lam, eps)
+    assert got == pytest.approx(objective(old) - objective(new), rel=1e-9)
+    assert got > 0

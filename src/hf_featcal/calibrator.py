@@ -29,6 +29,7 @@ from .hooks import capture_module_inputs, eval_mode, restore_on_failure
 from .report import DriftReport, build_model_card
 from .solver import (
     anchor,
+    linear_objective_decrease,
     gram_is_singular,
     solve_layer_norm,
     solve_linear_bias,
@@ -164,6 +165,9 @@ class FeatCalCalibrator:
         self.merge_info = merge_info if merge_info is not None else getattr(getattr(model, "config", None), "hf_featcal_merge", None)
         self._report: DriftReport | None = None
         self._calibrated = False
+        #: One entry per solved Linear: block, module, solve method, damping and the exact decrease
+        #: of its weight objective J(merged weight) − J(calibrated weight).
+        self.solve_log: list[dict[str, Any]] = []
 
     # ================================================================== public API
     @property
@@ -544,9 +548,18 @@ class FeatCalCalibrator:
                 )
             for name in names:
                 module = block.get_submodule(name)
-                weight, info = solve_linear_weight(stats.gram_sum, stats.rhs_sum[name], anchor_of(name, "weight"), lam, eps)
-                if info.method != "cholesky":
-                    logger.info("%s %s: solved by %s (damping %.3g)", where, name, info.method, info.damping)
+                anchor_weight = anchor_of(name, "weight")
+                weight, info = solve_linear_weight(stats.gram_sum, stats.rhs_sum[name], anchor_weight, lam, eps)
+                decrease = linear_objective_decrease(
+                    stats.gram_sum, stats.rhs_sum[name], anchor_weight, module.weight.detach(), weight, lam, eps
+                )
+                self.solve_log.append(
+                    {"block": where, "module": name, "method": info.method, "damping": info.damping, "objective_decrease": decrease}
+                )
+                logger.info(
+                    "%s %s: objective J(merged) − J(calibrated) = %.4g (%s%s)", where, name, decrease, info.method,
+                    f", damping {info.damping:.3g}" if info.damping else "",
+                )
                 update = {"weight": weight}
                 if module.bias is not None and cfg.calibrate_bias:
                     update["bias"] = solve_linear_bias(

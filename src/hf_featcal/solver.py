@@ -73,6 +73,30 @@ def solve_linear_weight(
     return weight_t.T.contiguous(), info
 
 
+def linear_objective_decrease(
+    gram_sum: Tensor,
+    rhs_sum: Tensor,
+    anchor_weight: Tensor,
+    old_weight: Tensor,
+    new_weight: Tensor,
+    lambda_ratio: float,
+    epsilon: float,
+) -> float:
+    """J(old) − J(new) for the weight objective Σ s_i E‖W x_s − W_i x_t‖² + λ‖W − A‖² (+ ε‖W‖²).
+
+    Exact from the statistics: the W-independent term cancels, so the teacher's own Gram is never
+    needed. Non-negative when `new_weight` is the minimiser.
+    """
+
+    def value(weight: Tensor) -> Tensor:
+        w = weight.to(gram_sum.dtype)
+        quadratic = ((w @ gram_sum) * w).sum() + (lambda_ratio + epsilon) * w.square().sum()
+        linear = (w.T * (rhs_sum + lambda_ratio * anchor_weight.T.to(gram_sum.dtype))).sum()
+        return quadratic - 2.0 * linear
+
+    return float(value(old_weight) - value(new_weight))
+
+
 def solve_linear_bias(
     weight: Tensor,
     target_sum: Tensor,
