@@ -7,6 +7,7 @@ the student stream through the calibrated block.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -24,7 +25,7 @@ from tqdm.auto import tqdm
 from .architectures import LAYER_NORM, LINEAR, LayerMap, ModuleSpec, get_layer_map
 from .config import FeatCalConfig, matches_module_pattern
 from .data import Batch, batch_size_of, prepare_batches
-from .experts import ModelSource, block_on_device, load_model, module_device
+from .experts import ModelLike, ModelSource, make_source, module_device
 from .hooks import capture_module_inputs, eval_mode, restore_on_failure
 from .report import DriftReport, build_model_card
 from .solver import (
@@ -96,8 +97,8 @@ class FeatCalCalibrator:
     def __init__(
         self,
         model: nn.Module,
-        base_model: ModelSource | None = None,
-        experts: Mapping[str, ModelSource] | None = None,
+        base_model: ModelLike | None = None,
+        experts: Mapping[str, ModelLike] | None = None,
         calibration_data: Mapping[str, Any] | None = None,
         config: FeatCalConfig | None = None,
         data_collator: Callable[[list[dict]], Batch] | None = None,
@@ -128,14 +129,11 @@ class FeatCalCalibrator:
         self._plans = self._plan_blocks()
 
         # Models: load, then check that every tower matches the merged one.
-        self.expert_sources = {task: experts[task] for task in tasks}
-        self.experts = {task: load_model(experts[task], f"experts[{task!r}]") for task in tasks}
-        self.base_source = base_model
-        self.base_model = None if base_model is None else load_model(base_model, "base_model")
-        for task, expert in self.experts.items():
-            self._check_compatible(expert, f"experts[{task!r}]")
-        if self.base_model is not None:
-            self._check_compatible(self.base_model, "base_model")
+        # Models given as folders / hub ids with safetensors are read one block at a time.
+        self.experts: dict[str, ModelSource] = {task: make_source(experts[task], f"experts[{task!r}]") for task in tasks}
+        self.base: ModelSource | None = None if base_model is None else make_source(base_model, "base_model")
+        for source in [*self.experts.values(), *([self.base] if self.base is not None else [])]:
+            self._check_compatible(source)
 
         # Data: batches per task, non-empty, accepted by the merged model's input path.
         self.batches: dict[str, list[Batch]] = {}
@@ -226,8 +224,8 @@ class FeatCalCalibrator:
         """The model card (a `huggingface_hub.ModelCard`) describing this calibration."""
         return build_model_card(
             model_class=type(self.model).__name__,
-            base_model=_source_name(self.base_source),
-            experts={task: _source_name(src) or "in-memory model" for task, src in self.expert_sources.items()},
+            base_model=None if self.base is None else self.base.name,
+            experts={task: source.name or "in-memory model" for task, source in self.experts.items()},
             samples_per_task=self.samples_per_task,
             featcal_config=self.config.to_dict(),
             report=self._report,
@@ -235,20 +233,21 @@ class FeatCalCalibrator:
         )
 
     # ================================================================== checks
-    def _check_compatible(self, other: nn.Module, argument: str) -> None:
-        other_map = get_layer_map(other, argument)
+    def _check_compatible(self, source: ModelSource) -> None:
+        argument = source.argument
+        other_map = get_layer_map(source.config, argument)
         if type(other_map) is not type(self.layer_map):
             raise ValueError(
-                f"`{argument}` is a {type(other).__name__} (model_type={other.config.model_type!r}), which does not "
-                f"match the merged {type(self.model).__name__}."
+                f"`{argument}` has model_type {source.config.model_type!r}, which does not match the merged "
+                f"{type(self.model).__name__} (model_type {self.model.config.model_type!r})."
             )
-        ours, theirs = self.layer_map.compatibility(self.model), other_map.compatibility(other)
+        ours, theirs = self.layer_map.compatibility(self.model.config), other_map.compatibility(source.config)
         diff = {k: (ours[k], theirs.get(k)) for k in ours if ours[k] != theirs.get(k)}
         if diff:
             detail = ", ".join(f"{k}: merged {a!r} vs {b!r}" for k, (a, b) in diff.items())
             raise ValueError(f"`{argument}` has a different configuration from the merged model ({detail}).")
         mine = {k: tuple(v.shape) for k, v in self.layer_map.tower(self.model).state_dict().items()}
-        other_shapes = {k: tuple(v.shape) for k, v in other_map.tower(other).state_dict().items()}
+        other_shapes = source.tower_shapes(other_map, self.model)
         missing = sorted(set(mine) - set(other_shapes))
         if missing:
             raise ValueError(f"`{argument}` lacks parameters of the merged model's tower: {missing[:5]}.")
@@ -348,10 +347,8 @@ class FeatCalCalibrator:
 
     # ================================================================== the sweep
     def _reference_models(self) -> list[nn.Module]:
-        models = list(self.experts.values())
-        if self.base_model is not None:
-            models.append(self.base_model)
-        return models
+        sources = [*self.experts.values(), *([self.base] if self.base is not None else [])]
+        return [model for source in sources for model in source.modules_for_eval()]
 
     def _parameter_names(self) -> list[str]:
         names_by_id = {id(p): n for n, p in self.model.named_parameters()}
@@ -364,14 +361,18 @@ class FeatCalCalibrator:
                     names.append(names_by_id[id(param)])
         return names
 
-    def _enter(self, model: nn.Module, stack_index: int, previous: dict[str, list[StreamBatch]] | None, task: str) -> list[StreamBatch]:
-        tower = self.layer_map.tower(model)
-        source_device = module_device(tower)
+    def _enter(
+        self, source: ModelSource | None, stack_index: int, previous: dict[str, list[StreamBatch]] | None, task: str
+    ) -> list[StreamBatch]:
+        """Each batch of a stream entering a stack: through the merged model (`source` None) or a source's own input path."""
         states = []
-        for b, batch in enumerate(self.batches[task]):
-            prev = None if previous is None else send_to_device(previous[task][b], source_device)
-            state = self.layer_map.enter_stack(tower, send_to_device(batch, source_device), stack_index, prev)
-            states.append(send_to_device(state, self.device))
+        entry = contextlib.nullcontext(self.layer_map.tower(self.model)) if source is None else source.entry_tower(self.layer_map, self.model)
+        with entry as tower:
+            source_device = module_device(tower)
+            for b, batch in enumerate(self.batches[task]):
+                prev = None if previous is None else send_to_device(previous[task][b], source_device)
+                state = self.layer_map.enter_stack(tower, send_to_device(batch, source_device), stack_index, prev)
+                states.append(send_to_device(state, self.device))
         return states
 
     def _sweep(self) -> DriftReport | None:
@@ -388,10 +389,10 @@ class FeatCalCalibrator:
         try:
             for si, stack in enumerate(stacks):
                 progress.set_postfix_str(f"entering {stack.name}")
-                student = {t: self._enter(self.model, si, student, t) for t in self.tasks}
+                student = {t: self._enter(None, si, student, t) for t in self.tasks}
                 expert = {t: self._enter(self.experts[t], si, expert, t) for t in self.tasks}
                 if report is not None:
-                    given = {t: (student[t] if si == 0 else self._enter(self.model, si, given, t)) for t in self.tasks}
+                    given = {t: (student[t] if si == 0 else self._enter(None, si, given, t)) for t in self.tasks}
                 for bi, block in enumerate(stack.blocks):
                     flat += 1
                     plan = self._plans[(si, bi)]
@@ -414,14 +415,13 @@ class FeatCalCalibrator:
     ) -> tuple[dict, dict, dict | None]:
         cfg, lm = self.config, self.layer_map
         si, bi = plan.stack_index, plan.block_index
-        stacks_of = lambda model: lm.stacks(lm.tower(model))  # noqa: E731
         calibrating = bool(plan.specs)
         linear_stats, norm_stats = self._new_statistics(plan, block) if calibrating else ({}, {})
         sources = plan.capture_sources
         new_student, new_expert, new_given = {}, {}, ({} if given is not None else None)
         for task in self.tasks:
             progress.set_postfix_str(f"({position}) {'collecting statistics' if calibrating else 'forwarding'} · {task}")
-            expert_block = block_on_device(stacks_of(self.experts[task])[si].blocks[bi], self.device)
+            expert_block = self.experts[task].block(lm, self.model, si, bi, self.device)
             new_student[task], new_expert[task] = [], []
             if new_given is not None:
                 new_given[task] = []
@@ -518,8 +518,8 @@ class FeatCalCalibrator:
         lam, eps, rho = cfg.lambda_ratio, cfg.epsilon, cfg.anchor_rho
         where = f"block {plan.block_index} of {self.layer_map.stacks(self.layer_map.tower(self.model))[plan.stack_index].name}"
         base_block = None
-        if self.base_model is not None:
-            base_block = self.layer_map.stacks(self.layer_map.tower(self.base_model))[plan.stack_index].blocks[plan.block_index]
+        if self.base is not None:
+            base_block = self.base.block(self.layer_map, self.model, plan.stack_index, plan.block_index, self.device)
 
         def anchor_of(name: str, attr: str) -> Tensor:
             merged = getattr(block.get_submodule(name), attr).detach().to(self._compute_dtype)
@@ -626,12 +626,3 @@ def _check_tasks(experts: Any, calibration_data: Any) -> list[str]:
 def _check_finite(value: Tensor, what: str) -> None:
     if not bool(torch.isfinite(value).all()):
         raise FeatCalError(f"non-finite values in the {what}; the model was left unchanged.")
-
-
-def _source_name(source: Any) -> str | None:
-    if source is None:
-        return None
-    if isinstance(source, (str, os.PathLike)):
-        return os.fspath(source)
-    name = getattr(getattr(source, "config", None), "_name_or_path", "") or getattr(source, "name_or_path", "")
-    return name or None

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
+import logging
 import os
-from typing import Union
+from collections.abc import Iterator
+from typing import Any, Union
 
 import torch
 import transformers
 from torch import nn
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModel, PreTrainedModel
 
-ModelSource = Union[nn.Module, str, os.PathLike]
+logger = logging.getLogger(__name__)
+
+ModelLike = Union[nn.Module, str, os.PathLike]
 
 
-def load_model(source: ModelSource, argument: str) -> nn.Module:
+def load_model(source: ModelLike, argument: str) -> nn.Module:
     """The model `source` names: itself if it is a model, else loaded from a local folder or hub id
     with its checkpoint's own class, `trust_remote_code=False`, safetensors preferred."""
     if isinstance(source, nn.Module):
@@ -65,3 +72,198 @@ def module_dtype(module: nn.Module) -> torch.dtype:
         if param.is_floating_point():
             return param.dtype
     return torch.float32
+
+
+# ---------------------------------------------------------------------------- sources
+class ModelSource:
+    """Where one expert's (or the base's) parameters come from. The calibrator asks a source for its
+    config, its tower's parameter shapes, one block at a time, and a tower to enter a stack with."""
+
+    argument: str
+    config: Any
+    name: str | None
+
+    def tower_shapes(self, layer_map: Any, reference: nn.Module) -> dict[str, tuple[int, ...]]:
+        raise NotImplementedError
+
+    def block(self, layer_map: Any, reference: nn.Module, stack: int, index: int, device: torch.device) -> nn.Module:
+        """Block `index` of stack `stack`, on `device`, in eval mode; never the caller's module moved."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def entry_tower(self, layer_map: Any, reference: nn.Module) -> Iterator[nn.Module]:
+        """A tower whose input path (everything before the first block of each stack) is this model's."""
+        raise NotImplementedError
+        yield
+
+    def modules_for_eval(self) -> list[nn.Module]:
+        return []
+
+
+class InMemorySource(ModelSource):
+    """A model object the caller handed over (or one loaded whole, for non-safetensors checkpoints)."""
+
+    def __init__(self, model: nn.Module, argument: str, name: str | None = None) -> None:
+        self.model, self.argument, self.config = model, argument, getattr(model, "config", None)
+        self.name = name or getattr(self.config, "_name_or_path", None) or None
+
+    def tower_shapes(self, layer_map: Any, reference: nn.Module) -> dict[str, tuple[int, ...]]:
+        return {k: tuple(v.shape) for k, v in layer_map.tower(self.model).state_dict().items()}
+
+    def block(self, layer_map: Any, reference: nn.Module, stack: int, index: int, device: torch.device) -> nn.Module:
+        return block_on_device(layer_map.stacks(layer_map.tower(self.model))[stack].blocks[index], device)
+
+    @contextlib.contextmanager
+    def entry_tower(self, layer_map: Any, reference: nn.Module) -> Iterator[nn.Module]:
+        yield layer_map.tower(self.model)
+
+    def modules_for_eval(self) -> list[nn.Module]:
+        return [self.model]
+
+
+class CheckpointSource(ModelSource):
+    """A checkpoint folder read lazily with `safetensors.safe_open`: only the tensors of the block in
+    use are ever materialised. Blocks are built as copies of the merged model's block (the reference)
+    with this checkpoint's tensors loaded into them."""
+
+    def __init__(self, folder: str, argument: str, name: str) -> None:
+        self.folder, self.argument, self.name = folder, argument, name
+        try:
+            self.config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+        except Exception as err:  # noqa: BLE001
+            raise ValueError(f"`{argument}`: cannot load a model config from {name!r}: {err}") from err
+        self._files = _safetensors_files(folder)
+        self._key_map: dict[str, str] | None = None
+
+    # -- keys
+    def _keys(self, layer_map: Any, reference: nn.Module) -> dict[str, str]:
+        """Tower-relative parameter name → checkpoint key (prefix as the checkpoint has it, ties resolved)."""
+        if self._key_map is not None:
+            return self._key_map
+        tower = layer_map.tower(reference)
+        names = list(tower.state_dict().keys())
+        tied = {}
+        for cls in type(reference).__mro__:
+            tied.update(getattr(cls, "_tied_weights_keys", None) or {})
+        errors = []
+        for prefix in layer_map.checkpoint_prefixes:
+            mapping, missing = {}, []
+            for name in names:
+                key = prefix + name
+                if key not in self._files and name in tied and prefix + tied[name] in self._files:
+                    key = prefix + tied[name]
+                if key in self._files:
+                    mapping[name] = key
+                elif not _is_non_persistent(tower, name):
+                    missing.append(name)
+            if not missing:
+                self._key_map = mapping
+                return mapping
+            errors.append(f"prefix {prefix!r}: missing {missing[:3]}")
+        raise ValueError(
+            f"`{self.argument}` ({self.name}) lacks parameters of the merged model's tower ({'; '.join(errors)})."
+        )
+
+    def _read(self, key: str) -> torch.Tensor:
+        with safe_open(self._files[key], framework="pt") as handle:
+            return handle.get_tensor(key)
+
+    def tower_shapes(self, layer_map: Any, reference: nn.Module) -> dict[str, tuple[int, ...]]:
+        shapes = {}
+        for name, key in self._keys(layer_map, reference).items():
+            with safe_open(self._files[key], framework="pt") as handle:
+                shapes[name] = tuple(handle.get_slice(key).get_shape())
+        return shapes
+
+    # -- blocks and entry
+    def block(self, layer_map: Any, reference: nn.Module, stack: int, index: int, device: torch.device) -> nn.Module:
+        tower = layer_map.tower(reference)
+        skeleton = layer_map.stacks(tower)[stack].blocks[index]
+        prefix = _qualified_name(tower, skeleton)
+        keys = self._keys(layer_map, reference)
+        clone = copy.deepcopy(skeleton)
+        with torch.no_grad():
+            for name, tensor in list(clone.named_parameters()) + list(clone.named_buffers()):
+                key = keys.get(f"{prefix}.{name}")
+                if key is None:
+                    if isinstance(tensor, nn.Parameter):
+                        raise ValueError(f"`{self.argument}` ({self.name}) has no tensor for {prefix}.{name}")
+                    continue
+                tensor.copy_(self._read(key).to(tensor.dtype))
+        return clone.to(device).eval()
+
+    @contextlib.contextmanager
+    def entry_tower(self, layer_map: Any, reference: nn.Module) -> Iterator[nn.Module]:
+        tower = layer_map.tower(reference)
+        block_params = {id(p) for stack in layer_map.stacks(tower) for p in stack.blocks.parameters()}
+        keys = self._keys(layer_map, reference)
+        saved = []
+        try:
+            with torch.no_grad():
+                for name, param in tower.named_parameters():
+                    if id(param) in block_params:
+                        continue
+                    saved.append((param, param.data))
+                    param.data = self._read(keys[name]).to(device=param.device, dtype=param.dtype)
+            yield tower
+        finally:
+            for param, data in reversed(saved):
+                param.data = data
+
+
+def make_source(source: ModelSource | nn.Module | str | os.PathLike, argument: str) -> ModelSource:
+    """A model → used in memory; a folder or hub id with safetensors → read lazily, one block at a
+    time; a checkpoint without safetensors → loaded whole (as `load_model`)."""
+    if isinstance(source, ModelSource):
+        return source
+    if isinstance(source, nn.Module):
+        return InMemorySource(source, argument)
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(
+            f"`{argument}` must be a PreTrainedModel, a local path or a hub id, got {type(source).__name__}."
+        )
+    name = os.fspath(source)
+    folder = name if os.path.isdir(name) else _download(name, argument)
+    if folder is not None and _safetensors_files(folder):
+        return CheckpointSource(folder, argument, name)
+    return InMemorySource(load_model(source, argument), argument, name)
+
+
+def _download(repo_id: str, argument: str) -> str | None:
+    """A local snapshot of a hub repository's config and safetensors files (None if it has none)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"])
+    except Exception as err:  # noqa: BLE001 - let `load_model` produce the user-facing error
+        logger.debug("snapshot of %s (%s) failed: %s", repo_id, argument, err)
+        return None
+    return folder
+
+
+def _safetensors_files(folder: str) -> dict[str, str]:
+    """Checkpoint key → safetensors file, from an index (sharded) or the single file."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as handle:
+            weight_map = json.load(handle)["weight_map"]
+        return {key: os.path.join(folder, file) for key, file in weight_map.items()}
+    single = os.path.join(folder, "model.safetensors")
+    if not os.path.isfile(single):
+        return {}
+    with safe_open(single, framework="pt") as handle:
+        return {key: single for key in handle.keys()}
+
+
+def _qualified_name(root: nn.Module, module: nn.Module) -> str:
+    for name, candidate in root.named_modules():
+        if candidate is module:
+            return name
+    raise ValueError("module is not inside the tower")
+
+
+def _is_non_persistent(tower: nn.Module, name: str) -> bool:
+    """Whether `name` is a buffer that checkpoints do not store (e.g. position ids)."""
+    module_name, _, attr = name.rpartition(".")
+    module = tower.get_submodule(module_name) if module_name else tower
+    return attr in getattr(module, "_non_persistent_buffers_set", set())

@@ -63,9 +63,12 @@ class LayerMap:
         """The part of `model` that FeatCal calibrates (the whole model for most architectures)."""
         return model
 
-    def tower_config(self, model: nn.Module) -> Any:
-        """The config describing the tower's geometry."""
-        return getattr(self.tower(model), "config", None)
+    def tower_config(self, config: Any) -> Any:
+        """The part of a model's config that describes the tower's geometry."""
+        return config
+
+    #: Key prefixes under which a checkpoint of this family may store the tower's tensors, tried in order.
+    checkpoint_prefixes: ClassVar[tuple[str, ...]] = ("",)
 
     def tower_prefix(self, model: nn.Module) -> str:
         """The tower's qualified name inside `model` ('' when the tower is the model)."""
@@ -99,9 +102,9 @@ class LayerMap:
                 return float(value)
         raise ValueError(f"cannot find the epsilon of norm {type(module).__name__}")
 
-    def compatibility(self, model: nn.Module) -> dict[str, Any]:
-        """The geometry that must agree between models for them to be merged / calibrated together."""
-        config = self.tower_config(model)
+    def compatibility(self, config: Any) -> dict[str, Any]:
+        """The geometry (from a model's config) that must agree between models calibrated together."""
+        config = self.tower_config(config)
         return {name: getattr(config, name, None) for name in self.config_fields}
 
     # ---------------------------------------------------------------- streams
@@ -174,12 +177,14 @@ def supported_model_types() -> list[str]:
     return sorted(_REGISTRY.maps)
 
 
-def get_layer_map(model: nn.Module, argument: str = "model") -> LayerMap:
-    """The layer map for `model`, chosen by `model.config.model_type`."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+def get_layer_map(model: Any, argument: str = "model") -> LayerMap:
+    """The layer map for a model (or a model config), chosen by its `model_type`."""
+    config = getattr(model, "config", model)
+    model_type = getattr(config, "model_type", None)
     if model_type not in _REGISTRY.maps:
+        name = type(model).__name__ if isinstance(model, nn.Module) else "config"
         raise ValueError(
-            f"`{argument}` has unsupported architecture {type(model).__name__} (model_type={model_type!r}); "
+            f"`{argument}` has unsupported architecture {name} (model_type={model_type!r}); "
             f"supported model types: {', '.join(supported_model_types())}."
         )
     return _REGISTRY.maps[model_type]()

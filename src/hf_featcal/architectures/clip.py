@@ -7,6 +7,8 @@ as `.vision_model`. The head pools the class token (position 0) after `post_laye
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from .base import LayerMap, Stack, register_layer_map
@@ -34,6 +36,12 @@ class CLIPVisionLayerMap(LayerMap):
     def tower(self, model: nn.Module) -> nn.Module:
         # CLIPModel / CLIPVisionModelWithProjection wrap the tower; CLIPVisionModel is the tower.
         return getattr(model, "vision_model", model)
+
+    # transformers-4 checkpoints (and CLIPModel ones) store the tower under `vision_model.`
+    checkpoint_prefixes = ("", "vision_model.")
+
+    def tower_config(self, config: Any) -> Any:
+        return getattr(config, "vision_config", config)
 
     def stacks(self, tower: nn.Module) -> list[Stack]:
         return [Stack("vision_encoder", tower.encoder.layers, pooled_token_index=0)]

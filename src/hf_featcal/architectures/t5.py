@@ -53,6 +53,7 @@ class T5LayerMap(LayerMap):
         "relative_attention_max_distance",
         "feed_forward_proj",
         "layer_norm_epsilon",
+        "num_decoder_layers",
     )
     rms_norm_classes = ("T5LayerNorm",)
 
@@ -62,12 +63,6 @@ class T5LayerMap(LayerMap):
         if decoder is not None:
             stacks.append(Stack("decoder", decoder.block))
         return stacks
-
-    def compatibility(self, model: nn.Module) -> dict[str, Any]:
-        values = super().compatibility(model)
-        if getattr(model, "decoder", None) is not None:
-            values["num_decoder_layers"] = model.config.num_decoder_layers
-        return values
 
     def required_batch_keys(self, model: nn.Module) -> tuple[str, ...]:
         # encoder-decoder models calibrate their decoder on the target text (teacher forcing)

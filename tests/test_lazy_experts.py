@@ -1,0 +1,103 @@
+"""Experts and base given as folders are read one block at a time from safetensors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import perturbed, task_arithmetic
+from hf_featcal import FeatCalCalibrator
+from hf_featcal.experts import CheckpointSource, InMemorySource, make_source
+from test_t5 import randomise_t5_norms, seq2seq_batch, t5_config
+from transformers import T5ForConditionalGeneration
+
+
+def _calibrate(merged, base, experts, data):
+    model = copy.deepcopy(merged)
+    calibrator = FeatCalCalibrator(model, base, experts, data, show_progress=False)
+    calibrator.calibrate()
+    return model, calibrator
+
+
+def test_folders_give_the_in_memory_result_and_read_one_block_at_a_time(clip_setting, tmp_path, monkeypatch):
+    base, experts, merged, data = clip_setting
+    base.save_pretrained(tmp_path / "base", max_shard_size="20KB")  # sharded: model.safetensors.index.json
+    for task, expert in experts.items():
+        expert.save_pretrained(tmp_path / task)
+    assert (tmp_path / "base" / "model.safetensors.index.json").exists()
+
+    reads: list[tuple[str, str]] = []  # (phase, key)
+    phase = {"now": "other"}
+    original_read, original_block, original_entry = CheckpointSource._read, CheckpointSource.block, CheckpointSource.entry_tower
+
+    def read(self, key):
+        reads.append((phase["now"], key))
+        return original_read(self, key)
+
+    def block(self, layer_map, reference, stack, index, device):
+        phase["now"] = f"block{index}"
+        try:
+            return original_block(self, layer_map, reference, stack, index, device)
+        finally:
+            phase["now"] = "other"
+
+    monkeypatch.setattr(CheckpointSource, "_read", read)
+    monkeypatch.setattr(CheckpointSource, "block", block)
+
+    expected, _ = _calibrate(merged, base, experts, data)
+    got, calibrator = _calibrate(merged, str(tmp_path / "base"), {t: str(tmp_path / t) for t in experts}, data)
+    assert all(isinstance(s, CheckpointSource) for s in calibrator.experts.values())
+    for (name, p), q in zip(got.named_parameters(), expected.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+
+    assert reads
+    for where, key in reads:
+        if where.startswith("block"):
+            assert key.startswith(f"encoder.layers.{where[5:]}."), (where, key)
+        else:  # entering the stack: only the input path, never a block
+            assert ".layers." not in key, key
+
+
+def test_t5_folders_with_tied_embeddings(generator, tmp_path):
+    for tie in (False, True):
+        config = t5_config(tie_word_embeddings=tie, feed_forward_proj="relu" if tie else "gated-gelu")
+        base = T5ForConditionalGeneration(config).eval()
+        randomise_t5_norms(base, generator)
+        experts = {t: perturbed(base, generator, 0.05).eval() for t in ("a", "b")}
+        merged = task_arithmetic(base, experts)
+        data = {t: [seq2seq_batch(generator)] for t in experts}
+        for task, expert in experts.items():
+            expert.save_pretrained(tmp_path / f"{tie}-{task}")
+        expected, _ = _calibrate(merged, base, experts, data)
+        got, calibrator = _calibrate(merged, base, {t: str(tmp_path / f"{tie}-{t}") for t in experts}, data)
+        assert isinstance(calibrator.experts["a"], CheckpointSource)
+        for (name, p), q in zip(got.named_parameters(), expected.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_bin_only_checkpoints_are_loaded_whole(clip_setting, tmp_path):
+    base, experts, merged, data = clip_setting
+    # transformers 5 always writes safetensors: write a legacy `.bin`-only checkpoint by hand
+    (tmp_path / "bin").mkdir()
+    experts["cars"].config.save_pretrained(tmp_path / "bin")
+    torch.save(experts["cars"].state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    source = make_source(str(tmp_path / "bin"), "experts['cars']")
+    assert isinstance(source, InMemorySource)
+    expected, _ = _calibrate(merged, base, experts, data)
+    got, _ = _calibrate(merged, base, {**experts, "cars": str(tmp_path / "bin")}, data)
+    for p, q in zip(got.parameters(), expected.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_folder_with_missing_block_tensors_is_refused(clip_setting, tmp_path):
+    from safetensors.torch import save_file
+
+    base, experts, merged, data = clip_setting
+    folder = tmp_path / "partial"
+    experts["cars"].config.save_pretrained(folder)
+    state = {k: v.contiguous() for k, v in experts["cars"].state_dict().items() if "layers.1.mlp" not in k}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"`experts\['cars'\]`.*lacks parameters of the merged model's tower"):
+        FeatCalCalibrator(merged, base, {**experts, "cars": str(folder)}, data)
