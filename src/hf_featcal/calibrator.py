@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .architectures import LAYER_NORM, LINEAR, LayerMap, ModuleSpec, get_layer_map
+from .checkpointing import CheckpointFolder, fingerprint
 from .config import FeatCalConfig, matches_module_pattern
 from .data import Batch, batch_size_of, prepare_batches
 from .experts import ModelLike, ModelSource, make_source, module_device
@@ -90,6 +91,9 @@ class FeatCalCalibrator:
         merge_info: how the merged model was made (for the model card); default
             `model.config.hf_featcal_merge` when present.
         show_progress: show a progress bar per block.
+        checkpoint_dir: persist progress there after every block; re-running with the same arguments
+            after an interruption continues from the last finished block (same result as an
+            uninterrupted run). A checkpoint of a different run is refused.
 
     All inputs are checked here, before any expensive work; errors name the offending argument.
     """
@@ -107,6 +111,7 @@ class FeatCalCalibrator:
         device: str | torch.device | None = None,
         merge_info: dict[str, Any] | None = None,
         show_progress: bool = True,
+        checkpoint_dir: str | os.PathLike | None = None,
     ) -> None:
         if config is None:
             config = FeatCalConfig()
@@ -156,6 +161,11 @@ class FeatCalCalibrator:
             for task, batches in self.batches.items()
         }
         self._check_batches_enter_model()
+        self.checkpoint_dir = checkpoint_dir
+        self._data_digest = None if checkpoint_dir is None else fingerprint(
+            [(f"{task}.{i}.{key}", value) for task, batches in self.batches.items()
+             for i, batch in enumerate(batches) for key, value in sorted(batch.items()) if isinstance(value, Tensor)]
+        )
         if self.state.num_processes > 1:
             rank, world = self.state.process_index, self.state.num_processes
             self.batches = {task: batches[rank::world] for task, batches in self.batches.items()}
@@ -351,15 +361,17 @@ class FeatCalCalibrator:
         return [model for source in sources for model in source.modules_for_eval()]
 
     def _parameter_names(self) -> list[str]:
+        """Qualified names of every parameter FeatCal may write."""
+        return [name for si, bi in self._plans for name in self._block_parameter_names(si, bi)]
+
+    def _block_parameter_names(self, si: int, bi: int) -> list[str]:
         names_by_id = {id(p): n for n, p in self.model.named_parameters()}
-        stacks = self.layer_map.stacks(self.layer_map.tower(self.model))
-        names = []
-        for (si, bi), plan in self._plans.items():
-            block = stacks[si].blocks[bi]
-            for spec in plan.specs:
-                for param in block.get_submodule(spec.name).parameters(recurse=False):
-                    names.append(names_by_id[id(param)])
-        return names
+        block = self.layer_map.stacks(self.layer_map.tower(self.model))[si].blocks[bi]
+        return [
+            names_by_id[id(param)]
+            for spec in self._plans[(si, bi)].specs
+            for param in block.get_submodule(spec.name).parameters(recurse=False)
+        ]
 
     def _enter(
         self, source: ModelSource | None, stack_index: int, previous: dict[str, list[StreamBatch]] | None, task: str
@@ -381,26 +393,71 @@ class FeatCalCalibrator:
         stacks = lm.stacks(tower)
         total = sum(len(s.blocks) for s in stacks)
         report = {task: {"before": [], "after": []} for task in self.tasks} if cfg.report_drift else None
-        progress = tqdm(total=total, desc="FeatCal", disable=not self.show_progress, unit="block")
         student: dict[str, list[StreamBatch]] | None = None
         expert: dict[str, list[StreamBatch]] | None = None
         given: dict[str, list[StreamBatch]] | None = None
+        checkpoint = self._checkpoint_folder()
+        resume = checkpoint.load() if checkpoint is not None else None
+        done = 0
+        if resume is not None:
+            done = resume.finished_blocks
+            current = dict(self.model.named_parameters())
+            for name, value in resume.parameters.items():
+                current[name].data.copy_(value.to(device=current[name].device, dtype=current[name].dtype))
+            student, expert, given = resume.streams["student"], resume.streams["expert"], resume.streams["given"]
+            report = resume.streams["report"]
+            self.solve_log = resume.streams["solve_log"]
+            logger.info("resuming from %s after block %d of %d", checkpoint.path, done, total)
+        progress = tqdm(total=total, initial=done, desc="FeatCal", disable=not self.show_progress, unit="block")
         flat = 0
         try:
             for si, stack in enumerate(stacks):
-                progress.set_postfix_str(f"entering {stack.name}")
-                student = {t: self._enter(None, si, student, t) for t in self.tasks}
-                expert = {t: self._enter(self.experts[t], si, expert, t) for t in self.tasks}
-                if report is not None:
-                    given = {t: (student[t] if si == 0 else self._enter(None, si, given, t)) for t in self.tasks}
+                first = flat + 1
+                if done >= flat + len(stack.blocks):  # the whole stack was finished before
+                    flat += len(stack.blocks)
+                    continue
+                if done < first:  # streams enter this stack (a resumed run may bring the previous stack's)
+                    progress.set_postfix_str(f"entering {stack.name}")
+                    student = {t: self._enter(None, si, student, t) for t in self.tasks}
+                    expert = {t: self._enter(self.experts[t], si, expert, t) for t in self.tasks}
+                    if report is not None:
+                        given = {t: (student[t] if si == 0 else self._enter(None, si, given, t)) for t in self.tasks}
                 for bi, block in enumerate(stack.blocks):
                     flat += 1
+                    if flat <= done:
+                        continue
                     plan = self._plans[(si, bi)]
                     student, expert, given = self._calibrate_block(plan, block, student, expert, given, report, progress, f"{flat}/{total}")
+                    if checkpoint is not None:
+                        progress.set_postfix_str(f"({flat}/{total}) checkpointing")
+                        current = dict(self.model.named_parameters())
+                        checkpoint.save(
+                            flat,
+                            {name: current[name] for name in self._block_parameter_names(si, bi)},
+                            {"student": student, "expert": expert, "given": given, "report": report, "solve_log": self.solve_log},
+                            self.state.wait_for_everyone,
+                        )
                     progress.update(1)
         finally:
             progress.close()
         return None if report is None else DriftReport(report)
+
+    def _checkpoint_folder(self) -> CheckpointFolder | None:
+        if self.checkpoint_dir is None:
+            return None
+        digest = fingerprint(
+            [
+                ("config", self.config.to_dict()),
+                ("layer_map", type(self.layer_map).__name__),
+                ("processes", self.state.num_processes),
+                ("tasks", self.tasks),
+                ("data", self._data_digest),
+                ("merged", self.layer_map.tower(self.model).state_dict()),
+                *[(f"expert.{task}", source.digest(self.layer_map, self.model)) for task, source in self.experts.items()],
+                ("base", None if self.base is None else self.base.digest(self.layer_map, self.model)),
+            ]
+        )
+        return CheckpointFolder(self.checkpoint_dir, digest, self.state.process_index, self.state.is_main_process, self.device)
 
     def _calibrate_block(
         self,

@@ -99,6 +99,10 @@ class ModelSource:
     def modules_for_eval(self) -> list[nn.Module]:
         return []
 
+    def digest(self, layer_map: Any, reference: nn.Module) -> Any:
+        """Something that changes when the model's weights change (for resume fingerprints)."""
+        raise NotImplementedError
+
 
 class InMemorySource(ModelSource):
     """A model object the caller handed over (or one loaded whole, for non-safetensors checkpoints)."""
@@ -119,6 +123,9 @@ class InMemorySource(ModelSource):
 
     def modules_for_eval(self) -> list[nn.Module]:
         return [self.model]
+
+    def digest(self, layer_map: Any, reference: nn.Module) -> Any:
+        return layer_map.tower(self.model).state_dict()
 
 
 class CheckpointSource(ModelSource):
@@ -174,6 +181,10 @@ class CheckpointSource(ModelSource):
             with safe_open(self._files[key], framework="pt") as handle:
                 shapes[name] = tuple(handle.get_slice(key).get_shape())
         return shapes
+
+    def digest(self, layer_map: Any, reference: nn.Module) -> Any:
+        files = sorted(set(self._files.values()))
+        return [(os.path.basename(f), os.path.getsize(f), os.path.getmtime(f)) for f in files]
 
     # -- blocks and entry
     def block(self, layer_map: Any, reference: nn.Module, stack: int, index: int, device: torch.device) -> nn.Module:
