@@ -22,6 +22,7 @@ def main(output: str) -> None:
     calibrator.calibrate()
     calibrator.save_model(output)  # writes on the main process only
     rank = calibrator.state.process_index
+    os.makedirs(output, exist_ok=True)  # save_model creates it on the main process only
     state = {k: v.clone() for k, v in merged.state_dict().items()}
     state["local_batches"] = {task: len(batches) for task, batches in calibrator.batches.items()}
     state["num_processes"] = calibrator.state.num_processes

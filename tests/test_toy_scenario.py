@@ -1,0 +1,222 @@
+"""The offline multi-task digits scenario (`hf_featcal.toy`): data, determinism, caching, efficacy gap.
+
+The full default scenario is built once per module (~15-20 s on 2 CPU cores) into a temporary cache;
+the determinism/subset checks use a smaller variant (~1-2 s per build).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import CLIPVisionModel
+
+from hf_featcal.toy import (
+    DIGITS_TASKS,
+    DigitsScenarioSettings,
+    accuracy,
+    build_digits_scenario,
+    calibration_batches,
+    evaluate_tasks,
+    load_digits_tasks,
+)
+
+pytest.importorskip("sklearn")
+
+# A small, fast variant for determinism checks (not an efficacy setting).
+SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+             pretrain_epochs=1, finetune_epochs=1, pretrain_size=200)
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def assert_same_models(a, b) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("digits_cache")
+
+
+@pytest.fixture(scope="module")
+def scenario(cache_dir):
+    return build_digits_scenario(seed=0, cache_dir=cache_dir)
+
+
+@pytest.fixture(scope="module")
+def accuracies(scenario):
+    merged = scenario.task_arithmetic(0.3)
+    return {
+        "base": scenario.evaluate(scenario.base),
+        "experts": scenario.evaluate_experts(),
+        "merged": scenario.evaluate(merged),
+    }
+
+
+# ------------------------------------------------------------------------------------------ data
+@pytest.mark.slow  # uses the module-scoped full scenario (built once, ~15-20 s)
+def test_data_shapes_and_splits(scenario):
+    assert scenario.tasks == list(DIGITS_TASKS)
+    assert scenario.pretrain_images.shape == (500, 3, 16, 16)
+    assert scenario.pretrain_labels.shape == (500,)
+    for task, d in scenario.data.items():
+        assert d.train_images.shape == (973, 3, 16, 16), task
+        assert d.test_images.shape == (324, 3, 16, 16), task
+        assert d.train_images.dtype == torch.float32
+        assert d.train_labels.dtype == torch.long and d.train_labels.shape == (973,)
+        assert d.test_labels.shape == (324,)
+        assert d.num_classes == (2 if task == "parity" else 10)
+        assert set(d.train_labels.tolist()) == set(range(d.num_classes))
+        assert float(d.train_images.min()) >= -1.0 and float(d.train_images.max()) <= 1.0
+    # 1797 images: pool + train + test, no overlap (checked via the plain view)
+    plain = scenario.data["digits"]
+    rows = torch.cat([scenario.pretrain_images, plain.train_images, plain.test_images]).flatten(1)
+    assert rows.shape[0] == 1797
+    assert torch.unique(rows, dim=0).shape[0] == 1797
+
+
+@pytest.mark.slow  # uses the module-scoped full scenario (built once, ~15-20 s)
+def test_tasks_are_views_of_the_same_images(scenario):
+    d = scenario.data
+    plain = d["digits"].train_images
+    torch.testing.assert_close(d["rotated"].train_images, torch.rot90(plain, 1, dims=(-2, -1)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(d["inverted"].train_images, -plain, atol=1e-5, rtol=0)
+    torch.testing.assert_close(d["parity"].train_images, plain.flip(-1), atol=1e-5, rtol=0)
+    assert torch.equal(d["rotated"].train_labels, d["digits"].train_labels)
+    assert torch.equal(d["parity"].train_labels, d["digits"].train_labels % 2)
+    # coloured: the three channels differ
+    assert not torch.allclose(plain[:, 0], plain[:, 1])
+
+
+@pytest.mark.slow  # uses the module-scoped full scenario (built once, ~15-20 s)
+def test_calibration_batches_and_datasets(scenario):
+    for task in scenario.tasks:
+        batches = scenario.calibration[task]
+        assert all(set(b) == {"pixel_values"} for b in batches)
+        assert sum(b["pixel_values"].shape[0] for b in batches) == 256
+        assert batches[0]["pixel_values"].shape == (32, 3, 16, 16)
+        assert torch.equal(torch.cat([b["pixel_values"] for b in batches]), scenario.data[task].train_images[:256])
+        dataset = scenario.calibration_datasets[task]
+        assert len(dataset) == 256 and dataset.column_names == ["pixel_values"]
+        rows = dataset[:4]["pixel_values"]
+        assert isinstance(rows, torch.Tensor) and rows.shape == (4, 3, 16, 16)
+        torch.testing.assert_close(rows, scenario.data[task].train_images[:4])
+    assert len(calibration_batches(scenario.data["digits"].train_images, num_samples=10, batch_size=4)) == 3
+
+
+@pytest.mark.slow  # uses the module-scoped full scenario (built once, ~15-20 s)
+def test_models_are_clip_vision_models_with_task_heads(scenario):
+    assert isinstance(scenario.base, CLIPVisionModel) and not scenario.base.training
+    for task in scenario.tasks:
+        expert = scenario.experts[task]
+        assert isinstance(expert, CLIPVisionModel) and not expert.training
+        assert expert.state_dict().keys() == scenario.base.state_dict().keys()
+        head = scenario.heads[task]
+        assert head.weight.shape == (scenario.data[task].num_classes, 48)
+    out = scenario.base(pixel_values=scenario.data["digits"].test_images[:2])
+    assert out.last_hidden_state.shape == (2, 17, 48)  # 16 patches + class token
+
+
+# ------------------------------------------------------------------------------------------ efficacy gap
+@pytest.mark.slow  # uses the module-scoped full scenario (built once, ~15-20 s)
+def test_experts_beat_base_and_task_arithmetic_on_their_own_tasks(accuracies):
+    base, experts, merged = accuracies["base"], accuracies["experts"], accuracies["merged"]
+    for task in DIGITS_TASKS:
+        assert experts[task] >= 0.88, (task, experts[task])
+        assert experts[task] >= base[task] + 0.03, (task, experts[task], base[task])
+        assert experts[task] >= merged[task] + 0.02, (task, experts[task], merged[task])
+    assert mean(experts.values()) >= 0.92
+    assert mean(experts.values()) - mean(merged.values()) >= 0.10  # a clear merging loss
+    assert mean(merged.values()) > mean(base.values())  # merging still helps over the base
+    assert mean(base.values()) <= 0.85
+
+
+@pytest.mark.slow  # uses the module-scoped full scenario (built once, ~15-20 s)
+def test_experts_specialise(scenario, accuracies):
+    """Each expert is better on its own task than the other experts are (with that task's head)."""
+    for task in ("rotated", "inverted"):
+        d = scenario.data[task]
+        own = accuracies["experts"][task]
+        for other in scenario.tasks:
+            if other != task:
+                assert accuracy(scenario.experts[other], scenario.heads[task], d.test_images, d.test_labels) < own - 0.05
+
+
+@pytest.mark.slow  # uses the module-scoped full scenario (built once, ~15-20 s)
+def test_evaluate_helpers(scenario, accuracies):
+    assert evaluate_tasks(scenario.base, scenario.heads, scenario.data) == accuracies["base"]
+    train = scenario.evaluate(scenario.base, split="train")
+    assert set(train) == set(DIGITS_TASKS) and all(0.0 <= v <= 1.0 for v in train.values())
+    with pytest.raises(ValueError, match="split"):
+        scenario.evaluate(scenario.base, split="validation")
+
+
+# ------------------------------------------------------------------------------------------ caching
+@pytest.mark.slow  # uses the module-scoped full scenario (built once, ~15-20 s)
+def test_cache_round_trip(scenario, cache_dir, accuracies):
+    assert not scenario.loaded_from_cache
+    assert scenario.cache_path is not None and os.path.isdir(scenario.cache_path)
+    with open(os.path.join(scenario.cache_path, "scenario.json"), encoding="utf-8") as handle:
+        assert json.load(handle)["settings"]["seed"] == 0
+    reloaded = build_digits_scenario(seed=0, cache_dir=cache_dir)
+    assert reloaded.loaded_from_cache and reloaded.cache_path == scenario.cache_path
+    assert_same_models(reloaded.base, scenario.base)
+    for task in DIGITS_TASKS:
+        assert_same_models(reloaded.experts[task], scenario.experts[task])
+        assert_same_models(reloaded.heads[task], scenario.heads[task])
+        assert torch.equal(reloaded.data[task].test_images, scenario.data[task].test_images)
+    assert reloaded.evaluate(reloaded.base) == accuracies["base"]
+    # other settings get another cache folder
+    assert DigitsScenarioSettings(seed=1).cache_key() != DigitsScenarioSettings(seed=0).cache_key()
+    assert DigitsScenarioSettings(finetune_epochs=3).cache_key() != DigitsScenarioSettings().cache_key()
+
+
+# ------------------------------------------------------------------------------------------ determinism
+def test_data_is_deterministic_per_seed():
+    (xa, ya), da = load_digits_tasks(seed=3)
+    (xb, yb), db = load_digits_tasks(seed=3)
+    (xc, _), _ = load_digits_tasks(seed=4)
+    assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert all(torch.equal(da[t].train_images, db[t].train_images) for t in DIGITS_TASKS)
+    assert not torch.equal(xa, xc)
+
+
+def test_build_is_deterministic_and_leaves_global_state_alone():
+    torch.manual_seed(123)
+    rng_before = torch.get_rng_state()
+    threads_before = torch.get_num_threads()
+    a = build_digits_scenario(seed=5, tasks=("digits", "inverted"), **SMALL)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert torch.get_num_threads() == threads_before
+    b = build_digits_scenario(seed=5, tasks=("digits", "inverted"), **SMALL)
+    assert_same_models(a.base, b.base)
+    for task in a.tasks:
+        assert_same_models(a.experts[task], b.experts[task])
+        assert_same_models(a.heads[task], b.heads[task])
+    # a task's expert does not depend on which other tasks are built
+    c = build_digits_scenario(seed=5, tasks=("inverted",), **SMALL)
+    assert_same_models(c.experts["inverted"], a.experts["inverted"])
+    # another seed gives other models
+    d = build_digits_scenario(seed=6, tasks=("digits",), **SMALL)
+    assert not torch.equal(d.base.post_layernorm.weight, a.base.post_layernorm.weight)
+
+
+# ------------------------------------------------------------------------------------------ errors
+def test_invalid_arguments():
+    with pytest.raises(ValueError, match="tasks"):
+        load_digits_tasks(tasks=("digits", "svhn"))
+    with pytest.raises(ValueError, match="tasks"):
+        load_digits_tasks(tasks=())
+    with pytest.raises(ValueError, match="image_size"):
+        load_digits_tasks(image_size=12)
+    with pytest.raises(ValueError, match="unknown scenario settings"):
+        build_digits_scenario(seed=0, hidden_sise=32)
