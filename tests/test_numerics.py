@@ -113,3 +113,27 @@ def test_large_activations_match_the_reference(clip_setting):
     num = sum(float((p.double() - ref[n]).square().sum()) for n, p in merged.named_parameters())
     den = sum(float(v.square().sum()) for v in ref.values())
     assert (num / den) ** 0.5 < 1e-5
+
+
+def test_stream_placement_does_not_change_results(clip_setting):
+    base, experts, merged, data = clip_setting
+    results = []
+    for placement in ("accelerator", "cpu", "pinned_cpu"):
+        model = copy.deepcopy(merged)
+        calibrator = FeatCalCalibrator(model, base, experts, data, FeatCalConfig(stream_placement=placement), show_progress=False)
+        calibrator.calibrate()
+        results.append((model, calibrator.report.to_dict()))
+    for model, report in results[1:]:
+        assert report == results[0][1]
+        for p, q in zip(model.parameters(), results[0][0].parameters()):
+            assert torch.equal(p, q)
+
+
+def test_stream_batches_move_every_tensor():
+    from hf_featcal.streams import StreamBatch
+
+    state = StreamBatch(torch.ones(2, 3, 4), (torch.ones(2), None, [torch.ones(1)]), {"mask": torch.ones(2)},
+                        torch.ones(2, 3), {"encoder_weights": torch.ones(2, 5)})
+    moved = state.to("meta")
+    assert moved.hidden.is_meta and moved.args[0].is_meta and moved.args[1] is None and moved.args[2][0].is_meta
+    assert moved.kwargs["mask"].is_meta and moved.weights.is_meta and moved.extras["encoder_weights"].is_meta

@@ -384,7 +384,7 @@ class FeatCalCalibrator:
             for b, batch in enumerate(self.batches[task]):
                 prev = None if previous is None else send_to_device(previous[task][b], source_device)
                 state = self.layer_map.enter_stack(tower, send_to_device(batch, source_device), stack_index, prev)
-                states.append(send_to_device(state, self.device))
+                states.append(self._park(state))
         return states
 
     def _sweep(self) -> DriftReport | None:
@@ -483,15 +483,17 @@ class FeatCalCalibrator:
             if new_given is not None:
                 new_given[task] = []
             with eval_mode(expert_block), capture_module_inputs(block, sources) as xs, capture_module_inputs(expert_block, sources) as xe:
-                for b, state in enumerate(student[task]):
-                    out_student = lm.run_block(block, bi, state)
-                    out_expert = lm.run_block(expert_block, bi, expert[task][b])
+                for b, parked in enumerate(student[task]):
+                    state = self._fetch(parked)
+                    out_student = self._park(lm.run_block(block, bi, state))
+                    out_expert = lm.run_block(expert_block, bi, self._fetch(expert[task][b]))
                     if calibrating:
                         self._accumulate(plan, linear_stats, norm_stats, xs, xe, state)
-                    new_expert[task].append(out_expert)
+                    new_expert[task].append(self._park(out_expert))
                     if new_given is not None:
-                        same = given[task][b] is state
-                        new_given[task].append(out_student if same else lm.run_block(block, bi, given[task][b]))
+                        # the merged model as given and the student coincide until a block is calibrated
+                        same = given[task][b] is parked
+                        new_given[task].append(out_student if same else self._run(block, bi, given[task][b]))
                     if not calibrating:
                         new_student[task].append(out_student)
             if calibrating:
@@ -501,12 +503,27 @@ class FeatCalCalibrator:
             self._solve_and_write(plan, block, linear_stats, norm_stats)
             progress.set_postfix_str(f"({position}) propagating")
             for task in self.tasks:
-                new_student[task] = [lm.run_block(block, bi, state) for state in student[task]]
+                new_student[task] = [self._run(block, bi, state) for state in student[task]]
         if report is not None:
             for task in self.tasks:
                 report[task]["before"].append(self._drift(new_given[task], new_expert[task]))
                 report[task]["after"].append(self._drift(new_student[task], new_expert[task]))
         return new_student, new_expert, new_given
+
+    def _park(self, state: StreamBatch) -> StreamBatch:
+        """Where a stream batch waits between blocks (`FeatCalConfig.stream_placement`)."""
+        placement = self.config.stream_placement
+        if placement == "accelerator":
+            return state.to(self.device)
+        state = state.to("cpu")
+        return state.pin_memory() if placement == "pinned_cpu" and torch.cuda.is_available() else state
+
+    def _fetch(self, state: StreamBatch) -> StreamBatch:
+        """A parked stream batch on the compute device."""
+        return state.to(self.device, non_blocking=self.config.stream_placement == "pinned_cpu")
+
+    def _run(self, block: nn.Module, index: int, parked: StreamBatch) -> StreamBatch:
+        return self._park(self.layer_map.run_block(block, index, self._fetch(parked)))
 
     def _reduce(self, tensors: list[Tensor]) -> list[Tensor]:
         """Sum tensors across processes (identity on one process)."""
@@ -519,6 +536,7 @@ class FeatCalCalibrator:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count = torch.zeros((), dtype=torch.float64, device=self.device)
         for m, e in zip(merged, expert):
+            m, e = self._fetch(m), self._fetch(e)
             mask = (m.weights > 0).to(torch.float64)
             total += ((m.hidden.double() - e.hidden.double()).norm(dim=-1) * mask).sum()
             count += mask.sum()

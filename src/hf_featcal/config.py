@@ -86,6 +86,14 @@ class FeatCalConfig:
         default=True,
         metadata={"help": "Measure the per-block feature drift before and after calibration (one extra merged forward per block)."},
     )
+    stream_placement: str = field(
+        default="accelerator",
+        metadata={
+            "help": "Where the per-task feature streams wait between blocks: 'accelerator' (the compute device; "
+            "fastest), 'cpu' (frees accelerator memory) or 'pinned_cpu' (CPU, page-locked for fast copies). "
+            "Does not change results."
+        },
+    )
     compute_dtype: str = field(
         default="float32",
         metadata={"help": "dtype of the accumulated statistics and of the solves: 'float32' or 'float64'."},
@@ -153,6 +161,10 @@ class FeatCalConfig:
         ):
             raise ValueError(
                 f"FeatCalConfig.layers_to_transform must be None, an int or a non-empty list of ints, got {layers!r}."
+            )
+        if self.stream_placement not in ("accelerator", "cpu", "pinned_cpu"):
+            raise ValueError(
+                f"FeatCalConfig.stream_placement must be 'accelerator', 'cpu' or 'pinned_cpu', got {self.stream_placement!r}."
             )
         if self.compute_dtype not in ("float32", "float64"):
             raise ValueError(f"FeatCalConfig.compute_dtype must be 'float32' or 'float64', got {self.compute_dtype!r}.")

@@ -28,6 +28,30 @@ class StreamBatch:
     def with_hidden(self, hidden: Tensor) -> "StreamBatch":
         return replace(self, hidden=hidden)
 
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "StreamBatch":
+        """Every tensor of the batch (also inside args, kwargs and extras) on `device`."""
+        from accelerate.utils import send_to_device
+
+        move = lambda obj: send_to_device(obj, device, non_blocking=non_blocking)  # noqa: E731
+        return StreamBatch(
+            hidden=move(self.hidden),
+            args=tuple(move(a) for a in self.args),
+            kwargs={k: move(v) for k, v in self.kwargs.items()},
+            weights=None if self.weights is None else move(self.weights),
+            extras={k: move(v) for k, v in self.extras.items()},
+        )
+
+    def pin_memory(self) -> "StreamBatch":
+        """The batch with every CPU tensor in page-locked memory (faster, asynchronous copies to a GPU)."""
+        pin = lambda t: t.pin_memory() if isinstance(t, Tensor) and t.device.type == "cpu" else t  # noqa: E731
+        return StreamBatch(
+            hidden=pin(self.hidden),
+            args=tuple(pin(a) for a in self.args),
+            kwargs={k: pin(v) for k, v in self.kwargs.items()},
+            weights=pin(self.weights),
+            extras={k: pin(v) for k, v in self.extras.items()},
+        )
+
 
 class _StopForward(Exception):
     """Raised by a capture hook to end a forward pass once the wanted inputs are stored."""
