@@ -219,3 +219,17 @@ def test_expert_checkpoint_with_transformers4_key_prefix(clip_setting, tmp_path)
     FeatCalCalibrator(merged, base, {**experts, "dtd": str(folder)}, data, show_progress=False).calibrate()
     for (name, p), q in zip(merged.named_parameters(), reference.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_merged_calibrating_pass_stops_after_the_last_captured_input(clip_setting):
+    """The student's forward through the uncalibrated block is cut after fc2's input is captured (its
+    output would be recomputed by the propagation anyway): fc2 runs once per batch, not twice."""
+    base, experts, merged, data = clip_setting
+    calls = []
+    handles = [layer.mlp.fc2.register_forward_hook(lambda m, a, o: calls.append(1)) for layer in merged.encoder.layers]
+    FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(report_drift=False), show_progress=False).calibrate()
+    for h in handles:
+        h.remove()
+    batches = sum(len(bs) for bs in data.values())
+    # per block: the first batch runs whole (to learn the call order), then only the propagation
+    assert len(calls) == 2 * (1 + batches)

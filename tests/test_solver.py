@@ -230,6 +230,20 @@ def test_objective_decrease_equals_direct_evaluation(generator):
 
     from hf_featcal.solver import linear_objective_decrease
 
-    got = linear_objective_decrease(stats.gram_sum, stats.rhs_sum["m"], a_w, old, new, lam, eps)
+    got = linear_objective_decrease(stats.gram_sum, old, new, lam, eps)
     assert got == pytest.approx(objective(old) - objective(new), rel=1e-9)
     assert got > 0
+
+
+def test_direct_right_hand_side_equals_cross_moment_path(generator):
+    tasks = _tasks(generator, d=6, out=4)
+    plain = _linear_statistics(tasks, 0.25, 1e-8)
+    direct = LinearGroupStatistics(("m",), 6, dtype=F64, device=torch.device("cpu"), epsilon=1e-8, direct_rhs=True)
+    for t in tasks:
+        x_t = 0.25 * t["x_e"] + 0.75 * t["x_s"]
+        target = {"m": LinearTargets(t["weight"], t["bias"])}
+        direct.accumulate(t["x_s"][:, None], x_t[:, None], t["w"][:, None], target)
+        direct.finish_task(target)
+    torch.testing.assert_close(direct.rhs_sum["m"], plain.rhs_sum["m"], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(direct.gram_sum, plain.gram_sum, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(direct.bias_target_sum["m"], plain.bias_target_sum["m"], rtol=1e-12, atol=1e-12)

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -35,11 +36,11 @@ from .solver import (
     gram_is_singular,
     solve_layer_norm,
     solve_linear_bias,
-    solve_linear_weight,
+    solve_linear_weights,
     solve_scale_only_norm,
 )
 from .statistics import LinearGroupStatistics, LinearTargets, NormStatistics
-from .streams import StreamBatch
+from .streams import StopForward, StreamBatch
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +174,11 @@ class FeatCalCalibrator:
         self.merge_info = merge_info if merge_info is not None else getattr(getattr(model, "config", None), "hf_featcal_merge", None)
         self._report: DriftReport | None = None
         self._calibrated = False
+        #: Seconds spent per stage of the last `calibrate()` (entering stacks, block forwards,
+        #: statistics, solving, propagating, drift, checkpointing). Set `profile = True` to synchronise
+        #: the device around each stage so GPU timings are exact.
+        self.timings: dict[str, float] = {}
+        self.profile = False
         #: One entry per solved Linear: block, module, solve method, damping and the exact decrease
         #: of its weight objective J(merged weight) − J(calibrated weight).
         self.solve_log: list[dict[str, Any]] = []
@@ -418,10 +424,11 @@ class FeatCalCalibrator:
                     continue
                 if done < first:  # streams enter this stack (a resumed run may bring the previous stack's)
                     progress.set_postfix_str(f"entering {stack.name}")
-                    student = {t: self._enter(None, si, student, t) for t in self.tasks}
-                    expert = {t: self._enter(self.experts[t], si, expert, t) for t in self.tasks}
-                    if report is not None:
-                        given = {t: (student[t] if si == 0 else self._enter(None, si, given, t)) for t in self.tasks}
+                    with self._timed("entering stacks"):
+                        student = {t: self._enter(None, si, student, t) for t in self.tasks}
+                        expert = {t: self._enter(self.experts[t], si, expert, t) for t in self.tasks}
+                        if report is not None:
+                            given = {t: (student[t] if si == 0 else self._enter(None, si, given, t)) for t in self.tasks}
                 for bi, block in enumerate(stack.blocks):
                     flat += 1
                     if flat <= done:
@@ -431,12 +438,13 @@ class FeatCalCalibrator:
                     if checkpoint is not None:
                         progress.set_postfix_str(f"({flat}/{total}) checkpointing")
                         current = dict(self.model.named_parameters())
-                        checkpoint.save(
-                            flat,
-                            {name: current[name] for name in self._block_parameter_names(si, bi)},
-                            {"student": student, "expert": expert, "given": given, "report": report, "solve_log": self.solve_log},
-                            self.state.wait_for_everyone,
-                        )
+                        with self._timed("checkpointing"):
+                            checkpoint.save(
+                                flat,
+                                {name: current[name] for name in self._block_parameter_names(si, bi)},
+                                {"student": student, "expert": expert, "given": given, "report": report, "solve_log": self.solve_log},
+                                self.state.wait_for_everyone,
+                            )
                     progress.update(1)
         finally:
             progress.close()
@@ -475,40 +483,74 @@ class FeatCalCalibrator:
         calibrating = bool(plan.specs)
         linear_stats, norm_stats = self._new_statistics(plan, block) if calibrating else ({}, {})
         sources = plan.capture_sources
+        last_source: str | None = None  # the last captured module in forward order, once seen
         new_student, new_expert, new_given = {}, {}, ({} if given is not None else None)
         for task in self.tasks:
             progress.set_postfix_str(f"({position}) {'collecting statistics' if calibrating else 'forwarding'} · {task}")
-            expert_block = self.experts[task].block(lm, self.model, si, bi, self.device)
+            with self._timed("loading expert blocks"):
+                expert_block = self.experts[task].block(lm, self.model, si, bi, self.device)
+                targets = self._expert_targets(linear_stats, expert_block)
             new_student[task], new_expert[task] = [], []
             if new_given is not None:
                 new_given[task] = []
             with eval_mode(expert_block), capture_module_inputs(block, sources) as xs, capture_module_inputs(expert_block, sources) as xe:
                 for b, parked in enumerate(student[task]):
-                    state = self._fetch(parked)
-                    out_student = self._park(lm.run_block(block, bi, state))
-                    out_expert = lm.run_block(expert_block, bi, self._fetch(expert[task][b]))
+                    # the student's output of the uncalibrated block is only needed while it is also the
+                    # merged-as-given stream, or when nothing is solved here; otherwise its forward can stop
+                    # once the last module input is captured (the expert's must run on: it feeds the next block)
+                    needed = not calibrating or (new_given is not None and given[task][b] is parked)
+                    xs.stop_after = None if needed or last_source is None else last_source
+                    with self._timed("block forwards"):
+                        state = self._fetch(parked)
+                        try:
+                            out_student = self._park(lm.run_block(block, bi, state))
+                        except StopForward:
+                            out_student = None
+                        xs.stop_after = None  # the merged-as-given stream below runs the block to its end
+                        if calibrating and last_source is None and len(xs.order) == len(sources):
+                            last_source = xs.order[-1]
+                        out_expert = lm.run_block(expert_block, bi, self._fetch(expert[task][b]))
                     if calibrating:
-                        self._accumulate(plan, linear_stats, norm_stats, xs, xe, state)
+                        with self._timed("statistics"):
+                            self._accumulate(plan, linear_stats, norm_stats, xs, xe, state, targets)
                     new_expert[task].append(self._park(out_expert))
                     if new_given is not None:
                         # the merged model as given and the student coincide until a block is calibrated
                         same = given[task][b] is parked
-                        new_given[task].append(out_student if same else self._run(block, bi, given[task][b]))
+                        with self._timed("drift (merged-as-given stream)"):
+                            new_given[task].append(out_student if same else self._run(block, bi, given[task][b]))
                     if not calibrating:
                         new_student[task].append(out_student)
             if calibrating:
-                self._finish_task(task, expert_block, linear_stats, norm_stats)
+                with self._timed("statistics"):
+                    self._finish_task(expert_block, linear_stats, norm_stats, targets)
         if calibrating:
             progress.set_postfix_str(f"({position}) solving")
-            self._solve_and_write(plan, block, linear_stats, norm_stats)
+            with self._timed("solving"):
+                self._solve_and_write(plan, block, linear_stats, norm_stats)
             progress.set_postfix_str(f"({position}) propagating")
-            for task in self.tasks:
-                new_student[task] = [self._run(block, bi, state) for state in student[task]]
+            with self._timed("propagating"):
+                for task in self.tasks:
+                    new_student[task] = [self._run(block, bi, state) for state in student[task]]
         if report is not None:
-            for task in self.tasks:
-                report[task]["before"].append(self._drift(new_given[task], new_expert[task]))
-                report[task]["after"].append(self._drift(new_student[task], new_expert[task]))
+            with self._timed("drift (merged-as-given stream)"):
+                for task in self.tasks:
+                    report[task]["before"].append(self._drift(new_given[task], new_expert[task]))
+                    report[task]["after"].append(self._drift(new_student[task], new_expert[task]))
         return new_student, new_expert, new_given
+
+    @contextlib.contextmanager
+    def _timed(self, stage: str):
+        """Add the wall time of the body to `self.timings[stage]` (device-synchronised when profiling)."""
+        if self.profile and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.profile and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.timings[stage] = self.timings.get(stage, 0.0) + time.perf_counter() - start
 
     def _park(self, state: StreamBatch) -> StreamBatch:
         """Where a stream batch waits between blocks (`FeatCalConfig.stream_placement`)."""
@@ -545,10 +587,11 @@ class FeatCalCalibrator:
 
     def _new_statistics(self, plan: _BlockPlan, block: nn.Module) -> tuple[dict, dict]:
         kw = {"dtype": self._compute_dtype, "device": self.device}
-        linear = {
-            key: LinearGroupStatistics(tuple(names), block.get_submodule(names[0]).in_features, epsilon=self.config.epsilon, **kw)
-            for key, names in plan.linear_groups.items()
-        }
+        linear = {}
+        for key, names in plan.linear_groups.items():
+            dim = block.get_submodule(names[0]).in_features
+            outputs = sum(block.get_submodule(n).out_features for n in names)
+            linear[key] = LinearGroupStatistics(tuple(names), dim, epsilon=self.config.epsilon, direct_rhs=outputs < dim, **kw)
         norms = {}
         for name, weighted in plan.norms:
             module = block.get_submodule(name)
@@ -558,12 +601,14 @@ class FeatCalCalibrator:
             )
         return linear, norms
 
-    def _accumulate(self, plan: _BlockPlan, linear: dict, norms: dict, xs: dict, xe: dict, state: StreamBatch) -> None:
+    def _accumulate(
+        self, plan: _BlockPlan, linear: dict, norms: dict, xs: dict, xe: dict, state: StreamBatch, targets: dict
+    ) -> None:
         alpha = self.config.teacher_alpha
         for (source, weighted), stats in linear.items():
             x_s = xs[source]
             x_t = torch.lerp(x_s.to(self._compute_dtype), xe[source].to(self._compute_dtype), alpha)
-            stats.accumulate(x_s, x_t, self._module_weights(plan, source, weighted, state))
+            stats.accumulate(x_s, x_t, self._module_weights(plan, source, weighted, state), targets)
         for (name, weighted), stats in norms.items():
             stats.accumulate(xs[name], self._module_weights(plan, name, weighted, state))
 
@@ -577,12 +622,18 @@ class FeatCalCalibrator:
         factor[:, plan.pooled_token_index] = 1.0
         return weights * factor
 
-    def _finish_task(self, task: str, expert_block: nn.Module, linear: dict, norms: dict) -> None:
+    @staticmethod
+    def _expert_targets(linear: dict, expert_block: nn.Module) -> dict[str, LinearTargets]:
+        """The task expert's parameters of every Linear being solved."""
+        targets = {}
         for stats in linear.values():
-            targets = {}
             for name in stats.modules:
                 module = expert_block.get_submodule(name)
                 targets[name] = LinearTargets(module.weight.detach(), None if module.bias is None else module.bias.detach())
+        return targets
+
+    def _finish_task(self, expert_block: nn.Module, linear: dict, norms: dict, targets: dict) -> None:
+        for stats in linear.values():
             stats.finish_task(targets, self._reduce)
         for (name, _), stats in norms.items():
             module = expert_block.get_submodule(name)
@@ -621,13 +672,12 @@ class FeatCalCalibrator:
                     FeatCalWarning,
                     stacklevel=5,
                 )
-            for name in names:
-                module = block.get_submodule(name)
-                anchor_weight = anchor_of(name, "weight")
-                weight, info = solve_linear_weight(stats.gram_sum, stats.rhs_sum[name], anchor_weight, lam, eps)
-                decrease = linear_objective_decrease(
-                    stats.gram_sum, stats.rhs_sum[name], anchor_weight, module.weight.detach(), weight, lam, eps
-                )
+            modules = [block.get_submodule(name) for name in names]
+            weights, info = solve_linear_weights(
+                stats.gram_sum, [stats.rhs_sum[name] for name in names], [anchor_of(name, "weight") for name in names], lam, eps
+            )
+            for name, module, weight in zip(names, modules, weights):
+                decrease = linear_objective_decrease(stats.gram_sum, module.weight.detach(), weight, lam, eps)
                 self.solve_log.append(
                     {"block": where, "module": name, "method": info.method, "damping": info.damping, "objective_decrease": decrease}
                 )

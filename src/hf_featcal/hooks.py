@@ -8,21 +8,37 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
-from .streams import module_input
+from .streams import StopForward, module_input
+
+
+class InputCapture(dict):
+    """Module name → the input tensor of its last call. `order` lists the names in the order they were
+    called in the last forward; with `stop_after` set, the forward is cut short (`StopForward`) right
+    after that module's input is stored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[str] = []
+        self.stop_after: str | None = None
 
 
 @contextlib.contextmanager
-def capture_module_inputs(block: nn.Module, names: Iterable[str]) -> Iterator[dict[str, Tensor]]:
-    """While active, every call of the named submodules of `block` stores its input tensor
-    (the last call wins) in the yielded dict. Hooks are removed on exit, also on error."""
-    store: dict[str, Tensor] = {}
+def capture_module_inputs(block: nn.Module, names: Iterable[str]) -> Iterator[InputCapture]:
+    """While active, every call of the named submodules of `block` stores its input tensor in the
+    yielded `InputCapture`. Hooks are removed on exit, also on error."""
+    store = InputCapture()
     handles = []
     try:
         for name in names:
             module = block.get_submodule(name)
 
             def hook(mod: nn.Module, args: tuple, kwargs: dict, _name: str = name) -> None:
+                if _name in store.order:  # a new forward began
+                    store.order.clear()
                 store[_name] = module_input(args, kwargs)
+                store.order.append(_name)
+                if store.stop_after == _name:
+                    raise StopForward
 
             handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
         yield store

@@ -55,6 +55,26 @@ def symmetric_solve(lhs: Tensor, rhs: Tensor, max_tries: int = 8) -> tuple[Tenso
     return solution.to(dtype=lhs.dtype, device=lhs.device), SolveInfo("lstsq")
 
 
+def solve_linear_weights(
+    gram_sum: Tensor,
+    rhs_sums: list[Tensor],
+    anchor_weights: list[Tensor],
+    lambda_ratio: float,
+    epsilon: float,
+) -> tuple[list[Tensor], SolveInfo]:
+    """Weights of Linears that share one input (and so one Gram), with one factorisation:
+    (Σ s_i C_i + (λ+ε) I) Wᵀ = Σ s_i X_i W_iᵀ + λ A_Wᵀ for every module.
+
+    `gram_sum` is Σ s_i C_i (in×in); each `rhs_sums[k]` is Σ s_i X_i W_iᵀ (in×out_k).
+    """
+    lhs = gram_sum.clone()
+    lhs.diagonal().add_(lambda_ratio + epsilon)
+    rhs = torch.cat([r + lambda_ratio * a.T.to(r.dtype) for r, a in zip(rhs_sums, anchor_weights)], dim=1)
+    solution, info = symmetric_solve(lhs, rhs)
+    widths = [r.shape[1] for r in rhs_sums]
+    return [part.T.contiguous() for part in torch.split(solution, widths, dim=1)], info
+
+
 def solve_linear_weight(
     gram_sum: Tensor,
     rhs_sum: Tensor,
@@ -62,39 +82,26 @@ def solve_linear_weight(
     lambda_ratio: float,
     epsilon: float,
 ) -> tuple[Tensor, SolveInfo]:
-    """Weight of a Linear (out×in) from (Σ s_i C_i + (λ+ε) I) Wᵀ = Σ s_i X_i W_iᵀ + λ A_Wᵀ.
-
-    `gram_sum` is Σ s_i C_i (in×in), `rhs_sum` is Σ s_i X_i W_iᵀ (in×out).
-    """
-    lhs = gram_sum.clone()
-    lhs.diagonal().add_(lambda_ratio + epsilon)
-    rhs = rhs_sum + lambda_ratio * anchor_weight.T.to(rhs_sum.dtype)
-    weight_t, info = symmetric_solve(lhs, rhs)
-    return weight_t.T.contiguous(), info
+    """Weight of one Linear (out×in): (Σ s_i C_i + (λ+ε) I) Wᵀ = Σ s_i X_i W_iᵀ + λ A_Wᵀ."""
+    (weight,), info = solve_linear_weights(gram_sum, [rhs_sum], [anchor_weight], lambda_ratio, epsilon)
+    return weight, info
 
 
 def linear_objective_decrease(
     gram_sum: Tensor,
-    rhs_sum: Tensor,
-    anchor_weight: Tensor,
     old_weight: Tensor,
     new_weight: Tensor,
     lambda_ratio: float,
     epsilon: float,
 ) -> float:
-    """J(old) − J(new) for the weight objective Σ s_i E‖W x_s − W_i x_t‖² + λ‖W − A‖² (+ ε‖W‖²).
+    """J(old) − J(new) for the weight objective Σ s_i E‖W x_s − W_i x_t‖² + λ‖W − A‖² (+ ε‖W‖²),
+    where `new_weight` is its minimiser.
 
-    Exact from the statistics: the W-independent term cancels, so the teacher's own Gram is never
-    needed. Non-negative when `new_weight` is the minimiser.
+    J is quadratic with Hessian H = Σ s_i C_i + (λ+ε) I, so J(W) − J(W*) = tr((W − W*) H (W − W*)ᵀ):
+    exact from the statistics, without the teacher's own Gram, at the cost of one product.
     """
-
-    def value(weight: Tensor) -> Tensor:
-        w = weight.to(gram_sum.dtype)
-        quadratic = ((w @ gram_sum) * w).sum() + (lambda_ratio + epsilon) * w.square().sum()
-        linear = (w.T * (rhs_sum + lambda_ratio * anchor_weight.T.to(gram_sum.dtype))).sum()
-        return quadratic - 2.0 * linear
-
-    return float(value(old_weight) - value(new_weight))
+    delta = old_weight.to(gram_sum.dtype) - new_weight.to(gram_sum.dtype)
+    return float(((delta @ gram_sum) * delta).sum() + (lambda_ratio + epsilon) * delta.square().sum())
 
 
 def solve_linear_bias(
@@ -167,9 +174,11 @@ def gram_is_singular(gram: Tensor, rtol: float = 1e-5) -> bool:
         return True
     if float(gram.diagonal().min()) <= rtol * diag_max:
         return True  # a dead (or nearly dead) input dimension
-    work = gram.double() if gram.dtype != torch.float64 else gram
+    # in the Gram's own dtype: float32 round-off (~1e-7 relative) sits well below `rtol`
     delta = 1e-3 * rtol * diag_max
-    factor, info = torch.linalg.cholesky_ex(work + delta * torch.eye(work.shape[0], dtype=work.dtype, device=work.device))
+    shifted = gram.clone()
+    shifted.diagonal().add_(delta)
+    factor, info = torch.linalg.cholesky_ex(shifted)
     if int(info) != 0:
         return True
     return float(factor.diagonal().square().min()) <= rtol * diag_max

@@ -55,13 +55,17 @@ class LinearGroupStatistics:
     dtype: torch.dtype
     device: torch.device
     epsilon: float
+    #: Accumulate each module's right-hand side Σ w·x_s (W_i x_t)ᵀ directly instead of the d×d cross
+    #: moment: cheaper when the modules' outputs together are narrower than their input (down projections).
+    direct_rhs: bool = False
     # running sums of the current task
     _w: Tensor = field(init=False)
     _count: int = field(init=False, default=0)
     _sx_s: Tensor = field(init=False)
     _sx_t: Tensor = field(init=False)
     _gram: Tensor = field(init=False)
-    _cross: Tensor = field(init=False)
+    _cross: Tensor | None = field(init=False, default=None)
+    _rhs_task: dict[str, Tensor] = field(init=False, default_factory=dict)
     # folded over finished tasks
     gram_sum: Tensor | None = field(init=False, default=None)
     scale_sum: float = field(init=False, default=0.0)
@@ -81,10 +85,14 @@ class LinearGroupStatistics:
         self._sx_s = torch.zeros(d, **kw)
         self._sx_t = torch.zeros(d, **kw)
         self._gram = torch.zeros(d, d, **kw)
-        self._cross = torch.zeros(d, d, **kw)
+        self._cross = None if self.direct_rhs else torch.zeros(d, d, **kw)
+        self._rhs_task = {}
 
-    def accumulate(self, x_student: Tensor, x_teacher: Tensor, weights: Tensor) -> None:
-        """Add one batch: student and teacher inputs (..., d) and token weights (...)."""
+    def accumulate(
+        self, x_student: Tensor, x_teacher: Tensor, weights: Tensor, targets: dict[str, LinearTargets] | None = None
+    ) -> None:
+        """Add one batch: student and teacher inputs (..., d) and token weights (...). With `direct_rhs`
+        the task expert's parameters (`targets`) are needed here already."""
         x_s, w = flatten_tokens(x_student, weights)
         x_t, _ = flatten_tokens(x_teacher, weights)
         x_s = x_s.to(self.dtype)
@@ -96,12 +104,31 @@ class LinearGroupStatistics:
         self._sx_s += weighted.sum(0)
         self._sx_t += (x_t * w[:, None]).sum(0)
         self._gram.addmm_(weighted.T, x_s)
-        self._cross.addmm_(weighted.T, x_t)
+        if not self.direct_rhs:
+            self._cross.addmm_(weighted.T, x_t)
+            return
+        if targets is None:
+            raise ValueError("direct right-hand-side accumulation needs the expert's parameters")
+        for name in self.modules:
+            y = x_t @ targets[name].weight.to(device=self.device, dtype=self.dtype).T
+            if name in self._rhs_task:
+                self._rhs_task[name].addmm_(weighted.T, y)
+            else:
+                self._rhs_task[name] = weighted.T @ y
 
     def finish_task(self, targets: dict[str, LinearTargets], reduce: SumReducer = _identity_reducer) -> None:
         """Fold the current task into the task sums, using the task's expert parameters."""
         count = torch.tensor(float(self._count), dtype=self.dtype, device=self.device)
-        w, sx_s, sx_t, gram, cross, count = reduce([self._w, self._sx_s, self._sx_t, self._gram, self._cross, count])
+        if self.direct_rhs:
+            for name in self.modules:  # a process without batches of this task contributes zeros
+                if name not in self._rhs_task:
+                    self._rhs_task[name] = torch.zeros(
+                        self.dim, targets[name].weight.shape[0], dtype=self.dtype, device=self.device
+                    )
+            moments = [self._rhs_task[name] for name in self.modules]
+        else:
+            moments = [self._cross]
+        w, sx_s, sx_t, gram, count, *moments = reduce([self._w, self._sx_s, self._sx_t, self._gram, count, *moments])
         total = float(w)
         if total <= 0:
             raise ValueError(f"modules {list(self.modules)}: the task has no token with non-zero weight")
@@ -113,11 +140,11 @@ class LinearGroupStatistics:
         self.gram_sum = s_i * c_i if self.gram_sum is None else self.gram_sum.add_(c_i, alpha=s_i)
         self.student_mean_sum = s_i * mu_s if self.student_mean_sum is None else self.student_mean_sum.add_(mu_s, alpha=s_i)
         self.scale_sum += s_i
-        x_i = cross / total
-        for name in self.modules:
+        for index, name in enumerate(self.modules):
             expert = targets[name]
             w_i = expert.weight.to(device=self.device, dtype=self.dtype)
-            rhs = s_i * (x_i @ w_i.T)
+            # s_i · X_i W_iᵀ, with X_i = E_w[x_s x_tᵀ] (or its product with W_iᵀ accumulated directly)
+            rhs = (s_i / total) * (moments[index] if self.direct_rhs else moments[0] @ w_i.T)
             self.rhs_sum[name] = rhs if name not in self.rhs_sum else self.rhs_sum[name].add_(rhs)
             target = w_i @ mu_t
             if expert.bias is not None:

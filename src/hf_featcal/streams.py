@@ -53,7 +53,7 @@ class StreamBatch:
         )
 
 
-class _StopForward(Exception):
+class StopForward(Exception):
     """Raised by a capture hook to end a forward pass once the wanted inputs are stored."""
 
 
@@ -66,13 +66,13 @@ def capture_first_block_inputs(run_forward: Callable[[], Any], block: nn.Module)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         captured["args"], captured["kwargs"] = args, dict(kwargs)
-        raise _StopForward
+        raise StopForward
 
     handle = block.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
             run_forward()
-    except _StopForward:
+    except StopForward:
         pass
     finally:
         handle.remove()

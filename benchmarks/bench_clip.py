@@ -1,0 +1,198 @@
+"""Benchmark: FeatCal on a CLIP ViT-B/32-geometry vision tower (random init, synthetic task vectors).
+
+Prints seconds per stage, peak RSS, peak device memory (GPU), the arithmetic count of the run and
+the achieved fraction of this machine's measured matmul throughput. Experts and the base are written
+to disk once (`--workdir`) and read block by block, as users' hub checkpoints are.
+
+    python benchmarks/bench_clip.py --tasks 8 --samples 32                 # one run
+    python benchmarks/bench_clip.py --sweep 1,2,4,8 --samples 32           # memory vs number of experts
+    python benchmarks/bench_clip.py --device cuda --dtype bfloat16 --tasks 8 --samples 256   # GPU variant
+
+Each measured run is its own process, so peak RSS is that run's alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+VIT_B32 = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+               image_size=224, patch_size=32, num_channels=3)
+
+
+def _config(layers: int):
+    from transformers import CLIPVisionConfig
+
+    return CLIPVisionConfig(**{**VIT_B32, "num_hidden_layers": layers})
+
+
+def prepare(workdir: str, tasks: int, layers: int) -> None:
+    """Write base, `tasks` experts (base + a synthetic task vector) and their Task-Arithmetic merge.
+    Only one expert is in memory at a time."""
+    from transformers import CLIPVisionModel
+
+    marker = os.path.join(workdir, f"ready-{tasks}-{layers}.json")
+    if os.path.exists(marker):
+        return
+    torch.manual_seed(0)
+    base = CLIPVisionModel(_config(layers)).eval()
+    base.save_pretrained(os.path.join(workdir, "base"))
+    merged = {k: v.clone() for k, v in base.state_dict().items()}
+    for i in range(tasks):
+        gen = torch.Generator().manual_seed(1000 + i)
+        expert = {k: v + 0.02 * v.std().clamp_min(1e-3) * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v
+                  for k, v in base.state_dict().items()}
+        for k, v in expert.items():
+            if v.is_floating_point():
+                merged[k] += 0.3 * (v - base.state_dict()[k])
+        path = os.path.join(workdir, f"expert-{i}")
+        if not os.path.isdir(path):
+            model = CLIPVisionModel(_config(layers))
+            model.load_state_dict(expert)
+            model.save_pretrained(path)
+        del expert
+    model = CLIPVisionModel(_config(layers))
+    model.load_state_dict(merged)
+    model.save_pretrained(os.path.join(workdir, f"merged-{tasks}"))
+    with open(marker, "w") as handle:
+        json.dump({"tasks": tasks}, handle)
+
+
+def matmul_throughput(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> float:
+    """Measured FLOP/s of a large square matmul on this device."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def flop_count(tasks: int, samples: int, layers: int, d: int = 768, ff: int = 3072, tokens: int = 50) -> dict[str, float]:
+    """Arithmetic (2 × multiply-adds) of one FeatCal run with the default settings, as the library does it."""
+    m = tasks * samples * tokens  # token rows per stream
+    block_forward = m * (2 * (4 * d * d + 2 * d * ff) + 4 * tokens * d)
+    # calibrating pass (merged + expert), merged-as-given stream (not in block 0), propagation
+    forwards = (3 * layers + layers - 1) * block_forward
+    # per token: Gram + cross moment of q/k/v (2 groups in the last block), out_proj and fc1; fc2's Gram
+    # and its right-hand side accumulated directly (x_t·W_iᵀ, then x_sᵀ·y)
+    stats = layers * m * (3 * 4 * d * d + 2 * ff * ff + 4 * ff * d) + m * 4 * d * d
+    fold = layers * tasks * 2 * d * d * (3 * d + d + ff)  # X_i W_iᵀ of the cross-moment groups
+    chol = lambda n: n**3 / 3  # noqa: E731
+    per_block = (
+        3 * chol(d) + chol(ff)  # factorisations: q/k/v, out_proj, fc1 | fc2
+        + 2 * d * d * (3 * d + d + ff) + 2 * ff * ff * d  # triangular solves
+        + 3 * chol(d) + chol(ff)  # singularity checks
+        + 2 * d * d * (3 * d + d + ff) + 2 * ff * ff * d  # objective decreases
+    )
+    solves = layers * per_block
+    return {"block forwards": forwards, "statistics": stats + fold, "solving": solves}
+
+
+def measure(args: argparse.Namespace) -> dict:
+    from transformers import CLIPVisionModel
+
+    from hf_featcal import FeatCalCalibrator, FeatCalConfig
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    merged = CLIPVisionModel.from_pretrained(os.path.join(args.workdir, f"merged-{args.tasks}"), dtype=dtype).eval()
+    experts = {f"task{i}": os.path.join(args.workdir, f"expert-{i}") for i in range(args.tasks)}
+    batch = args.batch_size
+    data = {
+        task: [{"pixel_values": torch.randn(min(batch, args.samples - s), 3, 224, 224, dtype=dtype)}
+               for s in range(0, args.samples, batch)]
+        for task in experts
+    }
+    calibrator = FeatCalCalibrator(
+        merged, os.path.join(args.workdir, "base"), experts, data,
+        FeatCalConfig(num_samples_per_task=args.samples, stream_placement=args.stream_placement),
+        device=device, show_progress=False,
+    )
+    calibrator.profile = True
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    calibrator.calibrate()
+    total = time.perf_counter() - start
+    peak = matmul_throughput(device, torch.float32 if dtype == torch.float32 else dtype)
+    flops = flop_count(args.tasks, args.samples, args.layers)
+    work = sum(calibrator.timings.get(k, 0.0) for k in flops)
+    return {
+        "tasks": args.tasks,
+        "samples_per_task": args.samples,
+        "device": str(device),
+        "dtype": args.dtype,
+        "seconds_total": total,
+        "seconds_per_stage": calibrator.timings,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "peak_device_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "tflop": {k: v / 1e12 for k, v in flops.items()},
+        "measured_matmul_tflops": peak / 1e12,
+        "block_work_fraction_of_matmul_peak": sum(flops.values()) / work / peak if work else None,
+        "last_block_drift_before_after": [
+            sum(s["before"][-1] for s in calibrator.report.tasks.values()) / args.tasks,
+            sum(s["after"][-1] for s in calibrator.report.tasks.values()) / args.tasks,
+        ],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=32, help="calibration examples per task")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--stream-placement", default="accelerator", choices=["accelerator", "cpu", "pinned_cpu"])
+    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "hf_featcal_bench"))
+    parser.add_argument("--sweep", default=None, help="comma-separated numbers of experts, e.g. 1,2,4,8")
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+
+    if args.measure:
+        print("RESULT " + json.dumps(measure(args)), flush=True)
+        return
+
+    counts = [int(t) for t in args.sweep.split(",")] if args.sweep else [args.tasks]
+    for tasks in counts:
+        prepare(args.workdir, tasks, args.layers)
+    rows = []
+    for tasks in counts:
+        cmd = [sys.executable, __file__, "--measure", "--tasks", str(tasks), "--samples", str(args.samples),
+               "--batch-size", str(args.batch_size), "--layers", str(args.layers), "--device", args.device,
+               "--dtype", args.dtype, "--stream-placement", args.stream_placement, "--workdir", args.workdir]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+        rows.append(result)
+        print(json.dumps(result, indent=2), flush=True)
+    if len(rows) > 1:
+        print("\n| experts | seconds | peak RSS (GiB) | peak device (GiB) | fraction of matmul peak |")
+        print("|---:|---:|---:|---:|---:|")
+        for r in rows:
+            device_mem = f"{r['peak_device_gib']:.2f}" if r["peak_device_gib"] is not None else "-"
+            print(f"| {r['tasks']} | {r['seconds_total']:.1f} | {r['peak_rss_gib']:.2f} | {device_mem} | "
+                  f"{r['block_work_fraction_of_matmul_peak']:.2f} |")
+        print(f"\npeak RSS, {rows[-1]['tasks']} vs {rows[0]['tasks']} experts: "
+              f"{rows[-1]['peak_rss_gib'] / rows[0]['peak_rss_gib']:.2f}×")
+
+
+if __name__ == "__main__":
+    main()
