@@ -38,14 +38,18 @@ def test_bfloat16_model_end_to_end(clip_setting):
     assert (num / den) ** 0.5 < 3e-2
 
 
-def test_dead_input_dimension(clip_setting):
-    base, experts, merged, data = clip_setting
-    # fc1 unit 3 outputs 0 everywhere (QuickGELU(0) = 0): fc2's input dimension 3 is dead on every side
-    for model in [base, merged, *experts.values()]:
+def _kill_fc1_unit(models, unit: int = 3) -> None:
+    """fc1 unit `unit` outputs 0 everywhere (QuickGELU(0) = 0): fc2's input dimension `unit` is dead."""
+    for model in models:
         with torch.no_grad():
             for layer in model.encoder.layers:
-                layer.mlp.fc1.weight[3].zero_()
-                layer.mlp.fc1.bias[3] = 0.0
+                layer.mlp.fc1.weight[unit].zero_()
+                layer.mlp.fc1.bias[unit] = 0.0
+
+
+def test_dead_input_dimension(clip_setting):
+    base, experts, merged, data = clip_setting
+    _kill_fc1_unit([base, merged, *experts.values()])
     anchor_col = [
         (base.encoder.layers[i].mlp.fc2.weight[:, 3] + 2.2 * (merged.encoder.layers[i].mlp.fc2.weight[:, 3] - base.encoder.layers[i].mlp.fc2.weight[:, 3])).clone()
         for i in range(2)
@@ -60,11 +64,7 @@ def test_dead_input_dimension(clip_setting):
 
 def test_dead_input_without_ridge_stays_finite(clip_setting):
     base, experts, merged, data = clip_setting
-    for model in [base, merged, *experts.values()]:
-        with torch.no_grad():
-            for layer in model.encoder.layers:
-                layer.mlp.fc1.weight[3].zero_()
-                layer.mlp.fc1.bias[3] = 0.0
+    _kill_fc1_unit([base, merged, *experts.values()])
     with pytest.warns(FeatCalWarning):
         FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(lambda_ratio=0.0), show_progress=False).calibrate()
     assert _all_finite(merged)
