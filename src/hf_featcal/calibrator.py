@@ -29,6 +29,7 @@ from .config import FeatCalConfig, matches_module_pattern
 from .data import Batch, batch_size_of, prepare_batches
 from .experts import ModelLike, ModelSource, make_source, module_device
 from .hooks import capture_module_inputs, eval_mode, restore_on_failure
+from .offload import ModelParameters
 from .report import DriftReport, build_model_card
 from .solver import (
     anchor,
@@ -123,6 +124,7 @@ class FeatCalCalibrator:
         self.config = config
         self.model = model
         self.layer_map: LayerMap = get_layer_map(model, "model")
+        self.parameters = ModelParameters(model)
         # Processes (accelerate launch / torchrun): each takes a disjoint shard of every task's
         # batches; statistics are sums, reduced across processes before every solve.
         self.state = accelerator.state if accelerator is not None else _default_state()
@@ -194,8 +196,9 @@ class FeatCalCalibrator:
         if self._calibrated:
             raise RuntimeError("calibrate() was already run on this calibrator; build a new one to calibrate again.")
         names = self._parameter_names()
-        with restore_on_failure(self.model, names), eval_mode(self.model, *self._reference_models()), torch.no_grad():
-            self.model.to(self.device)
+        with restore_on_failure(self.model, names, self.parameters), eval_mode(self.model, *self._reference_models()), torch.no_grad():
+            if not self.parameters.dispatched:  # a dispatched model keeps its placement: its hooks onload each block
+                self.model.to(self.device)
             report = self._sweep()
         self._report = report
         self._calibrated = True
@@ -277,7 +280,7 @@ class FeatCalCalibrator:
 
     def _check_batches_enter_model(self) -> None:
         tower = self.layer_map.tower(self.model)
-        device = module_device(tower)
+        device = self._input_device(tower)
         with eval_mode(self.model):
             for task, batches in self.batches.items():
                 for index, batch in enumerate(batches):
@@ -370,14 +373,22 @@ class FeatCalCalibrator:
         """Qualified names of every parameter FeatCal may write."""
         return [name for si, bi in self._plans for name in self._block_parameter_names(si, bi)]
 
+    def _tower_parameter_names(self) -> list[str]:
+        tower_params = {id(p) for p in self.layer_map.tower(self.model).parameters()}
+        return [name for name, p in self.model.named_parameters() if id(p) in tower_params]
+
+    def _input_device(self, tower: nn.Module) -> torch.device:
+        """Where the merged model's inputs go: its own device, or for a dispatched model the compute
+        device (accelerate's hooks move them on)."""
+        return self.device if self.parameters.dispatched else module_device(tower)
+
     def _block_parameter_names(self, si: int, bi: int) -> list[str]:
-        names_by_id = {id(p): n for n, p in self.model.named_parameters()}
         block = self.layer_map.stacks(self.layer_map.tower(self.model))[si].blocks[bi]
-        return [
-            names_by_id[id(param)]
-            for spec in self._plans[(si, bi)].specs
-            for param in block.get_submodule(spec.name).parameters(recurse=False)
-        ]
+        names = []
+        for spec in self._plans[(si, bi)].specs:
+            module = block.get_submodule(spec.name)
+            names += [self.parameters.qualified_name(module, attr) for attr, _ in module.named_parameters(recurse=False)]
+        return names
 
     def _enter(
         self, source: ModelSource | None, stack_index: int, previous: dict[str, list[StreamBatch]] | None, task: str
@@ -386,7 +397,8 @@ class FeatCalCalibrator:
         states = []
         entry = contextlib.nullcontext(self.layer_map.tower(self.model)) if source is None else source.entry_tower(self.layer_map, self.model)
         with entry as tower:
-            source_device = module_device(tower)
+            merged_tower = tower is self.layer_map.tower(self.model)  # also for experts read from files
+            source_device = self._input_device(tower) if merged_tower else module_device(tower)
             for b, batch in enumerate(self.batches[task]):
                 prev = None if previous is None else send_to_device(previous[task][b], source_device)
                 state = self.layer_map.enter_stack(tower, send_to_device(batch, source_device), stack_index, prev)
@@ -407,9 +419,8 @@ class FeatCalCalibrator:
         done = 0
         if resume is not None:
             done = resume.finished_blocks
-            current = dict(self.model.named_parameters())
             for name, value in resume.parameters.items():
-                current[name].data.copy_(value.to(device=current[name].device, dtype=current[name].dtype))
+                self.parameters.write(name, value)
             student, expert, given = resume.streams["student"], resume.streams["expert"], resume.streams["given"]
             report = resume.streams["report"]
             self.solve_log = resume.streams["solve_log"]
@@ -437,11 +448,10 @@ class FeatCalCalibrator:
                     student, expert, given = self._calibrate_block(plan, block, student, expert, given, report, progress, f"{flat}/{total}")
                     if checkpoint is not None:
                         progress.set_postfix_str(f"({flat}/{total}) checkpointing")
-                        current = dict(self.model.named_parameters())
                         with self._timed("checkpointing"):
                             checkpoint.save(
                                 flat,
-                                {name: current[name] for name in self._block_parameter_names(si, bi)},
+                                self.parameters.named(self._block_parameter_names(si, bi)),
                                 {"student": student, "expert": expert, "given": given, "report": report, "solve_log": self.solve_log},
                                 self.state.wait_for_everyone,
                             )
@@ -460,7 +470,7 @@ class FeatCalCalibrator:
                 ("processes", self.state.num_processes),
                 ("tasks", self.tasks),
                 ("data", self._data_digest),
-                ("merged", self.layer_map.tower(self.model).state_dict()),
+                ("merged", self.parameters.named(self._tower_parameter_names())),
                 *[(f"expert.{task}", source.digest(self.layer_map, self.model)) for task, source in self.experts.items()],
                 ("base", None if self.base is None else self.base.digest(self.layer_map, self.model)),
             ]
@@ -648,7 +658,7 @@ class FeatCalCalibrator:
             base_block = self.base.block(self.layer_map, self.model, plan.stack_index, plan.block_index, self.device)
 
         def anchor_of(name: str, attr: str) -> Tensor:
-            merged = getattr(block.get_submodule(name), attr).detach().to(self._compute_dtype)
+            merged = self.parameters.module_value(block.get_submodule(name), attr).to(self.device, self._compute_dtype)
             base = None
             if base_block is not None:
                 base = getattr(base_block.get_submodule(name), attr).detach().to(device=merged.device, dtype=self._compute_dtype)
@@ -677,7 +687,8 @@ class FeatCalCalibrator:
                 stats.gram_sum, [stats.rhs_sum[name] for name in names], [anchor_of(name, "weight") for name in names], lam, eps
             )
             for name, module, weight in zip(names, modules, weights):
-                decrease = linear_objective_decrease(stats.gram_sum, module.weight.detach(), weight, lam, eps)
+                old = self.parameters.module_value(module, "weight").to(self.device)
+                decrease = linear_objective_decrease(stats.gram_sum, old, weight, lam, eps)
                 self.solve_log.append(
                     {"block": where, "module": name, "method": info.method, "damping": info.damping, "objective_decrease": decrease}
                 )
@@ -711,8 +722,7 @@ class FeatCalCalibrator:
         for name, update in updates.items():
             module = block.get_submodule(name)
             for attr, value in update.items():
-                param = getattr(module, attr)
-                param.data.copy_(value.to(device=param.device, dtype=param.dtype))
+                self.parameters.set_module_value(module, attr, value)
 
 
 # ====================================================================== helpers

@@ -193,6 +193,11 @@ class CheckpointSource(ModelSource):
         prefix = _qualified_name(tower, skeleton)
         keys = self._keys(layer_map, reference)
         clone = copy.deepcopy(skeleton)
+        if any(p.is_meta for p in clone.parameters()):  # an offloaded block of a dispatched merged model
+            from accelerate.hooks import remove_hook_from_module
+
+            remove_hook_from_module(clone, recurse=True)
+            clone = clone.to_empty(device="cpu")
         with torch.no_grad():
             for name, tensor in list(clone.named_parameters()) + list(clone.named_buffers()):
                 key = keys.get(f"{prefix}.{name}")
@@ -205,21 +210,25 @@ class CheckpointSource(ModelSource):
 
     @contextlib.contextmanager
     def entry_tower(self, layer_map: Any, reference: nn.Module) -> Iterator[nn.Module]:
+        from .offload import ModelParameters
+
         tower = layer_map.tower(reference)
+        parameters = ModelParameters(reference)  # also reaches accelerate-offloaded parameters
         block_params = {id(p) for stack in layer_map.stacks(tower) for p in stack.blocks.parameters()}
         keys = self._keys(layer_map, reference)
-        saved = []
+        saved: list[tuple[str, torch.Tensor]] = []
         try:
-            with torch.no_grad():
-                for name, param in tower.named_parameters():
-                    if id(param) in block_params:
-                        continue
-                    saved.append((param, param.data))
-                    param.data = self._read(keys[name]).to(device=param.device, dtype=param.dtype)
+            tower_prefix = layer_map.tower_prefix(reference)
+            for name, param in tower.named_parameters():
+                if id(param) in block_params:
+                    continue
+                qualified = f"{tower_prefix}.{name}" if tower_prefix else name
+                saved.append((qualified, parameters.read(qualified).clone()))
+                parameters.write(qualified, self._read(keys[name]))
             yield tower
         finally:
-            for param, data in reversed(saved):
-                param.data = data
+            for qualified, value in reversed(saved):
+                parameters.write(qualified, value)
 
 
 def make_source(source: ModelSource | nn.Module | str | os.PathLike, argument: str) -> ModelSource:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -61,24 +62,30 @@ def eval_mode(*modules: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def restore_on_failure(model: nn.Module, parameter_names: Iterable[str]) -> Iterator[None]:
+def restore_on_failure(model: nn.Module, parameter_names: Iterable[str], parameters: Any = None) -> Iterator[None]:
     """If the body raises, put `model` back exactly as it was: the named parameters' values (kept as
-    a CPU copy while the body runs) and the device and dtype of every parameter and buffer."""
+    a CPU copy while the body runs) and the device and dtype of every parameter and buffer.
+    `parameters` (a `ModelParameters`) reads and writes values also where accelerate offloaded them."""
+    if parameters is None:
+        from .offload import ModelParameters
+
+        parameters = ModelParameters(model)
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
     placement = {name: (t.device, t.dtype) for name, t in tensors.items()}
-    snapshot = {name: tensors[name].detach().to("cpu", copy=True) for name in parameter_names}
+    snapshot = {name: parameters.read(name).to("cpu", copy=True) for name in parameter_names}
     try:
         yield
     except BaseException:
         with torch.no_grad():
             for name, module_tensor in _named_tensors(model):
                 device, dtype = placement[name]
+                if device.type == "meta" or module_tensor.is_meta:
+                    continue  # offloaded by accelerate: its hooks own the placement, the value is restored below
                 if module_tensor.device != device or module_tensor.dtype != dtype:
                     module_tensor.data = module_tensor.data.to(device=device, dtype=dtype)
-            current = dict(model.named_parameters())
             for name, value in snapshot.items():
-                current[name].data.copy_(value)
+                parameters.write(name, value)
         raise
 
 
