@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 
 import torch
 
-from hf_featcal import FeatCalCalibrator, FeatCalConfig
+from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalWarning
 from hf_featcal.toy import build_digits_scenario
 
 
@@ -45,8 +46,11 @@ def main() -> None:
         merged, scenario.base, scenario.experts, scenario.calibration, config, show_progress=False
     )
     start = time.perf_counter()
-    calibrated = calibrator.calibrate()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FeatCalWarning)
+        calibrated = calibrator.calibrate()
     calibration_seconds = time.perf_counter() - start
+    ridge_set = [w for w in caught if issubclass(w.category, FeatCalWarning)]
 
     print(f"scenario {'loaded' if scenario.loaded_from_cache else 'built'} in {built:.1f} s; "
           f"FeatCal on {len(tasks)} tasks × {args.samples_per_task} images in {calibration_seconds:.1f} s\n")
@@ -62,6 +66,9 @@ def main() -> None:
         cells = ", ".join(f"{b:.3f} → {a:.3f}" for b, a in zip(stages["before"], stages["after"]))
         print(f"  {task:<9} {cells}")
 
+    if ridge_set:
+        print(f"\n{len(ridge_set)} module groups had directions without data (solution there set by the ridge), e.g.:")
+        print(f"  {ridge_set[0].message}")
     calibrator.save_model(args.output)
     print(f"\nSaved the calibrated model, model card and drift report to {args.output}/")
 

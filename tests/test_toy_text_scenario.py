@@ -164,7 +164,7 @@ def test_mini_scenario_is_deterministic_and_caches(tmp_path):
     for task in TASKS:
         for x, y in zip(first.experts[task].state_dict().values(), reloaded.experts[task].state_dict().values()):
             assert torch.equal(x, y)
-    assert (tmp_path / "tokenizer" / "tokenizer.json").is_file()
+    assert (tmp_path / "text-scenario" / "tokenizer" / "tokenizer.json").is_file()
     datasets = first.calibration_datasets()
     assert set(datasets) == set(TASKS) and len(datasets["sort"]) == MINI.calibration_samples
 

@@ -56,6 +56,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._scenario_cache import matching_build, quiet_transformers, save_build
+
 __all__ = [
     "DIGITS_TASKS",
     "DigitsScenario",
@@ -511,53 +513,32 @@ class DigitsScenario:
         raise ValueError(f"`split` must be 'test' or 'train', got {split!r}")
 
 
-def _cache_complete(path: str, tasks: Sequence[str]) -> bool:
-    return os.path.isfile(os.path.join(path, "scenario.json")) and all(
-        os.path.isdir(os.path.join(path, "experts", t)) for t in tasks
-    )
+def _cache_key(settings: DigitsScenarioSettings) -> dict[str, Any]:
+    return {"format": _CACHE_FORMAT, "settings": asdict(settings)}
 
 
 def _save_cache(path: str, settings: DigitsScenarioSettings, base: nn.Module, experts: Mapping[str, nn.Module],
                 heads: Mapping[str, nn.Linear]) -> None:
-    """Write the models to a temporary folder next to ``path``, then rename it into place (a reader
-    never sees a half-written cache; when two builders race, the first rename wins)."""
-    import shutil
-    import tempfile
-
     from safetensors.torch import save_file
 
-    parent = os.path.dirname(path) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
-    try:
-        base.save_pretrained(os.path.join(tmp, "base"))
-        for task, expert in experts.items():
-            expert.save_pretrained(os.path.join(tmp, "experts", task))
+    def write_heads(folder: str) -> None:
         tensors = {}
         for task, head in heads.items():
             tensors[f"{task}.weight"] = head.weight.detach().contiguous()
             tensors[f"{task}.bias"] = head.bias.detach().contiguous()
-        save_file(tensors, os.path.join(tmp, "heads.safetensors"))
-        with open(os.path.join(tmp, "scenario.json"), "w", encoding="utf-8") as handle:
-            json.dump({"format": _CACHE_FORMAT, "settings": asdict(settings)}, handle, indent=2, sort_keys=True)
-        if os.path.isdir(path):  # an incomplete leftover (complete caches are never rebuilt)
-            shutil.rmtree(path, ignore_errors=True)
-        try:
-            os.rename(tmp, path)
-        except OSError:
-            if not _cache_complete(path, settings.tasks):
-                raise
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+        save_file(tensors, os.path.join(folder, "heads.safetensors"))
+
+    models = {"base": base, **{os.path.join("experts", t): e for t, e in experts.items()}}
+    save_build(path, _cache_key(settings), models, write_heads)
 
 
 def _load_cache(path: str, settings: DigitsScenarioSettings) -> tuple[nn.Module, dict[str, nn.Module], dict[str, nn.Linear]]:
     from safetensors.torch import load_file
     from transformers import CLIPVisionModel
 
-    base = CLIPVisionModel.from_pretrained(os.path.join(path, "base")).eval()
-    experts = {t: CLIPVisionModel.from_pretrained(os.path.join(path, "experts", t)).eval() for t in settings.tasks}
+    with quiet_transformers():
+        base = CLIPVisionModel.from_pretrained(os.path.join(path, "base")).eval()
+        experts = {t: CLIPVisionModel.from_pretrained(os.path.join(path, "experts", t)).eval() for t in settings.tasks}
     tensors = load_file(os.path.join(path, "heads.safetensors"))
     heads = {}
     for task in settings.tasks:
@@ -618,7 +599,7 @@ def build_digits_scenario(
     loaded = False
     if cache_dir is not None:
         cache_path = os.path.join(os.fspath(cache_dir), f"digits-{settings.cache_key()}")
-    if cache_path is not None and _cache_complete(cache_path, settings.tasks):
+    if cache_path is not None and matching_build(cache_path, _cache_key(settings)):
         base, experts, heads = _load_cache(cache_path, settings)
         loaded = True
     else:

@@ -53,6 +53,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._scenario_cache import matching_build, quiet_transformers, save_build
+
 __all__ = [
     "DIGITS",
     "EXTRA_TASKS",
@@ -95,7 +97,6 @@ _PREFIXES: tuple[str, ...] = tuple(f"{t}:" for t in PRETRAIN_TASKS + TASKS + EXT
 VOCABULARY: tuple[str, ...] = _SPECIAL_TOKENS + _PREFIXES + DIGITS + _LABEL_WORDS
 assert len(set(VOCABULARY)) == len(VOCABULARY), "duplicate vocabulary entries"
 
-_CACHE_META = "toy_text_scenario.json"
 _CACHE_FORMAT = 1  # bump when a change to this module changes what a build produces
 
 
@@ -487,7 +488,7 @@ def build_text_scenario(
     ``pretrain_target_max_length``, the short train examples of the target tasks; one expert per task
     (a copy of the base fine-tuned for ``expert_steps``); FeatCal calibration batches from the train
     splits. With `cache_dir`, the tokenizer and models are saved there (``save_pretrained``: ``base/``,
-    ``expert_<task>/``, ``tokenizer/``) and the models are reloaded on later calls with the same config
+    ``expert_<task>/``, ``tokenizer/`` in ``text-scenario/``) and the models are reloaded on later calls with the same config
     and vocabulary (else rebuilt and overwritten); data are always regenerated (cheap, deterministic).
     `seed`, when given, overrides ``config.seed`` (default 0).
     """
@@ -568,36 +569,22 @@ def _cache_key(config: TextScenarioConfig) -> dict[str, Any]:
     return {"format": _CACHE_FORMAT, "config": config.to_dict(), "vocabulary": list(VOCABULARY)}
 
 
-def _save_cached(cache_dir: str | os.PathLike, config: TextScenarioConfig, tokenizer: Any, base: Any, experts: Mapping[str, Any]) -> None:
-    from transformers.utils import logging as hf_logging
+def _cache_path(cache_dir: str | os.PathLike) -> str:
+    """The scenario's own folder inside `cache_dir` (a rebuild replaces it, never its neighbours)."""
+    return os.path.join(os.fspath(cache_dir), "text-scenario")
 
-    root = os.fspath(cache_dir)
-    os.makedirs(root, exist_ok=True)
-    tokenizer.save_pretrained(os.path.join(root, "tokenizer"))
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bars for these tiny models
-    try:
-        base.save_pretrained(os.path.join(root, "base"))
-        for task, expert in experts.items():
-            expert.save_pretrained(os.path.join(root, f"expert_{task}"))
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-    with open(os.path.join(root, _CACHE_META), "w", encoding="utf-8") as handle:
-        json.dump(_cache_key(config), handle, indent=2, sort_keys=True)
+
+def _save_cached(cache_dir: str | os.PathLike, config: TextScenarioConfig, tokenizer: Any, base: Any, experts: Mapping[str, Any]) -> None:
+    models = {"base": base, **{f"expert_{task}": expert for task, expert in experts.items()}}
+    save_build(_cache_path(cache_dir), _cache_key(config), models, lambda folder: tokenizer.save_pretrained(os.path.join(folder, "tokenizer")))
 
 
 def _load_cached(cache_dir: str | os.PathLike, config: TextScenarioConfig) -> tuple[Any, dict[str, Any]] | None:
     from transformers import T5ForConditionalGeneration
 
-    root = os.fspath(cache_dir)
-    meta = os.path.join(root, _CACHE_META)
-    if not os.path.isfile(meta):
-        return None
-    with open(meta, encoding="utf-8") as handle:
-        if json.load(handle) != _cache_key(config):
-            return None  # built with other settings: rebuild (and overwrite)
-    from transformers.utils import logging as hf_logging
+    root = _cache_path(cache_dir)
+    if not matching_build(root, _cache_key(config)):
+        return None  # nothing cached, or built with other settings: rebuild (and overwrite)
 
     def load(name: str) -> Any:
         model = T5ForConditionalGeneration.from_pretrained(os.path.join(root, name)).eval()
@@ -607,16 +594,9 @@ def _load_cached(cache_dir: str | os.PathLike, config: TextScenarioConfig) -> tu
             model.config.tie_word_embeddings = False
         return model
 
-    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
-    hf_logging.disable_progress_bar()  # no "Loading weights" bars for these tiny models
-    hf_logging.set_verbosity_error()  # nor the "will NOT tie them" notice about the untied LM head
-    try:
+    with quiet_transformers():  # also the "will NOT tie them" notice about the untied LM head
         base = load("base")
         experts = {task: load(f"expert_{task}") for task in config.tasks}
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
     return base, experts
 
 
