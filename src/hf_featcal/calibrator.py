@@ -138,8 +138,11 @@ class FeatCalCalibrator:
 
         # Models: load, then check that every tower matches the merged one.
         # Models given as folders / hub ids with safetensors are read one block at a time.
-        self.experts: dict[str, ModelSource] = {task: make_source(experts[task], f"experts[{task!r}]") for task in tasks}
+        # LoRA adapter experts are the base plus the adapter's deltas, also built per block.
         self.base: ModelSource | None = None if base_model is None else make_source(base_model, "base_model")
+        self.experts: dict[str, ModelSource] = {
+            task: make_source(experts[task], f"experts[{task!r}]", self.base) for task in tasks
+        }
         for source in [*self.experts.values(), *([self.base] if self.base is not None else [])]:
             self._check_compatible(source)
 

@@ -6,7 +6,9 @@ import contextlib
 import copy
 import json
 import logging
+import math
 import os
+import re
 from collections.abc import Iterator
 from typing import Any, Union
 
@@ -231,9 +233,116 @@ class CheckpointSource(ModelSource):
                 parameters.write(qualified, value)
 
 
-def make_source(source: ModelSource | nn.Module | str | os.PathLike, argument: str) -> ModelSource:
+class LoraAdapter:
+    """A PEFT LoRA adapter folder: per adapted Linear, the weight delta (B·A)·scaling, read lazily."""
+
+    _UNSUPPORTED = ("use_dora", "lora_bias", "modules_to_save", "layer_replication", "target_parameters",
+                    "trainable_token_indices")
+
+    def __init__(self, folder: str, argument: str) -> None:
+        self.folder, self.argument = folder, argument
+        with open(os.path.join(folder, "adapter_config.json"), encoding="utf-8") as handle:
+            self.config = json.load(handle)
+        if self.config.get("peft_type", "LORA") != "LORA":
+            raise ValueError(f"`{argument}`: only LoRA adapters are supported, got peft_type {self.config['peft_type']!r}.")
+        used = [key for key in self._UNSUPPORTED if self.config.get(key)]
+        if used:
+            raise ValueError(f"`{argument}`: LoRA adapters using {used} are not supported.")
+        path = os.path.join(folder, "adapter_model.safetensors")
+        if not os.path.isfile(path):
+            raise ValueError(f"`{argument}`: {folder!r} has no adapter_model.safetensors.")
+        self._path = path
+        with safe_open(path, framework="pt") as handle:
+            keys = list(handle.keys())
+        suffix = ".lora_A.weight"
+        # module path as the adapter names it (relative to the model it was trained on)
+        self.modules = [k[len("base_model.model."):-len(suffix)] for k in keys if k.endswith(suffix)]
+
+    def _scaling(self, module: str, rank: int) -> float:
+        alpha = self.config.get("lora_alpha", 8)
+        for pattern, value in (self.config.get("alpha_pattern") or {}).items():
+            if re.fullmatch(rf"(.*\.)?(?:{pattern})", module):
+                alpha = value
+                break
+        return alpha / math.sqrt(rank) if self.config.get("use_rslora") else alpha / rank
+
+    def delta(self, module: str) -> torch.Tensor:
+        """(B·A)·scaling of one adapted module, in float32 (out × in)."""
+        with safe_open(self._path, framework="pt") as handle:
+            a = handle.get_tensor(f"base_model.model.{module}.lora_A.weight").float()
+            b = handle.get_tensor(f"base_model.model.{module}.lora_B.weight").float()
+        delta = (b @ a) * self._scaling(module, a.shape[0])
+        return delta.T if self.config.get("fan_in_fan_out") else delta
+
+    def digest(self) -> Any:
+        return [(os.path.basename(self._path), os.path.getsize(self._path), os.path.getmtime(self._path))]
+
+
+class LoraSource(ModelSource):
+    """An expert given as a LoRA adapter on the base: each block is the base's block plus the adapter's
+    deltas, computed per block (no expert is ever materialised in full)."""
+
+    def __init__(self, folder: str, argument: str, name: str, base: ModelSource | None) -> None:
+        if base is None:
+            raise ValueError(f"`{argument}` is a LoRA adapter: pass the model it was trained on as `base_model`.")
+        self.adapter = LoraAdapter(folder, argument)
+        self.base, self.argument, self.name, self.config = base, argument, name, base.config
+        self._paths: dict[str, str] | None = None
+
+    def _module_paths(self, layer_map: Any, reference: nn.Module) -> dict[str, str]:
+        """Tower-relative module path → the adapter's module path, for every adapted module."""
+        if self._paths is not None:
+            return self._paths
+        tower = layer_map.tower(reference)
+        tower_modules = {name for name, _ in tower.named_modules()}
+        paths = {}
+        for module in self.adapter.modules:
+            matches = [module[len(p):] for p in layer_map.checkpoint_prefixes if module.startswith(p) and module[len(p):] in tower_modules]
+            if not matches:
+                raise ValueError(f"`{self.argument}`: the adapter adapts {module!r}, which is not part of the calibrated tower.")
+            paths[matches[0]] = module
+        block_modules = {
+            _qualified_name(tower, block) for stack in layer_map.stacks(tower) for block in stack.blocks
+        }
+        outside = [p for p in paths if not any(p.startswith(b + ".") for b in block_modules)]
+        if outside:
+            raise ValueError(f"`{self.argument}`: the adapter adapts modules outside the blocks {outside[:3]}; not supported.")
+        self._paths = paths
+        return paths
+
+    def tower_shapes(self, layer_map: Any, reference: nn.Module) -> dict[str, tuple[int, ...]]:
+        self._module_paths(layer_map, reference)  # checks the adapter against the tower
+        return self.base.tower_shapes(layer_map, reference)
+
+    def block(self, layer_map: Any, reference: nn.Module, stack: int, index: int, device: torch.device) -> nn.Module:
+        tower = layer_map.tower(reference)
+        prefix = _qualified_name(tower, layer_map.stacks(tower)[stack].blocks[index]) + "."
+        block = copy.deepcopy(self.base.block(layer_map, reference, stack, index, device))  # never the base's own
+        with torch.no_grad():
+            for path, adapter_path in self._module_paths(layer_map, reference).items():
+                if path.startswith(prefix):
+                    weight = block.get_submodule(path[len(prefix):]).weight
+                    weight.add_(self.adapter.delta(adapter_path).to(device=weight.device, dtype=weight.dtype))
+        return block.eval()
+
+    @contextlib.contextmanager
+    def entry_tower(self, layer_map: Any, reference: nn.Module) -> Iterator[nn.Module]:
+        with self.base.entry_tower(layer_map, reference) as tower:  # adapters only change blocks
+            yield tower
+
+    def modules_for_eval(self) -> list[nn.Module]:
+        return self.base.modules_for_eval()
+
+    def digest(self, layer_map: Any, reference: nn.Module) -> Any:
+        return {"adapter": self.adapter.digest(), "base": self.base.digest(layer_map, reference)}
+
+
+def make_source(
+    source: ModelSource | nn.Module | str | os.PathLike, argument: str, base: ModelSource | None = None
+) -> ModelSource:
     """A model → used in memory; a folder or hub id with safetensors → read lazily, one block at a
-    time; a checkpoint without safetensors → loaded whole (as `load_model`)."""
+    time; a LoRA adapter folder → the base plus the adapter's deltas, per block; a checkpoint without
+    safetensors → loaded whole (as `load_model`)."""
     if isinstance(source, ModelSource):
         return source
     if isinstance(source, nn.Module):
@@ -244,6 +353,8 @@ def make_source(source: ModelSource | nn.Module | str | os.PathLike, argument: s
         )
     name = os.fspath(source)
     folder = name if os.path.isdir(name) else _download(name, argument)
+    if folder is not None and os.path.isfile(os.path.join(folder, "adapter_config.json")):
+        return LoraSource(folder, argument, name, base)
     if folder is not None and _safetensors_files(folder):
         return CheckpointSource(folder, argument, name)
     return InMemorySource(load_model(source, argument), argument, name)

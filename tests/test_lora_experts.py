@@ -1,0 +1,65 @@
+"""Experts given as PEFT LoRA adapters on the base: base + the adapter's delta, built per block."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from hf_featcal import FeatCalCalibrator
+from hf_featcal.experts import LoraSource
+
+
+def _adapter(base, folder, seed, **config):
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, **config))
+    peft_model.save_pretrained(folder)
+    return copy.deepcopy(peft_model).merge_and_unload().eval()  # the expert in full, for reference
+
+
+@pytest.mark.parametrize("base_on_disk", [False, True])
+def test_lora_adapter_experts_equal_their_merged_models(clip_setting, tmp_path, base_on_disk):
+    base, _, _, data = clip_setting
+    configs = {
+        "cars": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "fc1"]),
+        "dtd": dict(r=2, lora_alpha=4, target_modules=["out_proj", "fc2"], use_rslora=True,
+                    alpha_pattern={"fc2": 16}),
+    }
+    full = {task: _adapter(base, tmp_path / task, seed, **cfg) for seed, (task, cfg) in enumerate(configs.items())}
+    merged = copy.deepcopy(base)
+    with torch.no_grad():
+        for name, value in merged.state_dict().items():
+            value += 0.3 * sum(e.state_dict()[name] - base.state_dict()[name] for e in full.values())
+    base_arg = base
+    if base_on_disk:
+        base.save_pretrained(tmp_path / "base")
+        base_arg = str(tmp_path / "base")
+    reference = copy.deepcopy(merged)
+    FeatCalCalibrator(reference, base, full, data, show_progress=False).calibrate()
+    calibrator = FeatCalCalibrator(merged, base_arg, {t: str(tmp_path / t) for t in configs}, data, show_progress=False)
+    assert all(isinstance(s, LoraSource) for s in calibrator.experts.values())
+    base_state = copy.deepcopy(base.state_dict())
+    calibrator.calibrate()
+    for (name, p), q in zip(merged.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    for name, value in base.state_dict().items():  # the base the deltas are added to is untouched
+        assert torch.equal(value, base_state[name]), name
+
+
+def test_lora_adapter_needs_a_base(clip_setting, tmp_path):
+    base, experts, merged, data = clip_setting
+    _adapter(base, tmp_path / "a", 0, r=2, target_modules=["q_proj"])
+    with pytest.raises(ValueError, match=r"`experts\['cars'\]` is a LoRA adapter: pass the model it was trained on as `base_model`"):
+        FeatCalCalibrator(merged, None, {**experts, "cars": str(tmp_path / "a")}, data)
+
+
+def test_unsupported_adapters_are_refused(clip_setting, tmp_path):
+    base, experts, merged, data = clip_setting
+    _adapter(base, tmp_path / "dora", 0, r=2, target_modules=["q_proj"], use_dora=True)
+    with pytest.raises(ValueError, match=r"use_dora"):
+        FeatCalCalibrator(merged, base, {**experts, "cars": str(tmp_path / "dora")}, data)
+    _adapter(base, tmp_path / "embed", 0, r=2, target_modules=["q_proj", "patch_embedding"])
+    with pytest.raises(ValueError, match=r"outside the blocks"):
+        FeatCalCalibrator(merged, base, {**experts, "cars": str(tmp_path / "embed")}, data)
