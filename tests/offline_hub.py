@@ -1,0 +1,121 @@
+"""The documented fixture that lets the docs' code run offline, unchanged.
+
+Every hub id the docs name is mapped to a tiny model or dataset **of the same kind**, written into a
+private Hugging Face cache (`HF_HOME`) exactly where `from_pretrained` / `load_dataset` look for it
+with `HF_HUB_OFFLINE=1`: models as hub snapshots (`hub/models--<org>--<name>/snapshots/<rev>/`),
+datasets as prepared dataset caches (`datasets/<org>___<name>/<config>/0.0.0/<hash>/`). Nothing is
+patched: the docs' code runs through the real transformers / datasets loading code.
+
+| hub id(s) | stands in with |
+|---|---|
+| `openai/clip-vit-base-patch32` | a tiny random-init `CLIPModel` + `CLIPImageProcessor` (8×8 images) |
+| `tanganke/clip-vit-base-patch32_<task>` (8 tasks) | a tiny `CLIPVisionModel`: the base's vision tower plus a seeded random task vector |
+| the 8 CLIP task datasets (`tanganke/sun397`, …, `ufldl-stanford/svhn` `cropped_digits`, `ylecun/mnist`) | 12 random RGB images with labels, `train` and `test` splits |
+
+To add an id the docs use, add it to `MODELS` / `DATASETS` below.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import torch
+
+CLIP_TASKS = ["sun397", "stanford-cars", "resisc45", "eurosat", "svhn", "gtsrb", "mnist", "dtd"]
+CLIP_DATASETS = {
+    "tanganke/sun397": None,
+    "tanganke/stanford_cars": None,
+    "tanganke/resisc45": None,
+    "tanganke/eurosat": None,
+    "ufldl-stanford/svhn": "cropped_digits",
+    "tanganke/gtsrb": None,
+    "ylecun/mnist": None,
+    "tanganke/dtd": None,
+}
+REVISION = "0" * 40
+
+
+def _snapshot(hf_home: str, kind: str, repo_id: str) -> str:
+    root = os.path.join(hf_home, "hub", f"{kind}s--{repo_id.replace('/', '--')}")
+    os.makedirs(os.path.join(root, "refs"), exist_ok=True)
+    with open(os.path.join(root, "refs", "main"), "w") as handle:
+        handle.write(REVISION)
+    path = os.path.join(root, "snapshots", REVISION)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _clip_models(hf_home: str) -> None:
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPVisionModel
+
+    torch.manual_seed(0)
+    text = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64,
+                bos_token_id=0, eos_token_id=1, pad_token_id=1, max_position_embeddings=16)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8,
+                  patch_size=4)
+    base = CLIPModel(CLIPConfig(vision_config=vision, text_config=text, projection_dim=8)).eval()
+    path = _snapshot(hf_home, "model", "openai/clip-vit-base-patch32")
+    base.save_pretrained(path)
+    CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8}).save_pretrained(path)
+    for index, task in enumerate(CLIP_TASKS):
+        expert = CLIPVisionModel(base.config.vision_config).eval()
+        expert.load_state_dict(base.vision_model.state_dict())
+        generator = torch.Generator().manual_seed(100 + index)
+        with torch.no_grad():
+            for p in expert.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=generator))
+        expert.save_pretrained(_snapshot(hf_home, "model", f"tanganke/clip-vit-base-patch32_{task}"))
+
+
+def _image_dataset(hf_home: str, repo_id: str, config: str | None, seed: int) -> None:
+    """A prepared dataset cache for `repo_id`, as `load_dataset(repo_id, config)` finds it offline."""
+    import datasets
+    from datasets import Dataset, DatasetDict, load_dataset_builder
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    splits = {}
+    for split in ("train", "test"):
+        images = [Image.fromarray(rng.integers(0, 255, (12, 12, 3), dtype=np.uint8)) for _ in range(12)]
+        splits[split] = Dataset.from_dict({"image": images, "label": [i % 3 for i in range(12)]})
+    work = tempfile.mkdtemp()
+    try:
+        files = {}
+        for split, dataset in DatasetDict(splits).items():
+            files[split] = os.path.join(work, f"{split}.parquet")
+            dataset.to_parquet(files[split])
+        builder = load_dataset_builder("parquet", data_files=files, cache_dir=os.path.join(work, "cache"))
+        builder.download_and_prepare()
+        built = next(p for p in glob.glob(os.path.join(work, "cache", "parquet", "*", "*", "*")) if os.path.isdir(p))
+        namespace, name = repo_id.split("/")
+        target = os.path.join(hf_home, "datasets", f"{namespace}___{name}", config or "default", "0.0.0", "0" * 16)
+        shutil.copytree(built, target)
+        for file in os.listdir(target):  # the cache loader expects the dataset's own name in file names
+            if file.startswith("parquet-"):
+                os.rename(os.path.join(target, file), os.path.join(target, name + file[len("parquet"):]))
+        info_path = os.path.join(target, "dataset_info.json")
+        with open(info_path, encoding="utf-8") as handle:
+            info = json.load(handle)
+        info.update(config_name=config or "default", dataset_name=name)
+        with open(info_path, "w", encoding="utf-8") as handle:
+            json.dump(info, handle)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    datasets.disable_progress_bars()
+
+
+def populate_offline_hub(hf_home: str) -> dict[str, str]:
+    """Write every stand-in into `hf_home`; returns the environment to run the docs' code with."""
+    _clip_models(hf_home)
+    for seed, (repo_id, config) in enumerate(CLIP_DATASETS.items()):
+        _image_dataset(hf_home, repo_id, config, seed)
+    return {"HF_HOME": hf_home, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+__all__ = ["CLIP_DATASETS", "CLIP_TASKS", "populate_offline_hub", "copy"]
