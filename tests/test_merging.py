@@ -239,3 +239,432 @@ def test_key_mismatch_names_the_expert(vision_setting):
     text_only = CLIPModel(clip_config()).text_model
     with pytest.raises(ValueError, match="'text'"):
         simple_average(base, {"text": text_only})
+
+
+# ================================================================================================
+# TIES-Merging, DARE, `merge_models`, and experts / base given as folders
+# ================================================================================================
+import hashlib  # noqa: E402
+
+from safetensors.torch import save_file  # noqa: E402
+
+import hf_featcal.merging as merging_module  # noqa: E402
+from hf_featcal.merging import MERGE_METHODS, dare_merging, merge_models, ties_merging  # noqa: E402
+
+
+def float_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float() for k, v in model.state_dict().items() if v.is_floating_point()}
+
+
+def expected_ties(base, experts, scaling, density, per_tensor, merge_func="mean"):
+    """TIES written out with plain torch on the state dicts (independent of the implementation)."""
+    base_sd = float_state(base)
+    trimmed = []
+    for expert in experts.values():
+        expert_sd = float_state(expert)
+        tau = {k: expert_sd[k] - b for k, b in base_sd.items()}
+        if per_tensor:
+            out = {}
+            for k, t in tau.items():
+                keep = int(density * t.numel())
+                flat = torch.zeros(t.numel())
+                if keep:
+                    index = t.abs().flatten().topk(keep).indices
+                    flat[index] = t.flatten()[index]
+                out[k] = flat.view(t.shape)
+        else:
+            magnitudes = torch.cat([t.abs().flatten() for t in tau.values()])
+            keep = int(density * magnitudes.numel())
+            threshold = magnitudes.sort(descending=True).values[keep - 1]
+            out = {k: torch.where(t.abs() >= threshold, t, torch.zeros_like(t)) for k, t in tau.items()}
+        trimmed.append(out)
+    result = {}
+    for k, b in base_sd.items():
+        stack = torch.stack([t[k] for t in trimmed])
+        elected = torch.where(stack.sum(0) >= 0, 1.0, -1.0)
+        agree = (stack != 0) & (torch.sign(stack) == elected)
+        chosen = (stack * agree).sum(0)
+        merged = chosen / agree.sum(0).clamp(min=1) if merge_func == "mean" else chosen
+        result[k] = b + scaling * merged
+    return result
+
+
+def dare_keep_mask(seed: int, name: str, key: str, shape, drop_rate: float) -> torch.Tensor:
+    """The documented DARE mask: CPU generator seeded from sha256(f"{seed}:{name}:{key}")."""
+    digest = hashlib.sha256(f"{seed}:{name}:{key}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return torch.rand(shape, generator=generator) >= drop_rate
+
+
+def expected_dare(base, experts, scaling, drop_rate, rescale, seed):
+    base_sd = float_state(base)
+    result = {}
+    for k, b in base_sd.items():
+        total = torch.zeros_like(b)
+        for name, expert in experts.items():
+            tau = float_state(expert)[k] - b
+            tau = tau * dare_keep_mask(seed, name, k, tau.shape, drop_rate)
+            total = total + (tau / (1 - drop_rate) if rescale else tau)
+        result[k] = b + scaling * total
+    return result
+
+
+def assert_state_close(model: nn.Module, expected: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
+    state = model.state_dict()
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key].float(), value, rtol=0, atol=atol, msg=key)
+
+
+def assert_states_equal(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+class TwoTensors(nn.Module):
+    """A model with two plain parameters (names `big.weight` and `small.weight`)."""
+
+    def __init__(self, n: int = 10) -> None:
+        super().__init__()
+        self.big = nn.Linear(n, 1, bias=False)
+        self.small = nn.Linear(n, 1, bias=False)
+
+
+def with_task_vector(base: nn.Module, values: dict[str, list[float]]) -> nn.Module:
+    out = copy.deepcopy(base)
+    with torch.no_grad():
+        for key, vals in values.items():
+            out.state_dict()[key].add_(torch.tensor(vals).view_as(out.state_dict()[key]))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ TIES
+@pytest.mark.parametrize("density", [0.2, 0.5, 1.0])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_ties_matches_formula(vision_setting, density, per_tensor):
+    base, experts = vision_setting
+    merged = ties_merging(base, experts, scaling_factor=0.7, density=density, per_tensor_trim=per_tensor)
+    assert_state_close(merged, expected_ties(base, experts, 0.7, density, per_tensor))
+    assert getattr(merged.config, MERGE_CONFIG_ATTRIBUTE) == {
+        "method": "ties", "scaling_factor": 0.7, "density": density, "per_tensor_trim": per_tensor,
+        "merge_func": "mean", "experts": ["task0", "task1", "task2"],
+    }
+
+
+def test_ties_sum_merge_func(vision_setting):
+    base, experts = vision_setting
+    merged = ties_merging(base, experts, scaling_factor=0.3, density=0.3, merge_func="sum")
+    assert_state_close(merged, expected_ties(base, experts, 0.3, 0.3, False, merge_func="sum"))
+
+
+def test_ties_global_and_per_tensor_trimming_differ_as_expected():
+    torch.manual_seed(0)
+    base = TwoTensors()
+    big = [10.0 + i for i in range(10)]
+    small = [0.1 * (i + 1) for i in range(10)]
+    expert = with_task_vector(base, {"big.weight": big, "small.weight": [-s for s in small]})
+    base_sd = snapshot(base)
+
+    # over the whole task vector the top half is exactly `big`: `small` is trimmed away entirely
+    merged = ties_merging(base, {"e": expert}, scaling_factor=1.0, density=0.5)
+    torch.testing.assert_close(merged.big.weight - base_sd["big.weight"], torch.tensor([big]), rtol=0, atol=1e-5)
+    assert torch.equal(merged.small.weight, base_sd["small.weight"])
+
+    # per tensor, the top half of each tensor survives
+    merged = ties_merging(base, {"e": expert}, scaling_factor=1.0, density=0.5, per_tensor_trim=True)
+    expected_big = torch.tensor([[0.0] * 5 + big[5:]])
+    expected_small = torch.tensor([[0.0] * 5 + [-s for s in small[5:]]])
+    torch.testing.assert_close(merged.big.weight - base_sd["big.weight"], expected_big, rtol=0, atol=1e-5)
+    torch.testing.assert_close(merged.small.weight - base_sd["small.weight"], expected_small, rtol=0, atol=1e-6)
+
+
+def test_ties_sign_election_and_disjoint_mean_on_a_constructed_example():
+    base = TwoTensors(n=4)
+    with torch.no_grad():
+        base.big.weight.zero_()
+        base.small.weight.zero_()
+    columns = [(3.0, -1.0, 2.0), (-3.0, 1.0, 1.0), (0.0, 0.0, 0.0), (4.0, -4.0, 0.0)]
+    experts = {
+        f"e{i}": with_task_vector(base, {"big.weight": [c[i] for c in columns], "small.weight": [0.0] * 4})
+        for i in range(3)
+    }
+    merged = ties_merging(base, experts, scaling_factor=1.0, density=1.0)
+    # + elected: mean(3, 2); - elected: -3; nothing: 0; tie (sum 0) elects +: 4
+    assert merged.big.weight.flatten().tolist() == [2.5, -3.0, 0.0, 4.0]
+    summed = ties_merging(base, experts, scaling_factor=0.5, density=1.0, merge_func="sum")
+    assert summed.big.weight.flatten().tolist() == [2.5, -1.5, 0.0, 2.0]
+
+
+def test_ties_single_expert_full_density_is_the_expert(vision_setting):
+    base, experts = vision_setting
+    for per_tensor in (False, True):
+        merged = ties_merging(base, {"a": experts["task0"]}, scaling_factor=1.0, density=1.0, per_tensor_trim=per_tensor)
+        assert_state_close(merged, float_state(experts["task0"]))
+
+
+def test_ties_on_clip_model_base_merges_the_vision_tower_only():
+    torch.manual_seed(0)
+    base = CLIPModel(clip_config()).eval()
+    experts = {"a": fine_tuned(base.vision_model, 1), "b": fine_tuned(base.vision_model, 2)}
+    merged = ties_merging(base, experts, scaling_factor=0.4, density=0.3)
+    vision_only = ties_merging(base.vision_model, experts, scaling_factor=0.4, density=0.3)
+    merged_sd, vision_sd = merged.state_dict(), vision_only.state_dict()
+    for key, value in base.state_dict().items():
+        if key.startswith("vision_model."):
+            assert torch.equal(merged_sd[key], vision_sd[key[len("vision_model."):]]), key
+        else:
+            assert torch.equal(merged_sd[key], value), key
+
+
+def test_kth_largest_magnitude_matches_topk():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        chunks = [torch.randn(int(torch.randint(1, 40, (1,), generator=generator)), generator=generator).abs()
+                  for _ in range(4)]
+        chunks += [torch.zeros(25), torch.full((6,), 0.5), torch.tensor([float("inf")])]
+        values = torch.cat(chunks)
+        for k in (1, 2, values.numel() // 5, values.numel() // 2, values.numel()):
+            expected = values.topk(k).values[-1].item()
+            assert merging_module._kth_largest_magnitude(lambda: iter(chunks), k) == expected, (trial, k)
+    assert merging_module._kth_largest_magnitude(lambda: iter(chunks), 0) == math.inf
+
+
+def test_tied_weights_are_merged_once_and_stay_tied():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4, bias=False)
+            self.b = nn.Linear(4, 4, bias=False)
+            self.b.weight = self.a.weight
+
+    torch.manual_seed(0)
+    base = Tied()
+    expert = fine_tuned(base, 1)
+    assert expert.b.weight is expert.a.weight
+    for merged in (task_arithmetic(base, {"e": expert}, 0.5), ties_merging(base, {"e": expert}, 0.5, density=1.0)):
+        assert merged.b.weight is merged.a.weight
+        torch.testing.assert_close(merged.a.weight, base.a.weight + 0.5 * (expert.a.weight - base.a.weight),
+                                   rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ DARE
+@pytest.mark.parametrize("rescale", [True, False])
+@pytest.mark.parametrize("drop_rate", [0.5, 0.9])
+def test_dare_matches_formula(vision_setting, drop_rate, rescale):
+    base, experts = vision_setting
+    merged = dare_merging(base, experts, scaling_factor=0.6, drop_rate=drop_rate, rescale=rescale, seed=7)
+    assert_state_close(merged, expected_dare(base, experts, 0.6, drop_rate, rescale, 7), atol=1e-5)
+    assert getattr(merged.config, MERGE_CONFIG_ATTRIBUTE) == {
+        "method": "dare", "scaling_factor": 0.6, "drop_rate": drop_rate, "rescale": rescale, "seed": 7,
+        "experts": ["task0", "task1", "task2"],
+    }
+
+
+def test_dare_entries_are_dropped_or_rescaled(vision_setting):
+    base, experts = vision_setting
+    merged = dare_merging(base, {"a": experts["task0"]}, scaling_factor=1.0, drop_rate=0.75, seed=3)
+    kept = total = 0
+    for key, b in float_state(base).items():
+        tau = float_state(experts["task0"])[key] - b
+        delta = merged.state_dict()[key].float() - b
+        is_kept = torch.isclose(delta, tau / 0.25, rtol=0, atol=1e-5) & (tau != 0)
+        is_dropped = delta.abs() <= 1e-6
+        assert bool((is_kept | is_dropped).all()), key
+        kept += int(is_kept.sum())
+        total += tau.numel()
+    assert abs(kept / total - 0.25) < 0.02
+
+
+def test_dare_is_deterministic_and_seed_dependent(vision_setting):
+    base, experts = vision_setting
+    rng_before = torch.get_rng_state()
+    first = dare_merging(base, experts, drop_rate=0.5, seed=1)
+    assert torch.equal(torch.get_rng_state(), rng_before)  # the caller's global RNG is untouched
+    second = dare_merging(base, experts, drop_rate=0.5, seed=1)
+    assert_states_equal(first, second)
+    reordered = dare_merging(base, dict(reversed(list(experts.items()))), drop_rate=0.5, seed=1)
+    for key, value in first.state_dict().items():
+        torch.testing.assert_close(reordered.state_dict()[key], value, rtol=0, atol=1e-6)
+    other = dare_merging(base, experts, drop_rate=0.5, seed=2)
+    key = "encoder.layers.0.mlp.fc1.weight"
+    assert not torch.allclose(first.state_dict()[key], other.state_dict()[key])
+
+
+@pytest.mark.parametrize("rescale", [True, False])
+def test_dare_without_dropping_is_task_arithmetic(vision_setting, rescale):
+    base, experts = vision_setting
+    assert_states_equal(dare_merging(base, experts, 0.3, drop_rate=0.0, rescale=rescale),
+                        task_arithmetic(base, experts, 0.3))
+
+
+# ------------------------------------------------------------------------------------------ side effects
+def test_ties_and_dare_leave_inputs_alone(vision_setting):
+    base, experts = vision_setting
+    before_base = snapshot(base)
+    before_experts = {t: snapshot(e) for t, e in experts.items()}
+    for merged in (ties_merging(base, experts), ties_merging(base, experts, per_tensor_trim=True),
+                   dare_merging(base, experts)):
+        assert merged is not base
+        assert all(p.data_ptr() != q.data_ptr() for p, q in zip(merged.parameters(), base.parameters()))
+        assert_same_state(base, before_base)
+        for task, expert in experts.items():
+            assert_same_state(expert, before_experts[task])
+        assert not hasattr(base.config, MERGE_CONFIG_ATTRIBUTE)
+        assert all(not hasattr(e.config, MERGE_CONFIG_ATTRIBUTE) for e in experts.values())
+
+
+def test_ties_record_survives_save_and_load(vision_setting, tmp_path):
+    base, experts = vision_setting
+    merged = ties_merging(base, experts, density=0.25)
+    merged.save_pretrained(tmp_path)
+    reloaded = CLIPVisionModel.from_pretrained(tmp_path)
+    assert getattr(reloaded.config, MERGE_CONFIG_ATTRIBUTE) == getattr(merged.config, MERGE_CONFIG_ATTRIBUTE)
+    assert getattr(reloaded.config, MERGE_CONFIG_ATTRIBUTE)["density"] == 0.25
+    assert_same_state(reloaded, snapshot(merged))
+
+
+# ------------------------------------------------------------------------------------------ folders
+METHOD_CASES = [
+    ("average", {}),
+    ("task_arithmetic", {"scaling_factor": 0.4}),
+    ("ties", {"scaling_factor": 0.5, "density": 0.3}),
+    ("ties", {"scaling_factor": 0.5, "density": 0.3, "per_tensor_trim": True}),
+    ("dare", {"scaling_factor": 0.5, "drop_rate": 0.6, "seed": 5}),
+]
+
+
+@pytest.fixture
+def saved_setting(vision_setting, tmp_path):
+    base, experts = vision_setting
+    base.save_pretrained(tmp_path / "base")
+    paths = {}
+    for i, (task, expert) in enumerate(experts.items()):
+        folder = tmp_path / task
+        # one expert sharded (model.safetensors.index.json), one as str path, one as Path
+        expert.save_pretrained(folder, max_shard_size="40KB" if i == 0 else "1GB")
+        paths[task] = str(folder) if i == 1 else folder
+    assert (tmp_path / "task0" / "model.safetensors.index.json").is_file()
+    return base, experts, tmp_path / "base", paths
+
+
+@pytest.mark.parametrize("method,params", METHOD_CASES)
+def test_folders_give_the_same_merge_as_models(saved_setting, method, params, monkeypatch):
+    base, experts, base_path, paths = saved_setting
+    in_memory = merge_models(base, experts, method, **params)
+
+    loads = []
+    real_load_model = merging_module.load_model
+    monkeypatch.setattr(merging_module, "load_model",
+                        lambda source, argument: loads.append(argument) or real_load_model(source, argument))
+    from_folders = merge_models(base_path, paths, method, **params)
+    assert loads == ["base_model"]  # experts with safetensors are read lazily, never loaded whole
+    assert isinstance(from_folders, CLIPVisionModel)
+    assert_states_equal(from_folders, in_memory)
+    assert getattr(from_folders.config, MERGE_CONFIG_ATTRIBUTE) == getattr(in_memory.config, MERGE_CONFIG_ATTRIBUTE)
+
+    mixed = merge_models(base, {"task0": paths["task0"], "task1": experts["task1"], "task2": paths["task2"]},
+                         method, **params)
+    assert_states_equal(mixed, in_memory)
+
+
+def save_transformers4_style(model: CLIPVisionModel, folder) -> None:
+    """A CLIPVisionModel checkpoint as transformers 4.x wrote it: keys under `vision_model.`."""
+    folder.mkdir()
+    model.config.save_pretrained(folder)
+    state = {"vision_model." + k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_transformers4_vision_checkpoints_and_clip_model_base(tmp_path):
+    torch.manual_seed(0)
+    clip = CLIPModel(clip_config()).eval()
+    vision = clip.vision_model
+    experts = {"a": fine_tuned(vision, 1), "b": fine_tuned(vision, 2)}
+    old_style = {}
+    for task, expert in experts.items():
+        save_transformers4_style(expert, tmp_path / task)
+        old_style[task] = tmp_path / task
+    for method, params in METHOD_CASES:
+        # a CLIPVisionModel base: the `vision_model.` prefix of the files is stripped
+        assert_states_equal(merge_models(vision, old_style, method, **params),
+                            merge_models(vision, experts, method, **params))
+        # a CLIPModel base: the file keys line up as they are
+        assert_states_equal(merge_models(clip, old_style, method, **params),
+                            merge_models(clip, experts, method, **params))
+    # the text tower of the CLIPModel base is untouched
+    merged = ties_merging(clip, old_style)
+    for key, value in clip.state_dict().items():
+        if not key.startswith("vision_model."):
+            assert torch.equal(merged.state_dict()[key], value), key
+
+
+def test_folder_expert_that_does_not_line_up_is_named(vision_setting, tmp_path):
+    base, experts = vision_setting
+    CLIPVisionModel(vision_config(num_hidden_layers=3)).save_pretrained(tmp_path / "deep")
+    with pytest.raises(ValueError, match="'deep'.*does not line up"):
+        ties_merging(base, {**experts, "deep": tmp_path / "deep"})
+    CLIPVisionModel(vision_config(intermediate_size=48)).save_pretrained(tmp_path / "wide")
+    with pytest.raises(ValueError, match="'wide'.*shape"):
+        dare_merging(base, {"wide": tmp_path / "wide"})
+    with pytest.raises(ValueError, match=r"experts\['missing'\]"):
+        task_arithmetic(base, {"missing": tmp_path / "does-not-exist"})
+    with pytest.raises(ValueError, match="base_model"):
+        merge_models(tmp_path / "does-not-exist", experts, "ties")
+
+
+# ------------------------------------------------------------------------------------------ dispatcher
+def test_merge_models_dispatches(vision_setting):
+    base, experts = vision_setting
+    assert set(MERGE_METHODS) >= {"average", "task_arithmetic", "ties", "dare"}
+    assert_states_equal(merge_models(base, experts, "average"), simple_average(base, experts))
+    assert_states_equal(merge_models(base, experts, "task_arithmetic", scaling_factor=0.2),
+                        task_arithmetic(base, experts, 0.2))
+    assert_states_equal(merge_models(base, experts, "ties", density=0.4, per_tensor_trim=True),
+                        ties_merging(base, experts, density=0.4, per_tensor_trim=True))
+    assert_states_equal(merge_models(base, experts, "dare", drop_rate=0.3, seed=4),
+                        dare_merging(base, experts, drop_rate=0.3, seed=4))
+    # a recorded merge can be replayed through the dispatcher
+    record = dict(getattr(merge_models(base, experts, "ties", density=0.4).config, MERGE_CONFIG_ATTRIBUTE))
+    record.pop("experts")
+    assert_states_equal(merge_models(base, experts, **record), ties_merging(base, experts, density=0.4))
+
+
+@pytest.mark.parametrize("method,params,argument", [
+    ("median", {}, "method"),
+    (None, {}, "method"),
+    ("average", {"scaling_factor": 0.3}, "scaling_factor"),
+    ("ties", {"drop_rate": 0.5}, "drop_rate"),
+    ("dare", {"density": 0.5}, "density"),
+    ("ties", {"density": 0.0}, "density"),
+    ("ties", {"density": 1.5}, "density"),
+    ("ties", {"density": float("nan")}, "density"),
+    ("ties", {"density": "0.2"}, "density"),
+    ("ties", {"scaling_factor": float("inf")}, "scaling_factor"),
+    ("ties", {"per_tensor_trim": 1}, "per_tensor_trim"),
+    ("ties", {"merge_func": "max"}, "merge_func"),
+    ("dare", {"drop_rate": 1.0}, "drop_rate"),
+    ("dare", {"drop_rate": -0.1}, "drop_rate"),
+    ("dare", {"scaling_factor": float("nan")}, "scaling_factor"),
+    ("dare", {"seed": 1.5}, "seed"),
+    ("dare", {"seed": True}, "seed"),
+    ("dare", {"rescale": "yes"}, "rescale"),
+    ("task_arithmetic", {"scaling_factor": None}, "scaling_factor"),
+])
+def test_merge_models_rejects_bad_arguments(vision_setting, method, params, argument):
+    base, experts = vision_setting
+    with pytest.raises(ValueError, match=f"`{argument}`"):
+        merge_models(base, experts, method, **params)
+
+
+def test_new_methods_reject_bad_inputs(vision_setting):
+    base, experts = vision_setting
+    for function in (ties_merging, dare_merging):
+        with pytest.raises(ValueError, match="experts"):
+            function(base, {})
+        with pytest.raises(ValueError, match="experts"):
+            function(base, list(experts.values()))
+        with pytest.raises(ValueError, match=r"experts\['bad'\]"):
+            function(base, {"bad": 3})
+        with pytest.raises(ValueError, match="base_model"):
+            function(3, experts)

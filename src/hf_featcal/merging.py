@@ -1,18 +1,33 @@
-"""Simple weight-space merging of task experts (Task Arithmetic, simple averaging).
+"""Weight-space merging of task experts: Task Arithmetic, simple averaging, TIES-Merging, DARE.
 
-Both functions return a *new* model (a deep copy of the base model); the base model and
-the experts are never modified.  For every floating-point tensor of the state dict that the
-experts share with the base model (same name, same shape) the merged value is::
+Every function returns a *new* model; the base model and the experts are never modified.  With
+task vectors ``tau_i = theta_i - theta_0`` (computed in float32 per floating-point state-dict
+tensor, the result cast back to the base tensor's dtype):
 
-    theta_m = theta_0 + scaling_factor * sum_i (theta_i - theta_0)
+* ``task_arithmetic``: ``theta = theta_0 + lambda * sum_i tau_i``;
+* ``simple_average``: Task Arithmetic with ``lambda = 1 / n`` (the mean of the experts);
+* ``ties_merging`` (Yadav et al. 2023): trim each ``tau_i`` to its top-``density`` entries by
+  magnitude (over the whole task vector, or per tensor), elect a sign per entry (sign of the sum of
+  the trimmed vectors), average the entries that agree with it ("disjoint mean"), then
+  ``theta = theta_0 + lambda * merged``;
+* ``dare_merging`` (Yu et al. 2023): drop each entry of ``tau_i`` with probability ``p`` (seeded,
+  reproducible), rescale the rest by ``1 / (1 - p)``, then Task Arithmetic;
+* ``merge_models``: one entry point naming the method by string.
 
-computed in float32 and cast back to the base tensor's dtype.  ``simple_average`` is the
-special case ``scaling_factor = 1 / len(experts)``.
+Inputs.  The base and each expert may be an in-memory model or a local folder / hub id.  A base
+given by path is loaded with its checkpoint's class (``hf_featcal.experts.load_model``) and merged
+in place (it is ours), an in-memory base is deep-copied.  Experts given by path are read lazily
+with ``safetensors.safe_open``, one tensor at a time (sharded checkpoints via
+``model.safetensors.index.json``), so memory stays near one model (the result, plus the caller's
+base when it was handed over in memory) however many experts there are; checkpoints without
+safetensors weights are loaded whole as a fallback.
 
-Mixed architectures are supported when the experts' state dict maps into the base's under a
-key prefix, e.g. a ``CLIPModel`` base (``vision_model.encoder....``) with ``CLIPVisionModel``
-experts (``encoder....``): only the part of the base the experts cover (the vision tower) is
-merged, everything else keeps the base weights.
+Mixed architectures are supported when the experts' keys map into the base's under a key prefix,
+e.g. a ``CLIPModel`` base (``vision_model.encoder....``) with ``CLIPVisionModel`` experts
+(``encoder....``): only the part of the base the experts cover (the vision tower) is merged.  Keys
+an expert has under an extra leading prefix (``CLIPVisionModel`` checkpoints saved by
+transformers 4.x: ``vision_model.encoder....``) are matched too; the prefix is found per expert
+by matching key sets.  Tensors that share storage in the base (tied weights) are merged once.
 
 The merge is recorded on the result as ``merged.config.hf_featcal_merge`` (a JSON-serialisable
 dict that survives ``save_pretrained``/``from_pretrained``)::
@@ -22,18 +37,39 @@ dict that survives ``save_pretrained``/``from_pretrained``)::
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import hashlib
+import inspect
+import json
 import math
-from collections.abc import Mapping
-from numbers import Real
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from numbers import Integral, Real
+from typing import Union
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
-__all__ = ["task_arithmetic", "simple_average", "find_key_prefix", "MERGE_CONFIG_ATTRIBUTE"]
+from .experts import load_model
+
+__all__ = [
+    "task_arithmetic",
+    "simple_average",
+    "ties_merging",
+    "dare_merging",
+    "merge_models",
+    "find_key_prefix",
+    "MERGE_CONFIG_ATTRIBUTE",
+    "MERGE_METHODS",
+]
 
 #: Name of the config attribute that records how a model was merged.
 MERGE_CONFIG_ATTRIBUTE = "hf_featcal_merge"
+
+#: A model, or where to load it from (local folder or hub id).
+ModelLike = Union[nn.Module, str, os.PathLike]
 
 
 def _float_state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -66,69 +102,236 @@ def find_key_prefix(base_keys: set[str] | Mapping[str, object], expert_keys: set
     return None
 
 
-def _validate_experts(experts: Mapping[str, nn.Module]) -> None:
+def _match_keys(base_keys: set[str], expert_keys: Iterable[str]) -> dict[str, str] | None:
+    """Expert key -> base key, or None.  First ``find_key_prefix`` on the keys as they are, then
+    with a leading dotted prefix that *all* expert keys share stripped (shortest first), e.g. the
+    ``vision_model.`` of a transformers-4.x ``CLIPVisionModel`` checkpoint."""
+    keys = sorted(expert_keys)
+    if not keys:
+        return None
+    parts = [k.split(".") for k in keys]
+    common: list[str] = []
+    for column in zip(*(p[:-1] for p in parts)):  # never strip a whole key
+        if len(set(column)) != 1:
+            break
+        common.append(column[0])
+    for depth in range(len(common) + 1):
+        strip = "".join(c + "." for c in common[:depth])
+        stripped = {k[len(strip):]: k for k in keys}
+        prefix = find_key_prefix(base_keys, stripped)
+        if prefix is not None:
+            return {original: prefix + short for short, original in stripped.items()}
+    return None
+
+
+# ----------------------------------------------------------------------------------------- validation
+def _check_scaling(scaling_factor: object) -> float:
+    if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, Real):
+        raise ValueError(f"`scaling_factor` must be a real number, got {scaling_factor!r}")
+    value = float(scaling_factor)
+    if not math.isfinite(value):
+        raise ValueError(f"`scaling_factor` must be finite, got {scaling_factor!r}")
+    return value
+
+
+def _check_fraction(value: object, name: str, *, low_open: bool, high_open: bool) -> float:
+    """A real number in the interval (0,1], [0,1) ... as the flags say; ValueError naming `name`."""
+    interval = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
+        raise ValueError(f"`{name}` must be a real number in {interval}, got {value!r}")
+    number = float(value)
+    if (number <= 0 if low_open else number < 0) or (number >= 1 if high_open else number > 1):
+        raise ValueError(f"`{name}` must be in {interval}, got {value!r}")
+    return number
+
+
+def _check_bool(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}")
+    return value
+
+
+def _validate_experts(experts: Mapping[str, ModelLike]) -> None:
     if not isinstance(experts, Mapping):
         raise ValueError(
-            f"`experts` must be a mapping task name -> model, got {type(experts).__name__}"
+            f"`experts` must be a mapping task name -> model (or local folder / hub id), got {type(experts).__name__}"
         )
     if len(experts) == 0:
         raise ValueError("`experts` must contain at least one expert model, got an empty mapping")
     for name, expert in experts.items():
         if not isinstance(name, str):
             raise ValueError(f"`experts` keys must be task names (str), got {name!r}")
-        if not isinstance(expert, nn.Module):
+        if not isinstance(expert, (nn.Module, str, os.PathLike)):
             raise ValueError(
-                f"`experts[{name!r}]` must be a torch.nn.Module / PreTrainedModel, "
+                f"`experts[{name!r}]` must be a torch.nn.Module / PreTrainedModel, a local folder or a hub id, "
                 f"got {type(expert).__name__}"
             )
 
 
+# ----------------------------------------------------------------------------------------- sources
+def _safetensors_files(folder: str) -> dict[str, str]:
+    """Checkpoint key -> safetensors file, from an index (sharded) or the single file ({} if none)."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as handle:
+            weight_map = json.load(handle)["weight_map"]
+        return {key: os.path.join(folder, file) for key, file in weight_map.items()}
+    single = os.path.join(folder, "model.safetensors")
+    if not os.path.isfile(single):
+        return {}
+    with safe_open(single, framework="pt") as handle:
+        return {key: single for key in handle.keys()}
+
+
+def _checkpoint_files(source: str | os.PathLike) -> dict[str, str]:
+    """Checkpoint key -> safetensors file of a local folder or hub id ({} when it has none)."""
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        return _safetensors_files(path)
+    try:  # a hub id: config and safetensors only (falls back to `load_model` on any failure)
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(path, allow_patterns=["*.json", "*.safetensors"])
+    except Exception:  # noqa: BLE001 - `load_model` produces the user-facing error
+        return {}
+    return _safetensors_files(folder)
+
+
+class _Expert:
+    """One expert's floating-point tensors, addressed by (canonical) base key."""
+
+    def __init__(self, name: str, keys: dict[str, str], fetch: Callable[[str], torch.Tensor]) -> None:
+        self.name = name
+        self.keys = keys  # canonical base key -> the expert's own key
+        self._fetch = fetch
+
+    def task_vector(self, base_key: str, base32: torch.Tensor) -> torch.Tensor:
+        """``theta_i - theta_0`` for ``base_key`` in float32 on the base tensor's device."""
+        value = self._fetch(self.keys[base_key]).detach()
+        return value.to(device=base32.device, dtype=torch.float32) - base32
+
+
+def _open_expert(
+    name: str,
+    source: ModelLike,
+    base_state: dict[str, torch.Tensor],
+    canonical: dict[str, str],
+    base_label: str,
+    stack: contextlib.ExitStack,
+) -> _Expert:
+    """Match an expert's keys and shapes to the base's; tensors of a checkpoint are read lazily."""
+    argument = f"experts[{name!r}]"
+    files = {} if isinstance(source, nn.Module) else _checkpoint_files(source)
+    if files:
+        handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in sorted(set(files.values()))}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for key, file in files.items():
+            info = handles[file].get_slice(key)
+            if info.get_dtype().startswith(("F", "BF")):  # F16/BF16/F32/F64/F8_*: floating point
+                shapes[key] = tuple(info.get_shape())
+
+        def fetch(key: str) -> torch.Tensor:
+            return handles[files[key]].get_tensor(key)
+
+        label = f"checkpoint {os.fspath(source)!r}"
+    else:
+        model = source if isinstance(source, nn.Module) else load_model(source, argument)
+        state = _float_state(model)
+        shapes = {k: tuple(v.shape) for k, v in state.items()}
+        fetch = state.__getitem__
+        label = type(model).__name__
+
+    mapping = _match_keys(set(base_state), shapes)
+    if mapping is None:
+        missing = sorted(k for k in shapes if k not in base_state)[:5]
+        raise ValueError(
+            f"expert {name!r} ({label}) does not line up with the base model ({base_label}): no key prefix maps "
+            f"all of its state-dict keys into the base state dict (e.g. unmatched expert keys: {missing})"
+        )
+    for key, base_key in mapping.items():
+        if tuple(base_state[base_key].shape) != shapes[key]:
+            raise ValueError(
+                f"expert {name!r}: shape of {key!r} {shapes[key]} does not match the base model's "
+                f"{base_key!r} {tuple(base_state[base_key].shape)}"
+            )
+    by_base = {base_key: key for key, base_key in mapping.items()}
+    keys: dict[str, str] = {}
+    for base_key in base_state:  # base state-dict order; tied base keys collapse onto one
+        if base_key in by_base:
+            keys.setdefault(canonical[base_key], by_base[base_key])
+    return _Expert(name, keys, fetch)
+
+
+def _canonical_keys(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Key -> the first key (in state-dict order) whose tensor shares its storage (tied weights)."""
+    seen: dict[tuple, str] = {}
+    canonical: dict[str, str] = {}
+    for key, value in state.items():
+        ptr = value.untyped_storage().data_ptr() if value.numel() else 0
+        if ptr == 0:  # meta / empty tensors: never treated as tied
+            canonical[key] = key
+            continue
+        ident = (value.device, ptr, value.storage_offset(), tuple(value.shape), value.stride(), value.dtype)
+        canonical[key] = seen.setdefault(ident, key)
+    return canonical
+
+
+def _validate_base(base_model: object) -> None:
+    if not isinstance(base_model, (nn.Module, str, os.PathLike)):
+        raise ValueError(
+            "`base_model` must be a torch.nn.Module / PreTrainedModel, a local folder or a hub id, "
+            f"got {type(base_model).__name__}"
+        )
+
+
+def _load_base(base_model: ModelLike) -> nn.Module:
+    """The model to write the merge into: a deep copy of an in-memory base, or the base loaded from
+    its folder / hub id with its checkpoint's class (ours, so merged in place)."""
+    _validate_base(base_model)
+    if isinstance(base_model, nn.Module):
+        return copy.deepcopy(base_model)
+    return load_model(base_model, "base_model")
+
+
+# ----------------------------------------------------------------------------------------- engine
+#: delta(key, [(expert, tau_i) for the experts covering key]) -> merged task vector (float32)
+_DeltaFn = Callable[[str, list[tuple[_Expert, torch.Tensor]]], torch.Tensor]
+#: prepare(experts, base_state) runs before the merge pass (e.g. TIES thresholds)
+_PrepareFn = Callable[[list[_Expert], dict[str, torch.Tensor]], None]
+
+
 def _merge(
-    base_model: nn.Module,
-    experts: Mapping[str, nn.Module],
+    base_model: ModelLike,
+    experts: Mapping[str, ModelLike],
     scaling_factor: float,
     record: dict,
+    delta_fn: _DeltaFn,
+    prepare: _PrepareFn | None = None,
 ) -> nn.Module:
-    if not isinstance(base_model, nn.Module):
-        raise ValueError(
-            f"`base_model` must be a torch.nn.Module / PreTrainedModel, got {type(base_model).__name__}"
-        )
+    """``theta = theta_0 + scaling_factor * delta_fn(key, task vectors)`` for every (canonical)
+    floating-point base key at least one expert covers, one key at a time; other keys keep the base
+    weights.  Task vectors of an expert that lacks a key are absent from that key's list."""
+    _validate_base(base_model)
     _validate_experts(experts)
-
-    base_state = _float_state(base_model)
-    # Accumulate sum_i (theta_i - theta_0) in float32, per base key.
-    deltas: dict[str, torch.Tensor] = {}
-    for name, expert in experts.items():
-        expert_state = _float_state(expert)
-        prefix = find_key_prefix(base_state, expert_state)
-        if prefix is None:
-            missing = sorted(k for k in expert_state if k not in base_state)[:5]
-            raise ValueError(
-                f"expert {name!r} ({type(expert).__name__}) does not line up with the base model "
-                f"({type(base_model).__name__}): no key prefix maps all of its state-dict keys into the "
-                f"base state dict (e.g. unmatched expert keys: {missing})"
-            )
-        for key, value in expert_state.items():
-            base_key = prefix + key
-            base_value = base_state[base_key]
-            if base_value.shape != value.shape:
-                raise ValueError(
-                    f"expert {name!r}: shape of {key!r} {tuple(value.shape)} does not match the base "
-                    f"model's {base_key!r} {tuple(base_value.shape)}"
-                )
-            diff = value.detach().to(device=base_value.device, dtype=torch.float32) - base_value.detach().float()
-            if base_key in deltas:
-                deltas[base_key] += diff
-            else:
-                deltas[base_key] = diff
-
-    merged = copy.deepcopy(base_model)
-    merged_state = merged.state_dict()  # tensors share storage with the merged model's params/buffers
-    with torch.no_grad():
-        for base_key, delta in deltas.items():
-            target = merged_state[base_key]
-            new_value = base_state[base_key].detach().float() + scaling_factor * delta
-            target.copy_(new_value.to(target.dtype))
+    merged = _load_base(base_model)
+    state = _float_state(merged)  # shares storage with the result's parameters / buffers
+    canonical = _canonical_keys(state)
+    with contextlib.ExitStack() as stack:
+        readers = [
+            _open_expert(name, source, state, canonical, type(merged).__name__, stack)
+            for name, source in experts.items()
+        ]
+        with torch.no_grad():
+            if prepare is not None:
+                prepare(readers, state)
+            for key in dict.fromkeys(canonical.values()):
+                covering = [r for r in readers if key in r.keys]
+                if not covering:
+                    continue
+                target = state[key]
+                base32 = target.detach().float()
+                delta = delta_fn(key, [(r, r.task_vector(key, base32)) for r in covering])
+                target.copy_((base32 + scaling_factor * delta).to(target.dtype))
 
     config = getattr(merged, "config", None)
     if config is not None:
@@ -136,9 +339,88 @@ def _merge(
     return merged
 
 
+def _sum_delta(key: str, task_vectors: list[tuple[_Expert, torch.Tensor]]) -> torch.Tensor:
+    delta = task_vectors[0][1]
+    for _, tau in task_vectors[1:]:
+        delta = delta + tau
+    return delta
+
+
+def _names(experts: Mapping[str, ModelLike]) -> list[str]:
+    return [str(k) for k in experts]
+
+
+# ----------------------------------------------------------------------------------------- TIES helpers
+_HIGH_BINS = 1 << 15  # bit patterns of non-negative float32 values are < 2**31: top 16 bits < 2**15
+_LOW_BINS = 1 << 16
+
+
+def _select_bin(hist: torch.Tensor, rank: int) -> tuple[int, int]:
+    """The bin holding the ``rank``-th largest element (1-based) and that element's rank in the bin."""
+    from_top = hist.flip(0).cumsum(0)
+    position = int(torch.searchsorted(from_top, torch.tensor([rank], dtype=from_top.dtype))[0])
+    index = hist.numel() - 1 - position
+    above = int(from_top[position]) - int(hist[index])
+    return index, rank - above
+
+
+def _kth_largest_magnitude(magnitudes: Callable[[], Iterator[torch.Tensor]], k: int) -> float:
+    """Exact ``k``-th largest value over all tensors ``magnitudes()`` yields (non-negative float32),
+    without concatenating them: a two-level radix select on the float32 bit patterns (which order
+    like the values for non-negative floats).  Pass 1 histograms the top 16 bits of every entry,
+    pass 2 the low 16 bits of the entries in the selected top bin; memory is one tensor plus two
+    small histograms.  ``k <= 0`` gives ``inf`` (nothing is kept)."""
+    if k <= 0:
+        return math.inf
+
+    def bit_patterns() -> Iterator[torch.Tensor]:
+        for values in magnitudes():
+            yield values.detach().to(torch.float32).contiguous().view(-1).view(torch.int32)
+
+    high_hist = torch.zeros(_HIGH_BINS, dtype=torch.int64)
+    for bits in bit_patterns():
+        high_hist += torch.bincount((bits >> 16).long(), minlength=_HIGH_BINS).cpu()
+    if int(high_hist.sum()) < k:
+        raise ValueError(f"cannot take the {k}-th largest of {int(high_hist.sum())} values")
+    high, rank = _select_bin(high_hist, k)
+    low_hist = torch.zeros(_LOW_BINS, dtype=torch.int64)
+    for bits in bit_patterns():
+        low = bits[(bits >> 16) == high] & 0xFFFF
+        low_hist += torch.bincount(low.long(), minlength=_LOW_BINS).cpu()
+    low, _ = _select_bin(low_hist, rank)
+    return torch.tensor([(high << 16) | low], dtype=torch.int32).view(torch.float32).item()
+
+
+def _global_thresholds(density: float) -> tuple[dict[str, float], _PrepareFn]:
+    """A ``prepare`` step computing, per expert, the magnitude threshold that keeps its top
+    ``density`` fraction of entries over its whole task vector (all covered tensors together)."""
+    thresholds: dict[str, float] = {}
+
+    def prepare(readers: list[_Expert], state: dict[str, torch.Tensor]) -> None:
+        for reader in readers:
+
+            def magnitudes(reader: _Expert = reader) -> Iterator[torch.Tensor]:
+                for key in reader.keys:
+                    yield reader.task_vector(key, state[key].detach().float()).abs_()
+
+            total = sum(state[key].numel() for key in reader.keys)
+            thresholds[reader.name] = _kth_largest_magnitude(magnitudes, int(density * total))
+
+    return thresholds, prepare
+
+
+# ----------------------------------------------------------------------------------------- DARE helpers
+def _dare_generator(seed: int, expert: str, key: str) -> torch.Generator:
+    """The CPU generator for expert ``expert``'s tensor at base key ``key``: seeded with the first 8
+    bytes (little-endian, top bit cleared) of ``sha256(f"{seed}:{expert}:{key}")``."""
+    digest = hashlib.sha256(f"{seed}:{expert}:{key}".encode("utf-8")).digest()
+    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+# ----------------------------------------------------------------------------------------- public API
 def task_arithmetic(
-    base_model: nn.Module,
-    experts: Mapping[str, nn.Module],
+    base_model: ModelLike,
+    experts: Mapping[str, ModelLike],
     scaling_factor: float = 0.3,
 ) -> nn.Module:
     """Merge ``experts`` into a copy of ``base_model`` with Task Arithmetic.
@@ -147,40 +429,34 @@ def task_arithmetic(
     state-dict tensor the experts share with the base model.
 
     Args:
-        base_model: The pre-trained model the experts were fine-tuned from (a ``PreTrainedModel``).
-            It is not modified.
-        experts: Mapping task name -> fine-tuned model of the same architecture, or of a sub-module
-            of the base (e.g. ``CLIPVisionModel`` experts for a ``CLIPModel`` base: only the vision
-            tower is merged).  Not modified.
+        base_model: The pre-trained model the experts were fine-tuned from (a ``PreTrainedModel``),
+            or its local folder / hub id.  It is not modified.
+        experts: Mapping task name -> fine-tuned model (or local folder / hub id, read lazily) of the
+            same architecture, or of a sub-module of the base (e.g. ``CLIPVisionModel`` experts for a
+            ``CLIPModel`` base: only the vision tower is merged).  Not modified.
         scaling_factor: The task-vector scaling ``lambda`` (finite real number).
 
     Returns:
-        A new model (deep copy of ``base_model``) holding the merged weights, with
+        A new model holding the merged weights, with
         ``config.hf_featcal_merge = {"method": "task_arithmetic", "scaling_factor": ..., "experts": [...]}``.
 
     Raises:
-        ValueError: on an empty/invalid ``experts`` mapping, a non-finite ``scaling_factor``, or an
-            expert whose state-dict keys/shapes do not line up with the base model.
+        ValueError: on an empty/invalid ``experts`` mapping, a non-finite ``scaling_factor``, a source
+            that cannot be loaded, or an expert whose state-dict keys/shapes do not line up with the base.
     """
-    if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, Real):
-        raise ValueError(f"`scaling_factor` must be a real number, got {scaling_factor!r}")
-    scaling_factor = float(scaling_factor)
-    if not math.isfinite(scaling_factor):
-        raise ValueError(f"`scaling_factor` must be finite, got {scaling_factor!r}")
+    scaling_factor = _check_scaling(scaling_factor)
+    _validate_base(base_model)
     _validate_experts(experts)
-    record = {
-        "method": "task_arithmetic",
-        "scaling_factor": scaling_factor,
-        "experts": [str(k) for k in experts],
-    }
-    return _merge(base_model, experts, scaling_factor, record)
+    record = {"method": "task_arithmetic", "scaling_factor": scaling_factor, "experts": _names(experts)}
+    return _merge(base_model, experts, scaling_factor, record, _sum_delta)
 
 
-def simple_average(base_model: nn.Module, experts: Mapping[str, nn.Module]) -> nn.Module:
+def simple_average(base_model: ModelLike, experts: Mapping[str, ModelLike]) -> nn.Module:
     """Average the experts' weights: Task Arithmetic with ``scaling_factor = 1 / len(experts)``.
 
     Equivalent to ``theta_m = mean_i theta_i`` on every shared floating-point tensor; tensors of
-    the base that the experts do not cover keep the base weights.  Inputs are not modified.
+    the base that the experts do not cover keep the base weights.  Inputs (models, or local folders /
+    hub ids) are not modified.
 
     Returns:
         A new model with ``config.hf_featcal_merge = {"method": "simple_average",
@@ -189,11 +465,199 @@ def simple_average(base_model: nn.Module, experts: Mapping[str, nn.Module]) -> n
     Raises:
         ValueError: on an empty/invalid ``experts`` mapping or mismatched architectures.
     """
+    _validate_base(base_model)
     _validate_experts(experts)
     scaling_factor = 1.0 / len(experts)
+    record = {"method": "simple_average", "scaling_factor": scaling_factor, "experts": _names(experts)}
+    return _merge(base_model, experts, scaling_factor, record, _sum_delta)
+
+
+def ties_merging(
+    base_model: ModelLike,
+    experts: Mapping[str, ModelLike],
+    scaling_factor: float = 0.3,
+    density: float = 0.2,
+    per_tensor_trim: bool = False,
+    *,
+    merge_func: str = "mean",
+) -> nn.Module:
+    """Merge ``experts`` into a copy of ``base_model`` with TIES-Merging (Yadav et al. 2023).
+
+    With task vectors ``tau_i = theta_i - theta_0`` (float32):
+
+    1. **Trim**: keep the ``k = int(density * d)`` entries of ``tau_i`` largest in magnitude, zero
+       the rest.  By default (``per_tensor_trim=False``, the paper's and FusionBench's choice) ``d``
+       counts the whole task vector: all floating-point tensors of expert ``i`` that map into the
+       base, taken together (tied tensors once); entries with ``|tau| >=`` the exact ``k``-th largest
+       magnitude are kept.  The threshold is found without concatenating the task vector (radix
+       select on the float32 bit patterns, two passes over the expert).  With
+       ``per_tensor_trim=True`` each tensor is trimmed on its own (``k = int(density * numel)``,
+       ``peft.utils.merge_utils.prune(..., "magnitude")``, as PEFT's ``ties``).
+    2. **Elect sign**: per entry, the sign of ``sum_i trimmed_i`` (a zero sum elects ``+``, as in
+       ``peft.utils.merge_utils.calculate_majority_sign_mask(..., "total")``).
+    3. **Disjoint merge**: per entry, the mean of the trimmed entries whose sign equals the elected
+       one (zeros never count); ``merge_func="sum"`` takes their sum instead (FusionBench's yaml
+       default ``merge_func: sum``).
+    4. ``theta = theta_0 + scaling_factor * merged``.
+
+    Experts lacking a tensor of the base (but covering others) contribute nothing to it.
+
+    Args:
+        base_model: Pre-trained model, or its local folder / hub id.  Not modified.
+        experts: Mapping task name -> fine-tuned model, or local folder / hub id (read lazily).
+        scaling_factor: ``lambda`` (finite real number).
+        density: Fraction of entries kept by the trim, in ``(0, 1]``.
+        per_tensor_trim: Trim per tensor instead of over the whole task vector.
+        merge_func: ``"mean"`` (disjoint mean, the TIES paper) or ``"sum"``.
+
+    Returns:
+        A new model with ``config.hf_featcal_merge = {"method": "ties", "scaling_factor": ...,
+        "density": ..., "per_tensor_trim": ..., "merge_func": ..., "experts": [...]}``.
+
+    Raises:
+        ValueError: on an invalid argument (named in the message) or mismatched architectures.
+    """
+    scaling_factor = _check_scaling(scaling_factor)
+    density = _check_fraction(density, "density", low_open=True, high_open=False)
+    per_tensor_trim = _check_bool(per_tensor_trim, "per_tensor_trim")
+    if merge_func not in ("mean", "sum"):
+        raise ValueError(f"`merge_func` must be 'mean' or 'sum', got {merge_func!r}")
+    _validate_base(base_model)
+    _validate_experts(experts)
+    # PEFT's merge utilities: per-tensor magnitude trim, sign election, disjoint mean (lazy import)
+    from peft.utils.merge_utils import calculate_majority_sign_mask, disjoint_merge, prune
+
+    prepare: _PrepareFn | None = None
+    thresholds: dict[str, float] = {}
+    if not per_tensor_trim:
+        thresholds, prepare = _global_thresholds(density)
+
+    def trim(expert: _Expert, tau: torch.Tensor) -> torch.Tensor:
+        if per_tensor_trim:
+            return tau if density >= 1 else prune(tau, density, method="magnitude")
+        return tau * (tau.abs() >= thresholds[expert.name])
+
+    def delta(key: str, task_vectors: list[tuple[_Expert, torch.Tensor]]) -> torch.Tensor:
+        trimmed = torch.stack([trim(expert, tau) for expert, tau in task_vectors])
+        agree = calculate_majority_sign_mask(trimmed, method="total")
+        if merge_func == "mean":
+            return disjoint_merge(trimmed, agree)
+        return (trimmed * agree).sum(dim=0)
+
     record = {
-        "method": "simple_average",
+        "method": "ties",
         "scaling_factor": scaling_factor,
-        "experts": [str(k) for k in experts],
+        "density": density,
+        "per_tensor_trim": per_tensor_trim,
+        "merge_func": merge_func,
+        "experts": _names(experts),
     }
-    return _merge(base_model, experts, scaling_factor, record)
+    return _merge(base_model, experts, scaling_factor, record, delta, prepare)
+
+
+def dare_merging(
+    base_model: ModelLike,
+    experts: Mapping[str, ModelLike],
+    scaling_factor: float = 0.3,
+    drop_rate: float = 0.9,
+    rescale: bool = True,
+    seed: int = 0,
+) -> nn.Module:
+    """Merge ``experts`` into a copy of ``base_model`` with DARE (Yu et al. 2023) + Task Arithmetic.
+
+    Each entry of each task vector ``tau_i = theta_i - theta_0`` is dropped with probability
+    ``p = drop_rate`` (Bernoulli), the kept ones are divided by ``1 - p`` when ``rescale``, then
+    ``theta = theta_0 + scaling_factor * sum_i dropped_i``.
+
+    Randomness is reproducible and independent of torch's global RNG (left untouched): the keep
+    mask of expert ``name`` for the base state-dict key ``key`` (the merged model's name of the
+    tensor) is ``torch.rand(shape, generator=g) >= p`` with a CPU generator ``g`` seeded by the first
+    8 bytes (little-endian, top bit cleared) of ``sha256(f"{seed}:{name}:{key}")``.  The result thus
+    does not depend on the experts' order, on their device, or on whether they are given as models
+    or as folders.  ``drop_rate=0`` is Task Arithmetic exactly.
+
+    Args:
+        base_model: Pre-trained model, or its local folder / hub id.  Not modified.
+        experts: Mapping task name -> fine-tuned model, or local folder / hub id (read lazily).
+        scaling_factor: ``lambda`` (finite real number).
+        drop_rate: Drop probability ``p`` in ``[0, 1)``.
+        rescale: Divide kept entries by ``1 - p`` (the DARE rescaling).
+        seed: Integer seed.
+
+    Returns:
+        A new model with ``config.hf_featcal_merge = {"method": "dare", "scaling_factor": ...,
+        "drop_rate": ..., "rescale": ..., "seed": ..., "experts": [...]}``.
+
+    Raises:
+        ValueError: on an invalid argument (named in the message) or mismatched architectures.
+    """
+    scaling_factor = _check_scaling(scaling_factor)
+    drop_rate = _check_fraction(drop_rate, "drop_rate", low_open=False, high_open=True)
+    rescale = _check_bool(rescale, "rescale")
+    if isinstance(seed, bool) or not isinstance(seed, Integral):
+        raise ValueError(f"`seed` must be an integer, got {seed!r}")
+    seed = int(seed)
+    _validate_base(base_model)
+    _validate_experts(experts)
+
+    def drop(expert: _Expert, key: str, tau: torch.Tensor) -> torch.Tensor:
+        if drop_rate == 0:
+            return tau
+        keep = torch.rand(tau.shape, generator=_dare_generator(seed, expert.name, key)) >= drop_rate
+        tau = tau * keep.to(tau.device)
+        return tau / (1.0 - drop_rate) if rescale else tau
+
+    def delta(key: str, task_vectors: list[tuple[_Expert, torch.Tensor]]) -> torch.Tensor:
+        return _sum_delta(key, [(expert, drop(expert, key, tau)) for expert, tau in task_vectors])
+
+    record = {
+        "method": "dare",
+        "scaling_factor": scaling_factor,
+        "drop_rate": drop_rate,
+        "rescale": rescale,
+        "seed": seed,
+        "experts": _names(experts),
+    }
+    return _merge(base_model, experts, scaling_factor, record, delta)
+
+
+#: Method name -> merge function (``"simple_average"`` is an alias of ``"average"``, so the
+#: ``method`` of a ``config.hf_featcal_merge`` record is always accepted).
+MERGE_METHODS: dict[str, Callable[..., nn.Module]] = {
+    "average": simple_average,
+    "simple_average": simple_average,
+    "task_arithmetic": task_arithmetic,
+    "ties": ties_merging,
+    "dare": dare_merging,
+}
+
+
+def merge_models(base_model: ModelLike, experts: Mapping[str, ModelLike], method: str, **params: object) -> nn.Module:
+    """Merge ``experts`` into a copy of ``base_model`` with the method named ``method``.
+
+    Args:
+        base_model: Pre-trained model, or its local folder / hub id.  Not modified.
+        experts: Mapping task name -> fine-tuned model, or local folder / hub id.
+        method: ``"average"`` (``simple_average``; alias ``"simple_average"``), ``"task_arithmetic"``
+            (``scaling_factor``), ``"ties"`` (``ties_merging``: ``scaling_factor``, ``density``,
+            ``per_tensor_trim``, ``merge_func``) or ``"dare"`` (``dare_merging``: ``scaling_factor``,
+            ``drop_rate``, ``rescale``, ``seed``).
+        **params: The method's parameters (defaults as in its function).
+
+    Returns:
+        The merged model (``config.hf_featcal_merge`` records method and parameters).
+
+    Raises:
+        ValueError: for an unknown ``method``, a parameter the method does not take, or an invalid
+            value (the message names the argument).
+    """
+    if not isinstance(method, str) or method not in MERGE_METHODS:
+        raise ValueError(f"`method` must be one of {sorted(MERGE_METHODS)}, got {method!r}")
+    function = MERGE_METHODS[method]
+    accepted = [name for name in inspect.signature(function).parameters if name not in ("base_model", "experts")]
+    for name in params:
+        if name not in accepted:
+            raise ValueError(
+                f"`{name}` is not a parameter of merge method {method!r} (accepted: {accepted or 'none'})"
+            )
+    return function(base_model, experts, **params)

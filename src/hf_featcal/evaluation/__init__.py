@@ -43,3 +43,46 @@ __all__ = [
     "preprocess_glue_dataset",
     "validate_glue_task",
 ]
+
+# CLIP zero-shot classification (the 8 CLIP tasks of the FeatCal paper).
+from .clip_templates import (
+    CLIP_CLASS_NAMES,
+    CLIP_DATASETS,
+    CLIP_DEFAULT_TEMPLATES,
+    CLIP_EXPERT_IDS,
+    CLIP_NUM_CLASSES,
+    CLIP_TASKS,
+    CLIP_TEMPLATES,
+)
+from .clip_zeroshot import (
+    ClipTask,
+    ClipZeroShotHead,
+    ClipZeroShotResults,
+    build_zeroshot_head,
+    clip_image_embeddings,
+    evaluate_clip_zeroshot,
+    load_clip_split,
+    render_prompts,
+    resolve_clip_task,
+    vision_tower_into_clip,
+)
+
+__all__ += [
+    "CLIP_CLASS_NAMES",
+    "CLIP_DATASETS",
+    "CLIP_DEFAULT_TEMPLATES",
+    "CLIP_EXPERT_IDS",
+    "CLIP_NUM_CLASSES",
+    "CLIP_TASKS",
+    "CLIP_TEMPLATES",
+    "ClipTask",
+    "ClipZeroShotHead",
+    "ClipZeroShotResults",
+    "build_zeroshot_head",
+    "clip_image_embeddings",
+    "evaluate_clip_zeroshot",
+    "load_clip_split",
+    "render_prompts",
+    "resolve_clip_task",
+    "vision_tower_into_clip",
+]
