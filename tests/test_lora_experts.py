@@ -9,6 +9,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from hf_featcal import FeatCalCalibrator
+from transformers import CLIPVisionModel
 from hf_featcal.experts import LoraSource
 
 
@@ -63,3 +64,37 @@ def test_unsupported_adapters_are_refused(clip_setting, tmp_path):
     _adapter(base, tmp_path / "embed", 0, r=2, target_modules=["q_proj", "patch_embedding"])
     with pytest.raises(ValueError, match=r"outside the blocks"):
         FeatCalCalibrator(merged, base, {**experts, "cars": str(tmp_path / "embed")}, data)
+
+
+@pytest.mark.parametrize("method,params", [("task_arithmetic", {"scaling_factor": 0.3}),
+                                            ("ties", {"scaling_factor": 0.3, "density": 0.5}),
+                                            ("dare", {"scaling_factor": 0.3, "drop_rate": 0.5, "seed": 1})])
+def test_merging_lora_adapters_equals_merging_their_full_models(clip_setting, tmp_path, method, params):
+    from hf_featcal.merging import merge_models
+
+    base = clip_setting[0]
+    configs = {"cars": dict(r=4, lora_alpha=8, target_modules=["q_proj", "fc1"]),
+               "dtd": dict(r=2, lora_alpha=2, target_modules=["q_proj", "fc2"])}
+    full = {task: _adapter(base, tmp_path / task, seed, **cfg) for seed, (task, cfg) in enumerate(configs.items())}
+    from_full = merge_models(base, full, method, **params)
+    from_adapters = merge_models(base, {t: str(tmp_path / t) for t in configs}, method, **params)
+    for (name, p), q in zip(from_adapters.state_dict().items(), from_full.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_merging_lora_adapters_trained_on_the_vision_tower_into_a_clip_model(tmp_path, generator):
+    from transformers import CLIPModel
+
+    from conftest import tiny_clip_config
+    from hf_featcal.merging import task_arithmetic
+
+    clip = CLIPModel(tiny_clip_config()).eval()
+    vision_base = CLIPVisionModel(clip.config.vision_config).eval()
+    vision_base.load_state_dict(clip.vision_model.state_dict())
+    full = _adapter(vision_base, tmp_path / "a", 0, r=2, target_modules=["q_proj", "fc1"])
+    merged = task_arithmetic(clip, {"a": str(tmp_path / "a")}, scaling_factor=0.5)
+    want = {k: v + 0.5 * (full.state_dict()[k] - v) for k, v in vision_base.state_dict().items()}
+    for k, v in want.items():
+        torch.testing.assert_close(merged.vision_model.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+    for k, v in clip.text_model.state_dict().items():
+        assert torch.equal(merged.text_model.state_dict()[k], v)

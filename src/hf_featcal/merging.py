@@ -52,7 +52,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .experts import load_model
+from .experts import LoraAdapter, load_model
 
 __all__ = [
     "task_arithmetic",
@@ -188,22 +188,33 @@ def _checkpoint_files(source: str | os.PathLike) -> dict[str, str]:
     path = os.fspath(source)
     if os.path.isdir(path):
         return _safetensors_files(path)
-    try:  # a hub id: config and safetensors only (falls back to `load_model` on any failure)
+    folder = _hub_snapshot(path)
+    return {} if folder is None else _safetensors_files(folder)
+
+
+def _hub_snapshot(repo_id: str) -> str | None:
+    """A local snapshot (config and safetensors files) of a hub repository, None if unavailable
+    (`load_model` then produces the user-facing error)."""
+    try:
         from huggingface_hub import snapshot_download
 
-        folder = snapshot_download(path, allow_patterns=["*.json", "*.safetensors"])
-    except Exception:  # noqa: BLE001 - `load_model` produces the user-facing error
-        return {}
-    return _safetensors_files(folder)
+        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"])
+    except Exception:  # noqa: BLE001
+        return None
 
 
 class _Expert:
     """One expert's floating-point tensors, addressed by (canonical) base key."""
 
-    def __init__(self, name: str, keys: dict[str, str], fetch: Callable[[str], torch.Tensor]) -> None:
+    def __init__(
+        self, name: str, keys: dict[str, str], fetch: Callable[[str], torch.Tensor], size: int | None = None
+    ) -> None:
         self.name = name
         self.keys = keys  # canonical base key -> the expert's own key
         self._fetch = fetch
+        # entries of the expert's whole task vector, when it covers fewer keys than its model has
+        # (a LoRA adapter: zeros outside the adapted weights); None = the covered entries
+        self.size = size
 
     def task_vector(self, base_key: str, base32: torch.Tensor) -> torch.Tensor:
         """``theta_i - theta_0`` for ``base_key`` in float32 on the base tensor's device."""
@@ -211,9 +222,45 @@ class _Expert:
         return value.to(device=base32.device, dtype=torch.float32) - base32
 
 
+def _lora_adapter(source: str | os.PathLike, argument: str) -> LoraAdapter | None:
+    """The PEFT LoRA adapter at a local folder or hub id, or None if it is not one."""
+    path = os.fspath(source)
+    folder = path if os.path.isdir(path) else _hub_snapshot(path)
+    if folder is None or not os.path.isfile(os.path.join(folder, "adapter_config.json")):
+        return None
+    return LoraAdapter(folder, argument)
+
+
+def _open_lora_expert(
+    name: str, adapter: LoraAdapter, merged: nn.Module, base_state: dict[str, torch.Tensor], canonical: dict[str, str]
+) -> _Expert:
+    """A LoRA expert covers the weights it adapts; its task vector there is the adapter's delta."""
+    # the adapter names modules relative to the model class it was trained on (e.g. a CLIPVisionModel
+    # inside a CLIPModel base)
+    trained_on = (adapter.config.get("auto_mapping") or {}).get("base_model_class")
+    prefix = ""
+    if trained_on and type(merged).__name__ != trained_on:
+        inner = next((n for n, m in merged.named_modules() if n and type(m).__name__ == trained_on), None)
+        prefix = f"{inner}." if inner else ""
+    original = {key: base_state[key].detach().clone() for key in (prefix + m + ".weight" for m in adapter.modules) if key in base_state}
+    missing = [m for m in adapter.modules if prefix + m + ".weight" not in base_state]
+    if missing:
+        raise ValueError(f"expert {name!r}: the LoRA adapter adapts modules the base model lacks: {missing[:3]}")
+    keys = {canonical[prefix + m + ".weight"]: m for m in adapter.modules}
+    by_module = {m: prefix + m + ".weight" for m in adapter.modules}
+
+    def fetch(module: str) -> torch.Tensor:  # base weight + (B·A)·scaling
+        base = original[by_module[module]]
+        return base.float() + adapter.delta(module).to(base.device)
+
+    model_keys = {canonical[k] for k in base_state if k.startswith(prefix)}  # the model the adapter was trained on
+    return _Expert(name, keys, fetch, size=sum(base_state[k].numel() for k in model_keys))
+
+
 def _open_expert(
     name: str,
     source: ModelLike,
+    merged: nn.Module,
     base_state: dict[str, torch.Tensor],
     canonical: dict[str, str],
     base_label: str,
@@ -221,6 +268,9 @@ def _open_expert(
 ) -> _Expert:
     """Match an expert's keys and shapes to the base's; tensors of a checkpoint are read lazily."""
     argument = f"experts[{name!r}]"
+    adapter = None if isinstance(source, nn.Module) else _lora_adapter(source, argument)
+    if adapter is not None:
+        return _open_lora_expert(name, adapter, merged, base_state, canonical)
     files = {} if isinstance(source, nn.Module) else _checkpoint_files(source)
     if files:
         handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in sorted(set(files.values()))}
@@ -318,7 +368,7 @@ def _merge(
     canonical = _canonical_keys(state)
     with contextlib.ExitStack() as stack:
         readers = [
-            _open_expert(name, source, state, canonical, type(merged).__name__, stack)
+            _open_expert(name, source, merged, state, canonical, type(merged).__name__, stack)
             for name, source in experts.items()
         ]
         with torch.no_grad():
@@ -403,8 +453,10 @@ def _global_thresholds(density: float) -> tuple[dict[str, float], _PrepareFn]:
                 for key in reader.keys:
                     yield reader.task_vector(key, state[key].detach().float()).abs_()
 
-            total = sum(state[key].numel() for key in reader.keys)
-            thresholds[reader.name] = _kth_largest_magnitude(magnitudes, int(density * total))
+            covered = sum(state[key].numel() for key in reader.keys)
+            k = int(density * (reader.size if reader.size is not None else covered))
+            # beyond the covered entries the task vector is zero: the k-th largest is then 0
+            thresholds[reader.name] = 0.0 if k > covered else _kth_largest_magnitude(magnitudes, k)
 
     return thresholds, prepare
 
