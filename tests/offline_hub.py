@@ -8,7 +8,7 @@ patched: the docs' code runs through the real transformers / datasets loading co
 
 | hub id(s) | stands in with |
 |---|---|
-| `openai/clip-vit-base-patch32` | a tiny random-init `CLIPModel` + `CLIPImageProcessor` (8×8 images) |
+| `openai/clip-vit-base-patch32` | a tiny random-init `CLIPModel`, `CLIPImageProcessor` (8×8 images) and a word-level tokenizer |
 | `tanganke/clip-vit-base-patch32_<task>` (8 tasks) | a tiny `CLIPVisionModel`: the base's vision tower plus a seeded random task vector |
 | the 8 CLIP task datasets (`tanganke/sun397`, …, `ufldl-stanford/svhn` `cropped_digits`, `ylecun/mnist`) | 12 random RGB images with labels, `train` and `test` splits |
 
@@ -51,6 +51,22 @@ def _snapshot(hf_home: str, kind: str, repo_id: str) -> str:
     return path
 
 
+def _word_tokenizer(words: list[str], bos: str, eos: str):
+    """A tiny offline word-level tokenizer (unknown words map to <unk>); appends `eos`."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {bos: 0, eos: 1, "<unk>": 2}
+    for word in words:
+        vocab.setdefault(word, len(vocab))
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"$A {eos}", special_tokens=[(eos, 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos, eos_token=eos, pad_token=eos,
+                                   unk_token="<unk>")
+
+
 def _clip_models(hf_home: str) -> None:
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPVisionModel
 
@@ -63,6 +79,7 @@ def _clip_models(hf_home: str) -> None:
     path = _snapshot(hf_home, "model", "openai/clip-vit-base-patch32")
     base.save_pretrained(path)
     CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8}).save_pretrained(path)
+    _word_tokenizer(["a", "photo", "of", "the"], bos="<|startoftext|>", eos="<|endoftext|>").save_pretrained(path)
     for index, task in enumerate(CLIP_TASKS):
         expert = CLIPVisionModel(base.config.vision_config).eval()
         expert.load_state_dict(base.vision_model.state_dict())
