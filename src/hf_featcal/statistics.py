@@ -26,6 +26,8 @@ def _identity_reducer(tensors: list[Tensor]) -> list[Tensor]:
 
 def flatten_tokens(x: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
     """(..., d) features and (...) weights → the rows with non-zero weight, as (M, d) and (M,)."""
+    if x.dim() - 1 > weights.dim():  # per-head inputs (B, N, heads, d): every head of a token shares its weight
+        weights = weights.reshape(*weights.shape, *([1] * (x.dim() - 1 - weights.dim()))).expand(x.shape[:-1])
     x = x.reshape(-1, x.shape[-1])
     w = weights.reshape(-1).to(device=x.device)
     keep = w > 0
