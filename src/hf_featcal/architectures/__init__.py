@@ -15,7 +15,7 @@ from .base import (
     register_layer_map,
     supported_model_types,
 )
-from . import clip, llama, t5  # noqa: F401  (registers the layer maps)
+from . import bert, clip, llama, t5, vit  # noqa: F401  (registers the layer maps)
 
 __all__ = [
     "LAYER_NORM",
