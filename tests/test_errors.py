@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from datasets import Dataset
-from transformers import BertConfig, BertModel, CLIPVisionModel
+from transformers import BertConfig, BertModel, CLIPVisionModel, GPT2Config, GPT2Model
 
 from conftest import perturbed, pixel_batches, tiny_vision_config
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalError
@@ -27,9 +27,9 @@ def _assert_unchanged(model, state):
 
 def test_unsupported_architecture_names_the_supported_ones(clip_setting):
     _, experts, _, data = clip_setting
-    bert = BertModel(BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50))
-    with pytest.raises(ValueError, match=r"`model` has unsupported architecture BertModel.*supported model types: clip, clip_vision_model"):
-        FeatCalCalibrator(bert, None, experts, data)
+    gpt2 = GPT2Model(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match=r"`model` has unsupported architecture GPT2Model.*supported model types: bert, clip, clip_vision_model, llama"):
+        FeatCalCalibrator(gpt2, None, experts, data)
 
 
 @pytest.mark.parametrize(
@@ -51,8 +51,11 @@ def test_mismatched_expert_config(clip_setting, overrides, match):
 def test_mismatched_architecture_and_base(clip_setting):
     base, experts, merged, data = clip_setting
     bert = BertModel(BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50))
-    with pytest.raises(ValueError, match=r"`base_model` has unsupported architecture"):
+    with pytest.raises(ValueError, match=r"`base_model` has model_type 'bert', which does not match the merged CLIPVisionModel"):
         FeatCalCalibrator(merged, bert, experts, data)
+    gpt2 = GPT2Model(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match=r"`base_model` has unsupported architecture"):
+        FeatCalCalibrator(merged, gpt2, experts, data)
     with pytest.raises(ValueError, match=r"`base_model` has a different configuration"):
         FeatCalCalibrator(merged, CLIPVisionModel(tiny_vision_config(intermediate_size=48)), experts, data)
 

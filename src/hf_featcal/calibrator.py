@@ -23,7 +23,8 @@ from accelerate.utils import reduce, send_to_device
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .architectures import LAYER_NORM, LINEAR, LayerMap, ModuleSpec, get_layer_map
+from .architectures import LAYER_NORM, LINEAR, LayerMap, ModuleSpec, get_layer_map, supported_model_types
+from .architectures.auto import infer_layer_map
 from .checkpointing import CheckpointFolder, fingerprint
 from .config import FeatCalConfig, matches_module_pattern
 from .data import Batch, batch_size_of, prepare_batches
@@ -96,6 +97,8 @@ class FeatCalCalibrator:
         checkpoint_dir: persist progress there after every block; re-running with the same arguments
             after an interruption continues from the last finished block (same result as an
             uninterrupted run). A checkpoint of a different run is refused.
+        allow_inferred_layer_map: for an architecture without a registered layer map, infer its
+            blocks from `_no_split_modules` (with a warning naming what was found) instead of raising.
 
     All inputs are checked here, before any expensive work; errors name the offending argument.
     """
@@ -114,6 +117,7 @@ class FeatCalCalibrator:
         merge_info: dict[str, Any] | None = None,
         show_progress: bool = True,
         checkpoint_dir: str | os.PathLike | None = None,
+        allow_inferred_layer_map: bool = False,
     ) -> None:
         if config is None:
             config = FeatCalConfig()
@@ -123,7 +127,10 @@ class FeatCalCalibrator:
             raise TypeError(f"`model` must be the merged PreTrainedModel, got {type(model).__name__}.")
         self.config = config
         self.model = model
-        self.layer_map: LayerMap = get_layer_map(model, "model")
+        if allow_inferred_layer_map and model_type_of(model) not in supported_model_types():
+            self.layer_map: LayerMap = infer_layer_map(model)
+        else:
+            self.layer_map = get_layer_map(model, "model")
         self.parameters = ModelParameters(model)
         # Processes (accelerate launch / torchrun): each takes a disjoint shard of every task's
         # batches; statistics are sums, reduced across processes before every solve.
@@ -257,7 +264,10 @@ class FeatCalCalibrator:
     # ================================================================== checks
     def _check_compatible(self, source: ModelSource) -> None:
         argument = source.argument
-        other_map = get_layer_map(source.config, argument)
+        if model_type_of(source.config) == model_type_of(self.model):
+            other_map = self.layer_map  # also an inferred one
+        else:
+            other_map = get_layer_map(source.config, argument)
         if type(other_map) is not type(self.layer_map):
             raise ValueError(
                 f"`{argument}` has model_type {source.config.model_type!r}, which does not match the merged "
@@ -729,6 +739,10 @@ class FeatCalCalibrator:
 
 
 # ====================================================================== helpers
+def model_type_of(model_or_config: Any) -> str | None:
+    return getattr(getattr(model_or_config, "config", model_or_config), "model_type", None)
+
+
 def _default_state() -> PartialState:
     # without a GPU, `cpu=True` lets accelerate set up gloo when launched with several processes
     return PartialState(cpu=not torch.cuda.is_available())
