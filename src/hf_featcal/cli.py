@@ -1,0 +1,845 @@
+"""The ``hf-featcal`` command line: merge, calibrate, evaluate, run a YAML recipe, or the offline demo.
+
+    hf-featcal merge     --base B --expert TASK=SRC ... --method task_arithmetic --output-dir DIR
+    hf-featcal calibrate --model MERGED --base B --expert TASK=SRC ... --data TASK=DATASET ... --output-dir DIR
+    hf-featcal evaluate  --model DIR --task TASK ... [--data TASK=DATASET ...]
+    hf-featcal run       RECIPE.yaml
+    hf-featcal demo      (offline, < 3 minutes on 2 CPU cores)
+
+Run ``hf-featcal <command> --help`` for every option. Errors in what was given (a bad recipe key, a
+missing path, a model that does not fit) print one line and exit with a non-zero status; ``--debug``
+shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["build_parser", "main"]
+
+PROG = "hf-featcal"
+DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "hf_featcal")
+
+
+class CLIError(Exception):
+    """A user error in the command line (printed without a traceback, exit status 2)."""
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ======================================================================================= parser
+_FORMATTER = argparse.RawDescriptionHelpFormatter
+
+_MAIN_EPILOG = """\
+examples:
+  hf-featcal demo                                     # offline digits demo, < 3 min on 2 CPU cores
+  hf-featcal run examples/recipes/clip_vit_b32_ta8.yaml
+  hf-featcal merge --base openai/clip-vit-base-patch32 \\
+      --expert mnist=tanganke/clip-vit-base-patch32_mnist --expert svhn=tanganke/clip-vit-base-patch32_svhn \\
+      --method ties --scaling-factor 0.3 --density 0.2 --output-dir merged
+  hf-featcal calibrate --model merged --base openai/clip-vit-base-patch32 \\
+      --expert mnist=tanganke/clip-vit-base-patch32_mnist --expert svhn=tanganke/clip-vit-base-patch32_svhn \\
+      --data mnist=ylecun/mnist --data svhn=ufldl-stanford/svhn --data-config svhn=cropped_digits \\
+      --output-dir merged-featcal
+  hf-featcal evaluate --model merged-featcal --task mnist --task svhn --max-samples 1000
+
+Every command runs offline with local folders (save_pretrained / Dataset.save_to_disk) in place of hub ids.
+"""
+
+_MERGE_EPILOG = """\
+methods and their parameters:
+  average           no parameters (the mean of the experts)
+  task_arithmetic   --scaling-factor (λ, default 0.3)
+  ties              --scaling-factor, --density (default 0.2), --per-tensor-trim, --merge-func mean|sum
+  dare              --scaling-factor, --drop-rate (default 0.9), --no-rescale, --seed
+
+examples:
+  hf-featcal merge --base openai/clip-vit-base-patch32 \\
+      --expert mnist=tanganke/clip-vit-base-patch32_mnist --expert dtd=tanganke/clip-vit-base-patch32_dtd \\
+      --method task_arithmetic --scaling-factor 0.3 --output-dir clip-ta
+  hf-featcal merge --base ./base --expert a=./expert_a --expert b=./expert_b --method dare \\
+      --drop-rate 0.5 --seed 1 --output-dir merged-dare
+
+A CLIPModel base with CLIPVisionModel experts merges the vision tower. The output folder holds the
+merged model (save_pretrained; the merge is recorded in config.json as hf_featcal_merge) and the
+base's processor / tokenizer when it has one.
+"""
+
+_CALIBRATE_EPILOG = """\
+examples:
+  # CLIP: images from each task's train split, processed by the base's CLIPImageProcessor
+  hf-featcal calibrate --model clip-ta --base openai/clip-vit-base-patch32 \\
+      --expert mnist=tanganke/clip-vit-base-patch32_mnist --expert dtd=tanganke/clip-vit-base-patch32_dtd \\
+      --data mnist=ylecun/mnist --data dtd=tanganke/dtd --num-examples 256 --output-dir clip-ta-featcal
+  # FLAN-T5: GLUE train examples in the experts' prompt format ("{task}" is replaced by the task)
+  hf-featcal calibrate --model t5-ta --base google/flan-t5-base \\
+      --expert cola=tanganke/flan-t5-base_glue-cola --expert rte=tanganke/flan-t5-base_glue-rte \\
+      --data-default nyu-mll/glue --data-default-config "{task}" --output-dir t5-ta-featcal
+  # local folders (Dataset.save_to_disk; a DatasetDict gives --split)
+  hf-featcal calibrate --model ./merged --base ./base --expert a=./expert_a --data a=./data_a \\
+      --lambda-ratio 0.1 --output-dir ./merged-featcal
+
+The output folder holds the calibrated model, its processor / tokenizer, a model card (README.md),
+featcal_drift_report.json, featcal_config.json and the drift plot featcal_drift.png.
+"""
+
+_EVALUATE_EPILOG = """\
+examples:
+  # CLIP zero-shot top-1 on built-in tasks (datasets and class names known; test split)
+  hf-featcal evaluate --model clip-ta-featcal --task mnist --task dtd --max-samples 1000
+  # a bare CLIPVisionModel (e.g. an expert): the base CLIPModel gives text heads and projection
+  hf-featcal evaluate --model tanganke/clip-vit-base-patch32_mnist --clip-model openai/clip-vit-base-patch32 --task mnist
+  # a custom task from a local DatasetDict with made-up class names
+  hf-featcal evaluate --model ./clip-featcal --task shapes --data shapes=./shapes \\
+      --class-names shapes=circle,square,triangle --template "shapes=a drawing of a {c}."
+  # FLAN-T5 on GLUE validation splits
+  hf-featcal evaluate --model t5-ta-featcal --task cola --task rte --output-json scores.json
+
+Built-in CLIP tasks: sun397, stanford-cars, resisc45, eurosat, svhn, gtsrb, mnist, dtd.
+GLUE tasks: cola, mnli, mrpc, qnli, qqp, rte, sst2, stsb.
+"""
+
+_RUN_EPILOG = """\
+examples:
+  hf-featcal run examples/recipes/clip_vit_b32_ta8.yaml
+  hf-featcal run examples/recipes/flan_t5_base_glue8.yaml --output-dir /data/t5-featcal --device cuda
+  hf-featcal run my_recipe.yaml --no-eval --push-to-hub me/my-merged-featcal
+
+Steps: validate the recipe (before anything is downloaded) → load base, processor and calibration
+data → merge → check the calibration inputs → evaluate the merged model → FeatCal → evaluate again →
+save model, processor, model card (with the evaluation), drift report, drift plot (featcal_drift.png),
+featcal_evaluation.json and the recipe → push to the hub if asked. The recipe schema is documented
+in hf_featcal/recipes.py (python -c "import hf_featcal.recipes as r; print(r.__doc__)").
+"""
+
+_DEMO_EPILOG = """\
+examples:
+  hf-featcal demo
+  hf-featcal demo --cache-dir /tmp/featcal-cache --output-dir /tmp/featcal-demo --samples-per-task 128
+
+Fully offline: a tiny CLIP vision encoder is "pre-trained" on scikit-learn's bundled digits, fine-tuned
+into four task experts (plain, rotated, inverted, mirrored-parity digits), merged by Task Arithmetic
+and calibrated with FeatCal. The built models are cached (first run ~20-40 s of training, later runs
+load them). Prints test accuracy of the experts, the merge and the merge + FeatCal, and the per-block
+drift; saves the calibrated model, its model card and featcal_drift.png.
+"""
+
+
+def _task_value(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected TASK=VALUE, got {text!r}")
+    task, value = text.split("=", 1)
+    task, value = task.strip(), value.strip()
+    if not task or not value:
+        raise argparse.ArgumentTypeError(f"expected TASK=VALUE with both parts non-empty, got {text!r}")
+    return task, value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+
+
+def _add_featcal_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("FeatCal settings (default: the authors' demo values)")
+    group.add_argument("--featcal-config", metavar="FILE",
+                       help="a featcal_config.json (or a JSON/YAML mapping of FeatCalConfig fields); the options below override it")
+    group.add_argument("--lambda-ratio", type=float, metavar="λ", help="ridge strength towards the anchor (default 0.05)")
+    group.add_argument("--anchor-rho", type=float, metavar="ρ", help="anchor = base + ρ·(merged − base) (default 2.2)")
+    group.add_argument("--teacher-alpha", type=float, metavar="α", help="teacher input mix α in [0, 1] (default 0.25)")
+    group.add_argument("--batch-size", type=_positive_int, help="calibration batch size (default 16)")
+    group.add_argument("--seed", type=int, help="seed for shuffling / selecting calibration examples (default 42)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hf-featcal`` argument parser (one subparser per command)."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="FeatCal for merged models: merge experts, calibrate the merge with FeatCal, evaluate, "
+        "or run a whole YAML recipe.",
+        epilog=_MAIN_EPILOG,
+        formatter_class=_FORMATTER,
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    # ------------------------------------------------------------------ merge
+    p = commands.add_parser(
+        "merge", help="merge expert models into their base (Task Arithmetic, TIES, DARE, averaging)",
+        description="Merge fine-tuned experts into a copy of their base model and save the result.",
+        epilog=_MERGE_EPILOG, formatter_class=_FORMATTER,
+    )
+    p.add_argument("--base", required=True, help="base model: hub id or local folder")
+    p.add_argument("--expert", dest="experts", type=_task_value, action="append", required=True, metavar="TASK=SOURCE",
+                   help="an expert (hub id or local folder) for TASK; repeat for every expert")
+    p.add_argument("--method", default="task_arithmetic", choices=["average", "task_arithmetic", "ties", "dare"],
+                   help="merge method (default: task_arithmetic)")
+    p.add_argument("--scaling-factor", type=float, metavar="λ", help="task-vector scaling (task_arithmetic, ties, dare)")
+    p.add_argument("--density", type=float, help="ties: fraction of task-vector entries kept, in (0, 1]")
+    p.add_argument("--per-tensor-trim", action="store_true", default=None, help="ties: trim each tensor on its own")
+    p.add_argument("--merge-func", choices=["mean", "sum"], help="ties: disjoint mean (default) or sum")
+    p.add_argument("--drop-rate", type=float, help="dare: drop probability in [0, 1)")
+    p.add_argument("--no-rescale", dest="rescale", action="store_false", default=None,
+                   help="dare: do not divide kept entries by 1 − drop rate")
+    p.add_argument("--seed", type=int, help="dare: seed of the drop masks")
+    p.add_argument("--output-dir", required=True, help="folder the merged model is saved to")
+    _add_common(p)
+    p.set_defaults(func=_cmd_merge)
+
+    # ------------------------------------------------------------------ calibrate
+    p = commands.add_parser(
+        "calibrate", help="calibrate a merged model towards its experts with FeatCal",
+        description="Run FeatCal on a merged model (a folder or hub id) with a few calibration examples per "
+        "task, and save the calibrated model with its model card, drift report and drift plot.",
+        epilog=_CALIBRATE_EPILOG, formatter_class=_FORMATTER,
+    )
+    p.add_argument("--model", required=True, help="the merged model: local folder or hub id")
+    p.add_argument("--base", help="the base model the experts were fine-tuned from (anchor; recommended)")
+    p.add_argument("--expert", dest="experts", type=_task_value, action="append", required=True, metavar="TASK=SOURCE",
+                   help="an expert (hub id or local folder); repeat for every task")
+    p.add_argument("--data", type=_task_value, action="append", default=[], metavar="TASK=DATASET",
+                   help="calibration dataset of TASK: hub id or a Dataset.save_to_disk folder")
+    p.add_argument("--data-config", type=_task_value, action="append", default=[], metavar="TASK=NAME",
+                   help="dataset config name of TASK (hub datasets)")
+    p.add_argument("--data-default", metavar="DATASET",
+                   help="calibration dataset of every task without --data ('{task}' is replaced by the task)")
+    p.add_argument("--data-default-config", metavar="NAME", help="config name for --data-default ('{task}' allowed)")
+    p.add_argument("--split", default="train", help="calibration split (default: train)")
+    p.add_argument("--num-examples", type=_positive_int, default=256, help="calibration examples per task (default 256)")
+    p.add_argument("--image-column", help="CLIP: the image column (default: image / img)")
+    p.add_argument("--family", choices=["clip", "flan_t5"], help="model family (default: from the model's config)")
+    p.add_argument("--processor", help="processor / tokenizer folder or hub id (default: the model folder, else the base)")
+    _add_featcal_options(p)
+    p.add_argument("--device", help="device for calibration, e.g. cuda or cpu (default: accelerate's)")
+    p.add_argument("--output-dir", required=True, help="folder the calibrated model is saved to")
+    p.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload the output folder to this hub repo")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_common(p)
+    p.set_defaults(func=_cmd_calibrate)
+
+    # ------------------------------------------------------------------ evaluate
+    p = commands.add_parser(
+        "evaluate", help="score a model: CLIP zero-shot top-1 or FLAN-T5 GLUE",
+        description="Evaluate a CLIP model (zero-shot classification with the text tower of a CLIPModel) or a "
+        "FLAN-T5 model (GLUE by greedy generation) and print a table of per-task scores.",
+        epilog=_EVALUATE_EPILOG, formatter_class=_FORMATTER,
+    )
+    p.add_argument("--model", required=True, help="model to evaluate: local folder or hub id")
+    p.add_argument("--task", dest="tasks", action="append", required=True, metavar="TASK", help="a task; repeat for several")
+    p.add_argument("--family", choices=["clip", "flan_t5"], help="model family (default: from the model's config)")
+    p.add_argument("--data", type=_task_value, action="append", default=[], metavar="TASK=DATASET",
+                   help="evaluation dataset of TASK: hub id or save_to_disk folder (default: the task's built-in dataset)")
+    p.add_argument("--data-config", type=_task_value, action="append", default=[], metavar="TASK=NAME",
+                   help="dataset config name of TASK (hub datasets)")
+    p.add_argument("--split", help="evaluation split (default: test for CLIP; validation / validation_matched for GLUE)")
+    p.add_argument("--max-samples", type=_positive_int, help="evaluate a random subset of at most this many examples per task (seed 0)")
+    p.add_argument("--batch-size", type=_positive_int, help="batch size (default: 64 CLIP, 32 FLAN-T5)")
+    p.add_argument("--clip-model", help="CLIP: the CLIPModel whose text tower builds the zero-shot heads (default: the model)")
+    p.add_argument("--class-names", type=_task_value, action="append", default=[], metavar="TASK=A,B,...",
+                   help="CLIP: class names of TASK in label order, comma-separated (needed for custom tasks)")
+    p.add_argument("--template", type=_task_value, action="append", default=[], metavar="TASK=TEMPLATE",
+                   help="CLIP: a prompt template with '{c}' for TASK; repeat for several")
+    p.add_argument("--processor", help="processor / tokenizer folder or hub id (default: the model, else --clip-model)")
+    p.add_argument("--device", help="device, e.g. cuda or cpu")
+    p.add_argument("--output-json", metavar="FILE", help="also write the scores as JSON")
+    _add_common(p)
+    p.set_defaults(func=_cmd_evaluate)
+
+    # ------------------------------------------------------------------ run
+    p = commands.add_parser(
+        "run", help="run a YAML recipe: merge → FeatCal → evaluate before/after → save (→ push)",
+        description="Run a YAML recipe end to end. The recipe is validated before anything is downloaded; "
+        "errors name the offending key (e.g. merge.density).",
+        epilog=_RUN_EPILOG, formatter_class=_FORMATTER,
+    )
+    p.add_argument("recipe", metavar="RECIPE", help="the recipe file (YAML)")
+    p.add_argument("--output-dir", help="override the recipe's output_dir")
+    p.add_argument("--push-to-hub", metavar="REPO_ID", help="override the recipe's push_to_hub")
+    p.add_argument("--no-push", action="store_true", help="do not push even if the recipe says so")
+    p.add_argument("--no-eval", action="store_true", help="skip the evaluation before and after calibration")
+    p.add_argument("--device", help="device, e.g. cuda or cpu (default: accelerate's)")
+    p.add_argument("--check", action="store_true", help="only validate the recipe and print what would run")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_common(p)
+    p.set_defaults(func=_cmd_run)
+
+    # ------------------------------------------------------------------ demo
+    p = commands.add_parser(
+        "demo", help="the offline digits demo (Task Arithmetic → FeatCal), < 3 minutes on 2 CPU cores",
+        description="Offline end-to-end demo: build (or load from the cache) a tiny four-task digits merging "
+        "scenario, merge by Task Arithmetic, calibrate with FeatCal, print accuracies and drift, save the model.",
+        epilog=_DEMO_EPILOG, formatter_class=_FORMATTER,
+    )
+    p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help=f"where the built scenario is cached (default {DEFAULT_CACHE_DIR})")
+    p.add_argument("--output-dir", default="hf-featcal-demo", help="where the calibrated model is saved (default ./hf-featcal-demo)")
+    p.add_argument("--samples-per-task", type=_positive_int, default=64, help="calibration images per task (default 64)")
+    p.add_argument("--scaling-factor", type=float, default=0.3, help="Task Arithmetic λ (default 0.3)")
+    p.add_argument("--seed", type=int, default=0, help="scenario seed (default 0)")
+    p.add_argument("--fast", action="store_true",
+                   help="a smaller, quickly trained scenario (a smoke test; accuracies are lower)")
+    _add_common(p)
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+# ===================================================================================== helpers
+def _pairs(pairs: Sequence[tuple[str, str]], option: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for task, value in pairs:
+        if task in out:
+            raise CLIError(f"{option}: task {task!r} is given twice")
+        out[task] = value
+    return out
+
+
+def _validator() -> Any:
+    from .recipes import _Validator
+
+    return _Validator(None, os.getcwd())
+
+
+def _check_source(value: str, option: str, kind: str = "model") -> str:
+    """A local path (made absolute) or a hub id; raises CLIError otherwise (before any download)."""
+    from .recipes import RecipeError
+
+    try:
+        return _validator().source(value, option, kind=kind)
+    except RecipeError as err:
+        raise CLIError(str(err)) from None
+
+
+def _featcal_config(args: argparse.Namespace) -> Any:
+    from .recipes import RecipeError, parse_featcal
+
+    values: dict[str, Any] = {}
+    if args.featcal_config:
+        path = args.featcal_config
+        if os.path.isdir(path):
+            path = os.path.join(path, "featcal_config.json")
+        if not os.path.isfile(path):
+            raise CLIError(f"--featcal-config: {args.featcal_config!r} does not exist")
+        import yaml
+
+        with open(path, encoding="utf-8") as handle:
+            try:
+                loaded = yaml.safe_load(handle)  # JSON is YAML
+            except yaml.YAMLError as err:
+                raise CLIError(f"--featcal-config: {path!r} is not valid JSON/YAML: {err}") from None
+        if not isinstance(loaded, dict):
+            raise CLIError(f"--featcal-config: {path!r} must hold a mapping of FeatCalConfig fields")
+        values.update(loaded)
+    for name in ("lambda_ratio", "anchor_rho", "teacher_alpha", "batch_size", "seed"):
+        value = getattr(args, name, None)
+        if value is not None:
+            values[name] = value
+    try:
+        return parse_featcal(None, values, "featcal")
+    except RecipeError as err:
+        raise CLIError(f"{err} (from --featcal-config or the FeatCal options)") from None
+
+
+def _family(model: Any, given: str | None, option: str = "--model") -> str:
+    from .recipes import model_family_of
+
+    found = model_family_of(model)
+    if given is not None:
+        if found is not None and found != given:
+            raise CLIError(f"--family {given} does not match {option}, a {found!r} model ({type(model).__name__})")
+        return given
+    if found is None:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        raise CLIError(f"{option}: model_type {model_type!r} is neither a CLIP nor a T5 model; supported families: clip, flan_t5")
+    return found
+
+
+def _processing(family: str, candidates: Sequence[str | None]) -> dict[str, Any]:
+    """Processing classes from the first candidate folder / hub id that has them."""
+    from .recipes import load_processing
+
+    errors = []
+    for source in candidates:
+        if not source:
+            continue
+        try:
+            return load_processing(family, source)
+        except (OSError, ValueError, TypeError) as err:
+            errors.append(f"{source}: {err}")
+    what = "CLIPImageProcessor" if family == "clip" else "tokenizer"
+    raise CLIError(f"no {what} found (tried {[c for c in candidates if c]}); pass --processor. " + " | ".join(errors)[:500])
+
+
+def _maybe_save_processing(family: str | None, sources: Sequence[str | None], output_dir: str) -> bool:
+    from .recipes import load_processing, save_processing
+
+    if family is None:
+        return False
+    for source in sources:
+        if not source:
+            continue
+        try:
+            save_processing(load_processing(family, source), output_dir)
+            return True
+        except (OSError, ValueError, TypeError):
+            continue
+    return False
+
+
+class _ProgressBars:
+    """With ``quiet``: no transformers / datasets / hub progress bars inside the block (restored after)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.restore: list[Callable[[], None]] = []
+
+    def __enter__(self) -> "_ProgressBars":
+        if not self.quiet:
+            return self
+        import datasets
+        import huggingface_hub.utils as hub_utils
+        from transformers.utils import logging as hf_logging
+
+        if hf_logging.is_progress_bar_enabled():
+            hf_logging.disable_progress_bar()
+            self.restore.append(hf_logging.enable_progress_bar)
+        if datasets.is_progress_bar_enabled():
+            datasets.disable_progress_bars()
+            self.restore.append(datasets.enable_progress_bars)
+        if not hub_utils.are_progress_bars_disabled():
+            hub_utils.disable_progress_bars()
+            self.restore.append(hub_utils.enable_progress_bars)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for undo in self.restore:
+            undo()
+        self.restore.clear()
+
+
+def _quiet_warnings() -> Any:
+    """Hide FeatCal's per-module ridge warnings (summarised instead) while keeping others."""
+    from .calibrator import FeatCalWarning
+
+    manager = warnings.catch_warnings(record=True)
+    caught = manager.__enter__()
+    warnings.simplefilter("always", FeatCalWarning)
+
+    def finish() -> int:
+        manager.__exit__(None, None, None)
+        ridge = [w for w in caught if issubclass(w.category, FeatCalWarning)]
+        for w in caught:
+            if not issubclass(w.category, FeatCalWarning):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return len(ridge)
+
+    return finish
+
+
+# ==================================================================================== commands
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from .merging import merge_models
+    from .recipes import RecipeError, model_family_of, validate_merge_spec
+
+    base = _check_source(args.base, "--base")
+    experts = {t: _check_source(s, f"--expert {t}") for t, s in _pairs(args.experts, "--expert").items()}
+    params = {
+        name: getattr(args, name)
+        for name in ("scaling_factor", "density", "per_tensor_trim", "merge_func", "drop_rate", "rescale", "seed")
+        if getattr(args, name) is not None
+    }
+    try:
+        spec = validate_merge_spec(args.method, params)
+    except RecipeError as err:
+        option = "--" + err.key.split(".", 1)[-1].replace("_", "-") if err.key.startswith("merge.") else err.key
+        if option == "--rescale":
+            option = "--no-rescale"
+        raise CLIError(f"{option}: {str(err).split(': ', 1)[-1]}") from None
+    _log(f"Merging {len(experts)} experts into {args.base}: {spec.describe()} ...")
+    start = time.perf_counter()
+    merged = merge_models(base, experts, spec.method, **spec.params)
+    os.makedirs(args.output_dir, exist_ok=True)
+    merged.save_pretrained(args.output_dir)
+    saved = _maybe_save_processing(model_family_of(merged), [base], args.output_dir)
+    print(f"Merged {type(merged).__name__} ({spec.describe()}; tasks: {', '.join(experts)}) "
+          f"in {time.perf_counter() - start:.1f} s → {args.output_dir}"
+          + ("" if saved else " (no processor/tokenizer found with the base)"))
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    model_source = _check_source(args.model, "--model")
+    base_source = _check_source(args.base, "--base") if args.base else None
+    experts = {t: _check_source(s, f"--expert {t}") for t, s in _pairs(args.experts, "--expert").items()}
+    data = _pairs(args.data, "--data")
+    configs = _pairs(args.data_config, "--data-config")
+    for option, mapping in (("--data", data), ("--data-config", configs)):
+        for task in mapping:
+            if task not in experts:
+                raise CLIError(f"{option} {task}=...: no --expert named {task!r} (experts: {list(experts)})")
+    missing = [t for t in experts if t not in data]
+    if missing and not args.data_default:
+        raise CLIError(f"--data: no calibration dataset for {missing}; give --data TASK=DATASET or --data-default")
+    config = _featcal_config(args)
+    if args.push_to_hub is not None and "/" not in args.push_to_hub:
+        raise CLIError(f"--push-to-hub: expected a repo id such as me/my-model, got {args.push_to_hub!r}")
+
+    with _ProgressBars(args.quiet):
+        return _calibrate(args, model_source, base_source, experts, data, configs, config)
+
+
+def _calibrate(
+    args: argparse.Namespace,
+    model_source: str,
+    base_source: str | None,
+    experts: dict[str, str],
+    data: dict[str, str],
+    configs: dict[str, str],
+    config: Any,
+) -> int:
+    import dataclasses
+
+    from .calibrator import FeatCalCalibrator
+    from .experts import load_model
+    from .plotting import plot_drift
+    from .recipes import (
+        RecipeError,
+        calibration_processing_class,
+        parse_calibration,
+        prepare_clip_calibration,
+        prepare_flan_t5_calibration,
+        save_processing,
+        upload_folder,
+    )
+
+    _log(f"Loading the merged model {args.model} ...")
+    model = load_model(model_source, "--model")
+    family = _family(model, args.family)
+    default: dict[str, Any] = {"split": args.split, "num_examples": args.num_examples}
+    if args.data_default:
+        default["dataset"] = args.data_default
+        if args.data_default_config:
+            default["config"] = args.data_default_config
+    if args.image_column:
+        if family != "clip":
+            raise CLIError("--image-column is only for CLIP models")
+        default["image_column"] = args.image_column
+    tasks_section = {t: {"dataset": d, **({"config": configs[t]} if t in configs else {})} for t, d in data.items()}
+    try:
+        specs = parse_calibration(None, {"default": default, "tasks": tasks_section}, family, list(experts), args.num_examples)
+    except RecipeError as err:
+        raise CLIError(f"calibration data: {err}") from None
+
+    processing = _processing(family, [args.processor, model_source, base_source])
+    _log("Loading the calibration data ...")
+    if family == "clip":
+        calibration = {t: prepare_clip_calibration(t, s, config.seed) for t, s in specs.items()}
+    else:
+        calibration = {t: prepare_flan_t5_calibration(t, s, processing["tokenizer"], config.seed) for t, s in specs.items()}
+    config = dataclasses.replace(config, num_samples_per_task=None)
+    calibrator = FeatCalCalibrator(
+        model, base_source, experts, calibration, config,
+        processing_class=calibration_processing_class(family, processing),
+        device=args.device, show_progress=not args.quiet,
+    )
+    _log(f"Calibrating with FeatCal on {calibrator.device} ...")
+    start = time.perf_counter()
+    finish = _quiet_warnings()
+    try:
+        calibrator.calibrate()
+    finally:
+        ridge = finish()
+    seconds = time.perf_counter() - start
+    os.makedirs(args.output_dir, exist_ok=True)
+    calibrator.save_model(args.output_dir)
+    save_processing(processing, args.output_dir)
+    plot = None
+    if calibrator.report is not None:
+        plot = plot_drift(calibrator.report, os.path.join(args.output_dir, "featcal_drift.png"))
+        print("Feature drift per task (before → after FeatCal)\n")
+        print(calibrator.report.summary_markdown())
+    if ridge:
+        print(f"\n{ridge} module groups had input directions without data (their solution there is set by the ridge).")
+    print(f"\nCalibrated in {seconds:.1f} s; saved model, model card and drift report to {args.output_dir}"
+          + (f" (plot: {plot})" if plot else ""))
+    if args.push_to_hub:
+        _log(f"Uploading {args.output_dir} to {args.push_to_hub} ...")
+        upload_folder(args.output_dir, args.push_to_hub)
+        print(f"Pushed to https://huggingface.co/{args.push_to_hub}")
+    return 0
+
+
+def _evaluation_spec(args: argparse.Namespace, family: str) -> Any:
+    from .recipes import DatasetSpec, EvaluationSpec, RecipeError
+
+    v = _validator()
+    data = _pairs(args.data, "--data")
+    configs = _pairs(args.data_config, "--data-config")
+    class_names = {t: [n.strip() for n in names.split(",") if n.strip()] for t, names in _pairs(args.class_names, "--class-names").items()}
+    templates: dict[str, list[str]] = {}
+    for task, template in args.template:
+        if "{c}" not in template:
+            raise CLIError(f"--template {task}=...: the template must contain the placeholder {{c}}, got {template!r}")
+        templates.setdefault(task, []).append(template)
+    tasks = list(dict.fromkeys(args.tasks))
+    for option, mapping in (("--data", data), ("--data-config", configs), ("--class-names", class_names), ("--template", templates)):
+        for task in mapping:
+            if task not in tasks:
+                raise CLIError(f"{option} {task}=...: {task!r} is not among the --task values {tasks}")
+    if family != "clip" and (class_names or templates or args.clip_model):
+        raise CLIError("--class-names, --template and --clip-model are only for CLIP models")
+    specs: dict[str, DatasetSpec] = {}
+    for task in tasks:
+        if family == "clip":
+            from .evaluation.clip_templates import CLIP_CLASS_NAMES, CLIP_DATASETS, CLIP_TASK_ALIASES
+
+            name = task if task in CLIP_CLASS_NAMES else CLIP_TASK_ALIASES.get(task)
+            if name is None and task not in class_names:
+                raise CLIError(f"--task {task}: not a built-in CLIP task {list(CLIP_DATASETS)}; give --class-names {task}=A,B,...")
+            if task in data:
+                dataset, config = data[task], configs.get(task)
+            elif name is not None:
+                dataset, config = CLIP_DATASETS[name]
+                config = configs.get(task, config)
+            else:
+                raise CLIError(f"--task {task}: a custom task needs --data {task}=DATASET")
+            split = args.split or "test"
+        else:
+            from .evaluation.glue import GLUE_DEFAULT_SPLITS, GLUE_TASKS
+
+            if task not in GLUE_TASKS:
+                raise CLIError(f"--task {task}: not a GLUE task {list(GLUE_TASKS)}")
+            dataset, config = data.get(task, "nyu-mll/glue"), configs.get(task, task)
+            split = args.split or GLUE_DEFAULT_SPLITS[task]
+        try:
+            local = v.local_path(dataset, f"--data {task}", "dataset")
+        except RecipeError as err:
+            raise CLIError(str(err)) from None
+        specs[task] = DatasetSpec(dataset=local or dataset, config=config, split=split, num_examples=None,
+                                  is_local=local is not None, glue_task=task if family == "flan_t5" else None)
+    return EvaluationSpec(
+        tasks=tasks, datasets=specs, max_samples=args.max_samples,
+        batch_size=args.batch_size or (64 if family == "clip" else 32),
+        class_names=class_names, templates=templates, clip_model=args.clip_model,
+    )
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from .experts import load_model
+    from .recipes import evaluate_model, scores_table
+
+    model_source = _check_source(args.model, "--model")
+    clip_source = _check_source(args.clip_model, "--clip-model") if args.clip_model else None
+    if args.family is not None:
+        _evaluation_spec(args, args.family)  # check the arguments before loading anything
+    _log(f"Loading {args.model} ...")
+    model = load_model(model_source, "--model")
+    family = _family(model, args.family)
+    spec = _evaluation_spec(args, family)
+    clip_model = None
+    if family == "clip":
+        if clip_source is not None:
+            clip_model = load_model(clip_source, "--clip-model")
+        elif not hasattr(model, "get_text_features"):
+            raise CLIError(f"--model is a {type(model).__name__} (no text tower): pass --clip-model, the base CLIPModel")
+    processing = _processing(family, [args.processor, model_source, clip_source])
+    if family == "clip" and processing.get("processor") is None:
+        raise CLIError("CLIP zero-shot evaluation needs a tokenizer with the image processor (a CLIPProcessor); pass --processor")
+    device = args.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    start = time.perf_counter()
+    scores, details = evaluate_model(family, model, spec, processing=processing, clip_model=clip_model, device=device)
+    metric = "zero-shot top-1 accuracy" if family == "clip" else "GLUE headline score (accuracy; Spearman for stsb)"
+    splits = ", ".join(sorted({spec.datasets[t].split or "" for t in spec.tasks}))
+    print(f"{metric} (%), split {splits}" + (f", random subsets of at most {spec.max_samples} examples per task" if spec.max_samples else "") + "\n")
+    print(scores_table({os.path.basename(os.path.normpath(args.model)) or args.model: scores}, spec.tasks))
+    print(f"\n({time.perf_counter() - start:.1f} s)")
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as handle:
+            json.dump({"model": args.model, "scores": scores, "details": details}, handle, indent=2, default=str)
+            handle.write("\n")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .recipes import load_recipe, run_recipe
+
+    overrides: dict[str, Any] = {}
+    if args.output_dir is not None:
+        overrides["output_dir"] = args.output_dir
+    if args.push_to_hub is not None:
+        overrides["push_to_hub"] = args.push_to_hub
+    recipe = load_recipe(args.recipe, overrides)
+    print(f"Recipe {args.recipe}: {recipe.model_family}, base {recipe.base}, {len(recipe.experts)} experts "
+          f"({', '.join(recipe.tasks)}), merge {recipe.merge.describe()}, output {recipe.output_dir}")
+    if args.check:
+        evaluation = "off" if recipe.evaluation is None else f"{len(recipe.evaluation.tasks)} tasks"
+        print(f"The recipe is valid. Calibration examples per task: "
+              f"{ {t: s.num_examples for t, s in recipe.calibration.items()} }; evaluation: {evaluation}.")
+        return 0
+    finish = _quiet_warnings()
+    try:
+        with _ProgressBars(args.quiet):
+            result = run_recipe(
+                recipe, device=args.device, evaluate=not args.no_eval, push_to_hub=not args.no_push,
+                show_progress=not args.quiet, log=_log,
+            )
+    finally:
+        ridge = finish()
+    if result.table is not None:
+        assert recipe.evaluation is not None
+        splits = ", ".join(sorted({recipe.evaluation.datasets[t].split or "" for t in recipe.evaluation.tasks}))
+        metric = "zero-shot top-1 accuracy" if recipe.model_family == "clip" else "GLUE headline score"
+        limit = recipe.evaluation.max_samples
+        subset = f", random subsets of at most {limit} examples per task" if limit else ""
+        print(f"\n{metric} (%), split {splits}{subset}\n")
+        print(result.table)
+    if result.report is not None:
+        print("\nFeature drift per task (before → after FeatCal)\n")
+        print(result.report.summary_markdown())
+    if ridge:
+        print(f"\n{ridge} module groups had input directions without data (set by the ridge).")
+    timing = ", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items())
+    print(f"\nSaved to {result.output_dir} (model, processor, model card, drift report"
+          + (", drift plot" if result.plot_path else "") + f"). Timings: {timing}.")
+    if result.pushed_to:
+        print(f"Pushed to https://huggingface.co/{result.pushed_to}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from .calibrator import FeatCalCalibrator
+    from .config import FeatCalConfig
+    from .plotting import plot_drift
+    from .toy import build_digits_scenario
+
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    cache_dir = os.path.expanduser(args.cache_dir)
+    overrides: dict[str, Any] = {}
+    if args.fast:
+        overrides = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, pretrain_epochs=3, finetune_epochs=3)
+    start = time.perf_counter()
+    _log(f"Building the digits scenario (cache: {cache_dir}) ...")
+    scenario = build_digits_scenario(seed=args.seed, cache_dir=cache_dir, **overrides)
+    built = time.perf_counter() - start
+    tasks = scenario.tasks
+    merged = scenario.task_arithmetic(args.scaling_factor)
+    merged_scores = scenario.evaluate(merged)
+
+    calibrator = FeatCalCalibrator(
+        merged, scenario.base, scenario.experts, scenario.calibration,
+        FeatCalConfig(num_samples_per_task=args.samples_per_task), show_progress=False,
+    )
+    start = time.perf_counter()
+    finish = _quiet_warnings()
+    try:
+        calibrated = calibrator.calibrate()
+    finally:
+        ridge = finish()
+    seconds = time.perf_counter() - start
+    samples = calibrator.samples_per_task
+
+    print(f"Scenario {'loaded from the cache' if scenario.loaded_from_cache else 'built'} in {built:.1f} s; "
+          f"FeatCal on {len(tasks)} tasks × {min(samples.values())} images in {seconds:.1f} s\n")
+    print("Test accuracy (%)\n")
+
+    widths = [max(5, len(t)) for t in tasks]
+
+    def row(name: str, scores: dict[str, float]) -> str:
+        cells = " | ".join(f"{100 * scores[t]:{w}.1f}" for t, w in zip(tasks, widths))
+        return f"| {name:<27} | {cells} | {100 * sum(scores.values()) / len(scores):5.1f} |"
+
+    print(f"| {'model':<27} | " + " | ".join(f"{t:>{w}}" for t, w in zip(tasks, widths)) + " |  mean |")
+    print("|" + "-" * 29 + "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|------:|")
+    print(row("experts (own task)", scenario.evaluate_experts()))
+    print(row(f"Task Arithmetic ({args.scaling_factor:g})", merged_scores))
+    print(row("Task Arithmetic + FeatCal", scenario.evaluate(calibrated)))
+
+    report = calibrator.report
+    assert report is not None
+    print("\nFeature drift ‖h_merged − h_expert‖ per token, per block (before → after)\n")
+    for task, stages in report.tasks.items():
+        cells = ", ".join(f"{b:.3f} → {a:.3f}" for b, a in zip(stages["before"], stages["after"]))
+        print(f"  {task:<9} {cells}")
+    if ridge:
+        print(f"\n{ridge} module groups had input directions without data (their solution there is set by the ridge).")
+    from ._scenario_cache import quiet_transformers
+
+    with quiet_transformers():
+        calibrator.save_model(args.output_dir)
+    plot = plot_drift(report, os.path.join(args.output_dir, "featcal_drift.png"),
+                      title="FeatCal on the digits demo: feature drift per block")
+    print(f"\nSaved the calibrated model, model card and drift report to {args.output_dir}/ (drift plot: {plot})")
+    return 0
+
+
+# ======================================================================================= main
+def _user_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [ValueError, TypeError, OSError, ImportError, KeyError]
+    try:
+        from huggingface_hub.errors import HfHubHTTPError
+
+        errors.append(HfHubHTTPError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(errors)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``hf-featcal``; returns the exit status (0 on success).
+
+    User errors (invalid recipe or options, missing files, models that do not fit, hub failures)
+    print ``hf-featcal <command>: error: ...`` on stderr and return 2 (arguments / recipe) or 1
+    (while running); ``--debug`` re-raises them with the traceback.
+    """
+    from .recipes import RecipeError
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help / --version / usage errors
+        return int(exit_.code) if isinstance(exit_.code, int) else (0 if exit_.code is None else 2)
+    command: Callable[[argparse.Namespace], int] = args.func
+    name = f"{PROG} {args.command}"
+    try:
+        return command(args)
+    except (CLIError, RecipeError) as err:
+        if args.debug:
+            raise
+        print(f"{name}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+    except _user_errors() as err:
+        if args.debug:
+            raise
+        print(f"{name}: error: {type(err).__name__}: {err}\n(run with --debug for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

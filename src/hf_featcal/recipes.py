@@ -1,0 +1,1166 @@
+"""YAML recipes: merge → FeatCal → evaluate → save (→ push), described in one file.
+
+A recipe is read with ``yaml.safe_load`` (no code is ever executed) and validated into a
+:class:`Recipe` *before anything is downloaded*: every error is a :class:`RecipeError` that names
+the offending key path (e.g. ``merge.density``) and unknown keys are rejected. Models are loaded
+with ``trust_remote_code=False``; datasets through ``datasets.load_dataset`` (which runs no dataset
+scripts) or, for local folders, ``datasets.load_from_disk``.
+
+Schema (``?`` marks optional keys; defaults in brackets)::
+
+    model_family: clip | flan_t5
+    base: <hub id or local model folder>              # a CLIPModel / T5ForConditionalGeneration
+    experts:                                          # task -> hub id or local folder
+      <task>: <hub id or path>
+    merge:
+      method: average | task_arithmetic | ties | dare
+      scaling_factor?: <real>                         # task_arithmetic, ties, dare
+      density?: <(0, 1]>                              # ties
+      per_tensor_trim?: <bool>                        # ties
+      merge_func?: mean | sum                         # ties
+      drop_rate?: <[0, 1)>                            # dare
+      rescale?: <bool>                                # dare
+      seed?: <int>                                    # dare
+    featcal?:                                         # any FeatCalConfig field [defaults]
+      lambda_ratio: 0.05
+      ...
+    calibration:
+      default?:                                       # applies to every task; "{task}" is replaced
+        dataset?: <hub id or path>                    #   by the task name in dataset/config/split
+        config?: <dataset config name> [none]
+        split?: <split> [train]
+        num_examples?: <int or null = all> [featcal.num_samples_per_task if given, else 256]
+        image_column?: <column> [image]               # clip only
+        glue_task?: <GLUE task> [the task name]       # flan_t5 only
+        max_input_length?: <int or null> [512]        # flan_t5 only
+        max_target_length?: <int or null> [32]        # flan_t5 only
+      tasks?:                                         # per-task entries override `default`
+        <task>: <hub id or path>                      #   (shorthand for {dataset: ...})
+        <task>: {dataset: ..., config: ..., ...}
+    evaluation?: false | [enabled with defaults]
+      tasks?: [<task>, ...] [every expert]
+      split?: <split> | {<task>: <split>} [clip: test; flan_t5: validation (mnli: validation_matched)]
+      max_samples?: <int or null> [null]            # a seeded random subset (seed 0) per task
+      batch_size?: <int> [64 for clip, 32 for flan_t5]
+      datasets?:                                      # [the calibration dataset and config]
+        <task>: <hub id or path> | {dataset, config?, split?, image_column?, label_column?}
+      class_names?: {<task>: [<name>, ...]}           # clip only: zero-shot class names in label
+                                                      #   order (required for non-built-in tasks)
+      templates?: {<task>: ["a photo of a {c}.", ...]}  # clip only: zero-shot prompt templates
+      clip_model?: <hub id or path> [base]            # clip only: text tower for the zero-shot heads
+    output_dir?: <folder> [outputs/<recipe file stem>]
+    push_to_hub?: <repo id> | null [null]
+
+Relative *input* paths (models, datasets) are looked up relative to the recipe's folder first, then
+the working directory; a value that is neither an existing local path nor a valid hub id is an
+error. ``output_dir`` is relative to the working directory.
+
+For ``flan_t5`` every task's calibration data goes through
+:func:`hf_featcal.evaluation.preprocess_glue_dataset` (the experts' prompt format, the label text as
+decoder target) and evaluation uses :func:`hf_featcal.evaluation.evaluate_glue`. For ``clip`` the
+calibration images are processed by the base's ``CLIPImageProcessor`` and evaluation is zero-shot
+classification with the base's text tower
+(:func:`hf_featcal.evaluation.clip_zeroshot.evaluate_clip_zeroshot`).
+
+The per-task ``num_examples`` decides how many calibration examples are used (the dataset is
+shuffled with ``featcal.seed`` and cut); the :class:`~hf_featcal.FeatCalConfig` of the run then has
+``num_samples_per_task=None``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import FeatCalConfig
+
+__all__ = [
+    "EVALUATION_SUBSET_SEED",
+    "MERGE_PARAMETERS",
+    "MODEL_FAMILIES",
+    "DatasetSpec",
+    "EvaluationSpec",
+    "MergeSpec",
+    "Recipe",
+    "RecipeError",
+    "RecipeResult",
+    "evaluate_model",
+    "load_dataset_spec",
+    "load_processing",
+    "load_recipe",
+    "model_family_of",
+    "parse_calibration",
+    "parse_featcal",
+    "parse_recipe",
+    "prepare_clip_calibration",
+    "prepare_flan_t5_calibration",
+    "run_recipe",
+    "save_processing",
+    "scores_table",
+    "upload_folder",
+    "validate_merge_spec",
+]
+
+#: Supported model families.
+MODEL_FAMILIES: tuple[str, ...] = ("clip", "flan_t5")
+
+_TOP_LEVEL_KEYS = (
+    "model_family",
+    "base",
+    "experts",
+    "merge",
+    "featcal",
+    "calibration",
+    "evaluation",
+    "output_dir",
+    "push_to_hub",
+)
+_REQUIRED_KEYS = ("model_family", "base", "experts", "merge", "calibration")
+
+#: Seed of the random subset evaluated when ``evaluation.max_samples`` cuts a split.
+EVALUATION_SUBSET_SEED = 0
+_DEFAULT_NUM_EXAMPLES = 256
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*)?$")
+
+
+class RecipeError(ValueError):
+    """An invalid recipe. ``key`` is the offending key path (e.g. ``"merge.density"``)."""
+
+    def __init__(self, key: str, message: str, source: str | None = None) -> None:
+        self.key = key
+        self.source = source
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}{key}: {message}" if key else f"{where}{message}")
+
+
+# ====================================================================================== schema
+@dataclass
+class MergeSpec:
+    """How the experts are merged: ``merge_models(base, experts, method, **params)``."""
+
+    method: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """E.g. ``"task_arithmetic (scaling_factor=0.3)"``."""
+        if not self.params:
+            return self.method
+        return f"{self.method} (" + ", ".join(f"{k}={v}" for k, v in self.params.items()) + ")"
+
+
+@dataclass
+class DatasetSpec:
+    """Where one task's data come from and how they are prepared.
+
+    Attributes:
+        dataset: hub id, or local folder written by ``Dataset.save_to_disk`` (``is_local``).
+        config: dataset config name (hub datasets only; ignored for local folders).
+        split: split name (for a local ``DatasetDict``, the key; a local ``Dataset`` is used whole).
+        num_examples: examples used (shuffled with the FeatCal seed, then cut); None: all.
+        image_column: CLIP: the image column (renamed to ``image``; default: ``image`` / ``img``).
+        label_column: CLIP evaluation: the label column (renamed to ``label``).
+        glue_task: FLAN-T5: the GLUE task whose prompt format is applied.
+        max_input_length, max_target_length: FLAN-T5: token truncation lengths.
+    """
+
+    dataset: str
+    config: str | None = None
+    split: str = "train"
+    num_examples: int | None = _DEFAULT_NUM_EXAMPLES
+    is_local: bool = False
+    image_column: str | None = None
+    label_column: str | None = None
+    glue_task: str | None = None
+    max_input_length: int | None = 512
+    max_target_length: int | None = 32
+
+
+@dataclass
+class EvaluationSpec:
+    """What is evaluated before and after calibration."""
+
+    tasks: list[str]
+    datasets: dict[str, DatasetSpec]
+    max_samples: int | None = None
+    batch_size: int = 64
+    class_names: dict[str, list[str]] = field(default_factory=dict)
+    templates: dict[str, list[str]] = field(default_factory=dict)
+    clip_model: str | None = None
+
+
+@dataclass
+class Recipe:
+    """A validated recipe (see the module docstring for the YAML schema)."""
+
+    model_family: str
+    base: str
+    experts: dict[str, str]
+    merge: MergeSpec
+    featcal: FeatCalConfig
+    calibration: dict[str, DatasetSpec]
+    evaluation: EvaluationSpec | None
+    output_dir: str
+    push_to_hub: str | None = None
+    source: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)  # the recipe as given
+
+    @property
+    def tasks(self) -> list[str]:
+        """Expert task names, in recipe order."""
+        return list(self.experts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe fully resolved (absolute local paths, every per-task dataset spelled out): it
+        validates to the same recipe from any working directory."""
+
+        def data(spec: DatasetSpec, calibration: bool) -> dict[str, Any]:
+            out: dict[str, Any] = {"dataset": spec.dataset}
+            if spec.config is not None:
+                out["config"] = spec.config
+            out["split"] = spec.split
+            if calibration:
+                out["num_examples"] = spec.num_examples
+            if self.model_family == "clip":
+                if spec.image_column:
+                    out["image_column"] = spec.image_column
+                if spec.label_column and not calibration:
+                    out["label_column"] = spec.label_column
+            elif calibration:
+                out.update(glue_task=spec.glue_task, max_input_length=spec.max_input_length,
+                           max_target_length=spec.max_target_length)
+            return out
+
+        featcal = {k: v for k, v in self.featcal.to_dict().items() if k != "num_samples_per_task"}
+        result: dict[str, Any] = {
+            "model_family": self.model_family,
+            "base": self.base,
+            "experts": dict(self.experts),
+            "merge": {"method": self.merge.method, **self.merge.params},
+            "featcal": featcal,
+            "calibration": {"tasks": {t: data(s, True) for t, s in self.calibration.items()}},
+        }
+        if self.evaluation is None:
+            result["evaluation"] = False
+        else:
+            ev = self.evaluation
+            evaluation: dict[str, Any] = {
+                "tasks": list(ev.tasks),
+                "max_samples": ev.max_samples,
+                "batch_size": ev.batch_size,
+                "datasets": {t: data(s, False) for t, s in ev.datasets.items()},
+            }
+            if self.model_family == "clip":
+                evaluation.update(class_names=dict(ev.class_names), templates=dict(ev.templates))
+                if ev.clip_model is not None:
+                    evaluation["clip_model"] = ev.clip_model
+            result["evaluation"] = evaluation
+        result["output_dir"] = os.path.abspath(self.output_dir)
+        result["push_to_hub"] = self.push_to_hub
+        return result
+
+
+# ================================================================================= validation
+def load_recipe(path: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> Recipe:
+    """Read and validate a YAML recipe (``yaml.safe_load``: plain data only). Nothing is downloaded.
+
+    Args:
+        path: the recipe file.
+        overrides: top-level keys replacing the file's (e.g. ``{"output_dir": "out"}``).
+
+    Raises:
+        RecipeError: naming the offending key path; also for an unreadable or non-YAML file.
+    """
+    import yaml
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise RecipeError("", f"recipe file {path!r} does not exist", None)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except yaml.YAMLError as err:
+        raise RecipeError("", f"not valid YAML: {err}", path) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError("", f"a recipe must be a YAML mapping, got {type(data).__name__}", path)
+    data = dict(data)
+    for key, value in (overrides or {}).items():
+        data[key] = value
+    default_output = os.path.join("outputs", Path(path).stem)
+    return parse_recipe(data, base_dir=os.path.dirname(os.path.abspath(path)), source=path, default_output_dir=default_output)
+
+
+def parse_recipe(
+    data: Mapping[str, Any],
+    *,
+    base_dir: str | os.PathLike | None = None,
+    source: str | None = None,
+    default_output_dir: str = os.path.join("outputs", "featcal"),
+) -> Recipe:
+    """Validate a recipe given as a dict (as ``yaml.safe_load`` returns it). Nothing is downloaded.
+
+    Args:
+        data: the recipe.
+        base_dir: folder that relative input paths are looked up in first (default: the working
+            directory).
+        source: shown in error messages (the recipe file).
+        default_output_dir: ``output_dir`` when the recipe has none.
+
+    Raises:
+        RecipeError: naming the offending key path.
+    """
+    v = _Validator(source, os.fspath(base_dir) if base_dir is not None else os.getcwd())
+    if not isinstance(data, Mapping):
+        raise v.error("", f"a recipe must be a mapping, got {type(data).__name__}")
+    v.keys(data, "", _TOP_LEVEL_KEYS, _REQUIRED_KEYS)
+
+    family = data["model_family"]
+    if family not in MODEL_FAMILIES:
+        raise v.error("model_family", f"must be one of {list(MODEL_FAMILIES)}, got {family!r}")
+    base = v.source(data["base"], "base", kind="model")
+    experts_raw = data["experts"]
+    if not isinstance(experts_raw, Mapping) or not experts_raw:
+        raise v.error("experts", "must be a non-empty mapping task name -> hub id or local path")
+    experts: dict[str, str] = {}
+    for task, value in experts_raw.items():
+        v.task_name(task, "experts")
+        experts[task] = v.source(value, f"experts.{task}", kind="model")
+    tasks = list(experts)  # for flan_t5, GLUE task names are checked per calibration entry
+
+    merge = _parse_merge(v, data["merge"])
+    featcal_section = data.get("featcal")
+    if featcal_section is None:
+        featcal_section = {}
+    featcal = parse_featcal(v, featcal_section, "featcal")
+    explicit_samples = isinstance(featcal_section, Mapping) and "num_samples_per_task" in featcal_section
+    default_num = featcal.num_samples_per_task if explicit_samples else _DEFAULT_NUM_EXAMPLES
+    featcal = dataclasses.replace(featcal, num_samples_per_task=None)
+
+    calibration = parse_calibration(v, data["calibration"], family, tasks, default_num)
+
+    evaluation_raw = data.get("evaluation", {})
+    evaluation = None if evaluation_raw is False else _parse_evaluation(v, evaluation_raw, family, tasks, calibration)
+
+    output_dir = data.get("output_dir") or default_output_dir
+    if not isinstance(output_dir, str):
+        raise v.error("output_dir", f"must be a string (a folder), got {output_dir!r}")
+    output_dir = os.path.expanduser(output_dir)
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise v.error("output_dir", f"{output_dir!r} exists and is not a folder")
+    push = data.get("push_to_hub")
+    if push is not None and (not isinstance(push, str) or "/" not in push or not _HUB_ID.match(push)):
+        raise v.error("push_to_hub", f"must be a hub repo id such as 'me/my-model', or null; got {push!r}")
+    return Recipe(
+        model_family=family,
+        base=base,
+        experts=experts,
+        merge=merge,
+        featcal=featcal,
+        calibration=calibration,
+        evaluation=evaluation,
+        output_dir=output_dir,
+        push_to_hub=push,
+        source=source,
+        raw=copy.deepcopy(dict(data)),
+    )
+
+
+class _Validator:
+    """Small helpers that raise `RecipeError`s naming the key path."""
+
+    def __init__(self, source: str | None, base_dir: str) -> None:
+        self.source_name = source
+        self.base_dir = base_dir
+
+    def error(self, key: str, message: str) -> RecipeError:
+        return RecipeError(key, message, self.source_name)
+
+    def keys(self, section: Any, path: str, allowed: tuple[str, ...], required: tuple[str, ...] = ()) -> None:
+        if not isinstance(section, Mapping):
+            raise self.error(path, f"must be a mapping, got {_show(section)}")
+        for key in section:
+            if key not in allowed:
+                raise self.error(_join(path, str(key)), f"unknown key; valid keys here: {list(allowed)}")
+        for key in required:
+            if key not in section or section[key] is None:
+                raise self.error(_join(path, key), "is required")
+
+    def task_name(self, task: Any, path: str) -> None:
+        if not isinstance(task, str) or not task.strip():
+            raise self.error(f"{path}.{task}", f"task names must be non-empty strings, got {task!r}")
+
+    def source(self, value: Any, path: str, kind: str) -> str:
+        """A hub id or an existing local path (returned absolute)."""
+        local = self.local_path(value, path, kind)
+        return local if local is not None else value
+
+    def local_path(self, value: Any, path: str, kind: str) -> str | None:
+        """The absolute local path `value` names, or None when it is a hub id."""
+        if not isinstance(value, str) or not value.strip():
+            raise self.error(path, f"must be a string (a hub id or a local {kind} path), got {_show(value)}")
+        expanded = os.path.expanduser(value)
+        explicit_local = os.path.isabs(expanded) or value.startswith(("./", "../", "~", ".\\", "..\\"))
+        candidates = [expanded] if os.path.isabs(expanded) else [os.path.join(self.base_dir, expanded), expanded]
+        for candidate in candidates:
+            if os.path.exists(candidate):
+                return os.path.abspath(candidate)
+        if explicit_local:
+            raise self.error(path, f"local {kind} path {value!r} does not exist")
+        if not _HUB_ID.match(value) or ".." in value:
+            raise self.error(path, f"{value!r} is neither an existing local path nor a valid hub id")
+        return None
+
+    def integer(self, value: Any, path: str, minimum: int | None = None, optional: bool = False) -> int | None:
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+            bound = f" ≥ {minimum}" if minimum is not None else ""
+            extra = " or null" if optional else ""
+            raise self.error(path, f"must be an integer{bound}{extra}, got {_show(value)}")
+        return value
+
+    def string(self, value: Any, path: str, optional: bool = False) -> str | None:
+        if value is None and optional:
+            return None
+        if not isinstance(value, str) or not value:
+            raise self.error(path, f"must be a non-empty string{' or null' if optional else ''}, got {_show(value)}")
+        return value
+
+    def string_list(self, value: Any, path: str) -> list[str]:
+        if not isinstance(value, list) or not value:
+            raise self.error(path, f"must be a non-empty list of strings, got {_show(value)}")
+        for i, item in enumerate(value):
+            if not isinstance(item, str) or not item:
+                raise self.error(f"{path}[{i}]", f"must be a non-empty string, got {_show(item)}")
+        return list(value)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _show(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+# ---------------------------------------------------------------------------------- merge
+def _real(v: _Validator, value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise v.error(path, f"must be a finite real number, got {_show(value)}")
+    return float(value)
+
+
+def _density(v: _Validator, value: Any, path: str) -> float:
+    value = _real(v, value, path)
+    if not 0.0 < value <= 1.0:
+        raise v.error(path, f"must be in (0, 1], got {value!r}")
+    return value
+
+
+def _drop_rate(v: _Validator, value: Any, path: str) -> float:
+    value = _real(v, value, path)
+    if not 0.0 <= value < 1.0:
+        raise v.error(path, f"must be in [0, 1), got {value!r}")
+    return value
+
+
+def _boolean(v: _Validator, value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise v.error(path, f"must be true or false, got {_show(value)}")
+    return value
+
+
+def _merge_func(v: _Validator, value: Any, path: str) -> str:
+    if value not in ("mean", "sum"):
+        raise v.error(path, f"must be 'mean' or 'sum', got {_show(value)}")
+    return value
+
+
+def _int_param(v: _Validator, value: Any, path: str) -> int:
+    return v.integer(value, path)  # type: ignore[return-value]
+
+
+_MERGE_PARAMS: dict[str, dict[str, Callable[[_Validator, Any, str], Any]]] = {
+    "average": {},
+    "task_arithmetic": {"scaling_factor": _real},
+    "ties": {"scaling_factor": _real, "density": _density, "per_tensor_trim": _boolean, "merge_func": _merge_func},
+    "dare": {"scaling_factor": _real, "drop_rate": _drop_rate, "rescale": _boolean, "seed": _int_param},
+}
+
+#: Merge methods of recipes and the parameters each takes (see `hf_featcal.merging.merge_models`).
+MERGE_PARAMETERS: dict[str, tuple[str, ...]] = {m: tuple(p) for m, p in _MERGE_PARAMS.items()}
+
+
+def _parse_merge(v: _Validator, section: Any) -> MergeSpec:
+    if not isinstance(section, Mapping):
+        raise v.error("merge", f"must be a mapping with a `method`, got {_show(section)}")
+    method = section.get("method")
+    if method not in _MERGE_PARAMS:
+        raise v.error("merge.method", f"must be one of {list(_MERGE_PARAMS)}, got {method!r}")
+    return validate_merge_spec(method, {k: val for k, val in section.items() if k != "method"}, v)
+
+
+def validate_merge_spec(method: str, params: Mapping[str, Any], validator: Any = None) -> MergeSpec:
+    """Check a merge method and its parameters (also used by the CLI); returns a `MergeSpec`.
+
+    Raises:
+        RecipeError: naming ``merge.method`` or ``merge.<param>``.
+    """
+    v = validator if isinstance(validator, _Validator) else _Validator(None, os.getcwd())
+    if method not in _MERGE_PARAMS:
+        raise v.error("merge.method", f"must be one of {list(_MERGE_PARAMS)}, got {method!r}")
+    checks = _MERGE_PARAMS[method]
+    out = {}
+    for key, value in params.items():
+        if key not in checks:
+            raise v.error(f"merge.{key}", f"unknown parameter for method {method!r}; valid: {list(checks) or 'none'}")
+        out[key] = checks[key](v, value, f"merge.{key}")
+    return MergeSpec(method, out)
+
+
+# -------------------------------------------------------------------------------- featcal
+def parse_featcal(v: _Validator | None, section: Any, path: str = "featcal") -> FeatCalConfig:
+    """A `FeatCalConfig` from a mapping; errors name ``featcal.<field>``."""
+    v = v or _Validator(None, os.getcwd())
+    if not isinstance(section, Mapping):
+        raise v.error(path, f"must be a mapping of FeatCalConfig fields, got {_show(section)}")
+    fields = [f.name for f in dataclasses.fields(FeatCalConfig)]
+    for key in section:
+        if key not in fields:
+            raise v.error(f"{path}.{key}", f"unknown FeatCalConfig field; valid: {fields}")
+    try:
+        return FeatCalConfig(**dict(section))
+    except (ValueError, TypeError) as err:
+        message = str(err)
+        match = re.search(r"FeatCalConfig\.(\w+)", message)
+        key = f"{path}.{match.group(1)}" if match and match.group(1) in fields else path
+        raise v.error(key, message) from None
+
+
+# ---------------------------------------------------------------------------- calibration
+_COMMON_DATA_KEYS = ("dataset", "config", "split", "num_examples")
+_FAMILY_DATA_KEYS = {
+    "clip": ("image_column",),
+    "flan_t5": ("glue_task", "max_input_length", "max_target_length"),
+}
+
+
+def parse_calibration(
+    v: _Validator | None,
+    section: Any,
+    family: str,
+    tasks: list[str],
+    default_num_examples: int | None = _DEFAULT_NUM_EXAMPLES,
+) -> dict[str, DatasetSpec]:
+    """Per-task calibration `DatasetSpec`s from a recipe's ``calibration`` section."""
+    v = v or _Validator(None, os.getcwd())
+    v.keys(section, "calibration", ("default", "tasks"))
+    allowed = _COMMON_DATA_KEYS + _FAMILY_DATA_KEYS[family]
+    other_family = next(f for f in MODEL_FAMILIES if f != family)
+    default = section.get("default") or {}
+    _check_entry_keys(v, default, "calibration.default", allowed, family, other_family)
+    per_task = section.get("tasks") or {}
+    if not isinstance(per_task, Mapping):
+        raise v.error("calibration.tasks", f"must be a mapping task -> dataset, got {_show(per_task)}")
+    for task in per_task:
+        if task not in tasks:
+            raise v.error(f"calibration.tasks.{task}", f"no expert is named {task!r}; experts: {tasks}")
+    specs: dict[str, DatasetSpec] = {}
+    for task in tasks:
+        entry = per_task.get(task)
+        path = f"calibration.tasks.{task}"
+        if isinstance(entry, str):
+            entry = {"dataset": entry}
+        elif entry is None:
+            entry = {}
+        _check_entry_keys(v, entry, path, allowed, family, other_family)
+        merged = {**default, **entry}
+        if "dataset" not in merged or merged["dataset"] is None:
+            raise v.error(path, f"no calibration dataset for expert {task!r}: give {path} or calibration.default.dataset")
+        keys = {k: (f"{path}.{k}" if k in entry else f"calibration.default.{k}") for k in merged}
+        specs[task] = _dataset_spec(v, task, merged, keys, path, family, default_split="train", default_num=default_num_examples)
+    return specs
+
+
+def _check_entry_keys(
+    v: _Validator, entry: Any, path: str, allowed: tuple[str, ...], family: str, other_family: str
+) -> None:
+    if not isinstance(entry, Mapping):
+        raise v.error(path, f"must be a dataset (hub id or path) or a mapping, got {_show(entry)}")
+    for key in entry:
+        if key in _FAMILY_DATA_KEYS[other_family] and key not in allowed:
+            raise v.error(f"{path}.{key}", f"only for model_family {other_family!r} (this recipe is {family!r})")
+        if key not in allowed:
+            raise v.error(f"{path}.{key}", f"unknown key; valid keys here: {list(allowed)}")
+
+
+def _dataset_spec(
+    v: _Validator,
+    task: str,
+    entry: Mapping[str, Any],
+    keys: Mapping[str, str],
+    fallback: str,
+    family: str,
+    default_split: str | None,
+    default_num: int | None,
+) -> DatasetSpec:
+    """A `DatasetSpec` from a (merged) entry; `keys` maps a field to its key path in the recipe
+    (fields not in it are reported under `fallback`)."""
+
+    def sub(value: Any) -> Any:
+        return value.replace("{task}", task) if isinstance(value, str) else value
+
+    def key(name: str) -> str:
+        return keys.get(name, f"{fallback}.{name}")
+
+    dataset = sub(entry["dataset"])
+    local = v.local_path(dataset, key("dataset"), "dataset")
+    config = v.string(sub(entry.get("config")), key("config"), optional=True)
+    split = v.string(sub(entry.get("split", default_split)), key("split"), optional=family == "flan_t5")
+    num = entry.get("num_examples", default_num)
+    num = v.integer(num, key("num_examples"), minimum=1, optional=True)
+    if local is not None and split is not None:
+        splits = _local_splits(local)
+        if splits is not None and split not in splits:
+            raise v.error(key("split"), f"the local DatasetDict {local!r} has no split {split!r} (it has {splits})")
+    spec = DatasetSpec(
+        dataset=local or dataset,
+        config=config,
+        split=split,  # type: ignore[arg-type]
+        num_examples=num,
+        is_local=local is not None,
+    )
+    if family == "clip":
+        spec.image_column = v.string(entry.get("image_column"), key("image_column"), optional=True)
+    else:
+        from .evaluation.glue import GLUE_TASKS
+
+        glue_task = sub(entry.get("glue_task", task))
+        if glue_task not in GLUE_TASKS:
+            name = key("glue_task") if "glue_task" in keys else fallback
+            raise v.error(
+                name,
+                f"FLAN-T5 recipes use the GLUE prompt formats: task {glue_task!r} is not a GLUE task "
+                f"{list(GLUE_TASKS)} (set glue_task to one)",
+            )
+        spec.glue_task = glue_task
+        spec.max_input_length = v.integer(entry.get("max_input_length", 512), key("max_input_length"), 1, optional=True)
+        spec.max_target_length = v.integer(entry.get("max_target_length", 32), key("max_target_length"), 1, optional=True)
+    return spec
+
+
+def _local_splits(path: str) -> list[str] | None:
+    """The splits of a local ``DatasetDict`` folder (from its ``dataset_dict.json``), None for a
+    single ``Dataset`` folder (or anything else)."""
+    file = os.path.join(path, "dataset_dict.json")
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as handle:
+            return list(json.load(handle).get("splits", []))
+    except (OSError, ValueError):
+        return None
+
+
+# ----------------------------------------------------------------------------- evaluation
+_EVALUATION_KEYS = ("tasks", "split", "max_samples", "batch_size", "datasets", "class_names", "templates", "clip_model")
+_CLIP_ONLY_EVALUATION_KEYS = ("class_names", "templates", "clip_model")
+_EVALUATION_DATA_KEYS = {"clip": ("dataset", "config", "split", "image_column", "label_column"), "flan_t5": ("dataset", "config", "split")}
+
+
+def _parse_evaluation(
+    v: _Validator, section: Any, family: str, tasks: list[str], calibration: Mapping[str, DatasetSpec]
+) -> EvaluationSpec:
+    if section is True or section is None:
+        section = {}
+    if not isinstance(section, Mapping):
+        raise v.error("evaluation", f"must be a mapping or false, got {_show(section)}")
+    v.keys(section, "evaluation", _EVALUATION_KEYS)
+    if family != "clip":
+        for key in _CLIP_ONLY_EVALUATION_KEYS:
+            if key in section:
+                raise v.error(f"evaluation.{key}", f"only for model_family 'clip' (this recipe is {family!r})")
+    eval_tasks = v.string_list(section["tasks"], "evaluation.tasks") if "tasks" in section else list(tasks)
+    for i, task in enumerate(eval_tasks):
+        if task not in tasks:
+            raise v.error(f"evaluation.tasks[{i}]", f"no expert is named {task!r}; experts: {tasks}")
+        if task in eval_tasks[:i]:
+            raise v.error(f"evaluation.tasks[{i}]", f"task {task!r} is listed twice")
+
+    split = section.get("split")
+    if isinstance(split, Mapping):
+        for task, value in split.items():
+            if task not in eval_tasks:
+                raise v.error(f"evaluation.split.{task}", f"{task!r} is not an evaluated task ({eval_tasks})")
+            v.string(value, f"evaluation.split.{task}")
+    elif split is not None:
+        v.string(split, "evaluation.split")
+
+    def per_task_mapping(name: str) -> Mapping[str, Any]:
+        raw = section.get(name) or {}
+        if not isinstance(raw, Mapping):
+            raise v.error(f"evaluation.{name}", f"must be a mapping task -> value, got {_show(raw)}")
+        for task in raw:
+            if task not in eval_tasks:
+                raise v.error(f"evaluation.{name}.{task}", f"{task!r} is not an evaluated task ({eval_tasks})")
+        return raw
+
+    datasets_raw = per_task_mapping("datasets")
+    class_names = {t: v.string_list(n, f"evaluation.class_names.{t}") for t, n in per_task_mapping("class_names").items()}
+    templates = {t: v.string_list(n, f"evaluation.templates.{t}") for t, n in per_task_mapping("templates").items()}
+
+    specs: dict[str, DatasetSpec] = {}
+    for task in eval_tasks:
+        path = f"evaluation.datasets.{task}"
+        entry = datasets_raw.get(task)
+        cal = calibration[task]
+        if isinstance(entry, str):
+            entry = {"dataset": entry}
+        if entry is None:
+            entry, keys = {"dataset": cal.dataset, "config": cal.config}, {}
+        else:
+            v.keys(entry, path, _EVALUATION_DATA_KEYS[family], ("dataset",))
+            entry, keys = dict(entry), {k: f"{path}.{k}" for k in entry}
+        if "split" not in entry:
+            if isinstance(split, Mapping) and task in split:
+                entry["split"], keys["split"] = split[task], f"evaluation.split.{task}"
+            elif isinstance(split, str):
+                entry["split"], keys["split"] = split, "evaluation.split"
+            elif family == "clip":
+                entry["split"] = "test"
+            else:
+                from .evaluation.glue import GLUE_DEFAULT_SPLITS
+
+                entry["split"] = GLUE_DEFAULT_SPLITS[cal.glue_task or task]
+        if family == "flan_t5":
+            entry["glue_task"] = cal.glue_task
+        spec = _dataset_spec(v, task, entry, keys, path, family, default_split=None, default_num=None)
+        if family == "clip":
+            spec.label_column = v.string(entry.get("label_column"), f"{path}.label_column", optional=True)
+        specs[task] = spec
+        if spec.dataset == cal.dataset and spec.config == cal.config:
+            if spec.is_local and _local_splits(spec.dataset) is None:
+                raise v.error(
+                    path,
+                    f"evaluation would read the same local Dataset as calibration ({cal.dataset!r}); save a "
+                    "DatasetDict with separate splits or give a separate evaluation dataset here",
+                )
+            if spec.split == cal.split:
+                raise v.error(
+                    keys.get("split", path),
+                    f"task {task!r} would be evaluated on its calibration split {cal.split!r}; use a held-out split",
+                )
+
+    if family == "clip":
+        from .evaluation.clip_templates import CLIP_CLASS_NAMES, CLIP_TASK_ALIASES
+
+        for task in eval_tasks:
+            known = task in CLIP_CLASS_NAMES or task in CLIP_TASK_ALIASES
+            if not known and task not in class_names:
+                raise v.error(
+                    f"evaluation.class_names.{task}",
+                    f"required: {task!r} is not a built-in CLIP task {sorted(CLIP_CLASS_NAMES)}, so its "
+                    "zero-shot class names (in label order) must be given",
+                )
+        for task, names in class_names.items():
+            if len(names) < 2:
+                raise v.error(f"evaluation.class_names.{task}", f"needs at least 2 class names, got {len(names)}")
+        for task, values in templates.items():
+            for i, template in enumerate(values):
+                if "{c}" not in template:
+                    raise v.error(
+                        f"evaluation.templates.{task}[{i}]",
+                        f"must contain the class-name placeholder '{{c}}', got {template!r}",
+                    )
+
+    max_samples = v.integer(section.get("max_samples"), "evaluation.max_samples", 1, optional=True)
+    batch_size = v.integer(section.get("batch_size", 64 if family == "clip" else 32), "evaluation.batch_size", 1)
+    clip_model = section.get("clip_model")
+    if clip_model is not None:
+        clip_model = v.source(clip_model, "evaluation.clip_model", kind="model")
+    return EvaluationSpec(
+        tasks=eval_tasks,
+        datasets=specs,
+        max_samples=max_samples,
+        batch_size=batch_size,  # type: ignore[arg-type]
+        class_names=class_names,
+        templates=templates,
+        clip_model=clip_model,
+    )
+
+
+# ==================================================================================== loading
+def load_dataset_spec(spec: DatasetSpec, *, what: str = "dataset") -> Any:
+    """The ``datasets.Dataset`` a spec names: ``load_from_disk`` for a local folder (a
+    ``DatasetDict`` gives its ``split``), else ``load_dataset(hub id, config, split=split)``."""
+    import datasets as hf_datasets
+
+    if spec.is_local:
+        ds = hf_datasets.load_from_disk(spec.dataset)
+        if isinstance(ds, hf_datasets.DatasetDict):
+            if spec.split not in ds:
+                raise ValueError(f"{what}: the local DatasetDict {spec.dataset!r} has no split {spec.split!r} (it has {list(ds)})")
+            ds = ds[spec.split]
+        return ds
+    return hf_datasets.load_dataset(spec.dataset, spec.config, split=spec.split)
+
+
+def _select(ds: Any, num: int | None, seed: int) -> Any:
+    if num is None or num >= len(ds):
+        return ds.shuffle(seed=seed) if num is not None else ds
+    return ds.shuffle(seed=seed).select(range(num))
+
+
+_IMAGE_COLUMNS = ("image", "img", "images")
+
+
+def prepare_clip_calibration(task: str, spec: DatasetSpec, seed: int) -> Any:
+    """One CLIP task's calibration ``Dataset``: loaded, shuffled with `seed`, cut to
+    ``spec.num_examples`` and reduced to one ``image`` column (processed per batch by the calibrator)."""
+    ds = _select(load_dataset_spec(spec, what=f"calibration.tasks.{task}"), spec.num_examples, seed)
+    column = spec.image_column or next((c for c in _IMAGE_COLUMNS if c in ds.column_names), None)
+    if "pixel_values" in ds.column_names and spec.image_column is None:
+        return ds.select_columns(["pixel_values"])
+    if column is None or column not in ds.column_names:
+        raise ValueError(
+            f"calibration.tasks.{task}: the dataset has no image column "
+            f"{spec.image_column or list(_IMAGE_COLUMNS)!r} (columns: {ds.column_names}); set image_column"
+        )
+    ds = ds.select_columns([column])
+    return ds.rename_column(column, "image") if column != "image" else ds
+
+
+def prepare_flan_t5_calibration(task: str, spec: DatasetSpec, tokenizer: Any, seed: int) -> Any:
+    """One FLAN-T5 task's calibration ``Dataset``: shuffled, cut, in the GLUE prompt format and
+    tokenised (``input_ids``, ``attention_mask``, ``labels``)."""
+    from .evaluation.glue import preprocess_glue_dataset
+
+    ds = _select(load_dataset_spec(spec, what=f"calibration.tasks.{task}"), spec.num_examples, seed)
+    ds = preprocess_glue_dataset(
+        spec.glue_task or task,
+        ds,
+        tokenizer,
+        max_input_length=spec.max_input_length,
+        max_target_length=spec.max_target_length,
+    )
+    return ds.select_columns(["input_ids", "attention_mask", "labels"])
+
+
+def model_family_of(model_or_config: Any) -> str | None:
+    """``"clip"`` / ``"flan_t5"`` from a model's (or config's) ``model_type``; None if neither."""
+    config = getattr(model_or_config, "config", model_or_config)
+    model_type = getattr(config, "model_type", None)
+    if model_type in ("clip", "clip_vision_model"):
+        return "clip"
+    if model_type == "t5":
+        return "flan_t5"
+    return None
+
+
+def check_family(model: Any, family: str, argument: str) -> None:
+    """Raise a ValueError when `model` is not of `family`."""
+    found = model_family_of(model)
+    if found != family:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        raise ValueError(f"{argument} has model_type {model_type!r}, which is not a {family!r} model")
+
+
+def load_processing(family: str, source: str) -> dict[str, Any]:
+    """The processing classes saved with `source`: for CLIP the image processor (``"image"``) and,
+    when there is a tokenizer, a ``CLIPProcessor`` (``"processor"``); for FLAN-T5 the tokenizer."""
+    out: dict[str, Any] = {}
+    if family == "clip":
+        from transformers import CLIPImageProcessor, CLIPProcessor
+
+        out["image"] = CLIPImageProcessor.from_pretrained(source, trust_remote_code=False)
+        try:
+            out["processor"] = CLIPProcessor.from_pretrained(source, trust_remote_code=False)
+        except (OSError, ValueError, TypeError):
+            out["processor"] = None
+    else:
+        from transformers import AutoTokenizer
+
+        out["tokenizer"] = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    return out
+
+
+def calibration_processing_class(family: str, processing: Mapping[str, Any]) -> Any:
+    """What the calibrator applies to raw rows: the image processor (CLIP) or tokenizer (FLAN-T5)."""
+    return processing["image"] if family == "clip" else processing["tokenizer"]
+
+
+def save_processing(processing: Mapping[str, Any], output_dir: str) -> None:
+    """Save the processing classes next to a model (so the folder loads as a complete model)."""
+    if processing.get("processor") is not None:
+        processing["processor"].save_pretrained(output_dir)
+    elif processing.get("image") is not None:
+        processing["image"].save_pretrained(output_dir)
+    if processing.get("tokenizer") is not None:
+        processing["tokenizer"].save_pretrained(output_dir)
+
+
+# ================================================================================= evaluation
+def _clip_eval_columns(ds: Any, spec: DatasetSpec, task: str) -> Any:
+    """Rename a CLIP evaluation dataset's image / label columns to ``image`` / ``label``."""
+    for given, wanted in ((spec.image_column, "image"), (spec.label_column, "label")):
+        if given and given != wanted:
+            if given not in ds.column_names:
+                raise ValueError(f"evaluation.datasets.{task}: no column {given!r} (columns: {ds.column_names})")
+            if wanted in ds.column_names:
+                ds = ds.remove_columns([wanted])
+            ds = ds.rename_column(given, wanted)
+    return ds
+
+
+def evaluate_model(
+    family: str,
+    model: Any,
+    spec: EvaluationSpec,
+    *,
+    processing: Mapping[str, Any],
+    clip_model: Any = None,
+    device: Any = None,
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Score `model` on every task of `spec`; returns (task → headline score in [0, 1], details)."""
+    scores: dict[str, float] = {}
+    details: dict[str, Any] = {}
+    for task in spec.tasks:
+        data_spec = spec.datasets[task]
+        ds = load_dataset_spec(data_spec, what=f"evaluation.datasets.{task}")
+        if spec.max_samples is not None and len(ds) > spec.max_samples:
+            # a seeded random subset: evaluation splits are often sorted by label
+            ds = ds.shuffle(seed=EVALUATION_SUBSET_SEED).select(range(spec.max_samples))
+        if family == "clip":
+            from .evaluation.clip_zeroshot import evaluate_clip_zeroshot
+
+            processor = processing.get("processor")
+            if processor is None:
+                raise ValueError(
+                    "CLIP zero-shot evaluation needs a CLIPProcessor (tokenizer + image processor) saved "
+                    "with the base / clip_model; none was found"
+                )
+            ds = _clip_eval_columns(ds, data_spec, task)
+            kwargs: dict[str, Any] = {}
+            if task in spec.class_names:
+                kwargs["class_names"] = {task: spec.class_names[task]}
+            if task in spec.templates:
+                kwargs["templates"] = {task: spec.templates[task]}
+            result = evaluate_clip_zeroshot(
+                model,
+                clip_model,
+                processor,
+                [task],
+                datasets={task: ds},
+                batch_size=spec.batch_size,
+                device=device,
+                split=data_spec.split,
+                **kwargs,
+            )
+            scores[task] = float(result[task])
+        else:
+            from .evaluation.glue import evaluate_glue
+
+            glue_task = data_spec.glue_task or task
+            result = evaluate_glue(
+                model,
+                processing["tokenizer"],
+                [glue_task],
+                datasets={glue_task: ds},
+                batch_size=spec.batch_size,
+                device=device,
+                split=data_spec.split,
+            )
+            scores[task] = float(result[glue_task])
+        details[task] = result.to_dict()
+    return scores, details
+
+
+def scores_table(rows: Mapping[str, Mapping[str, float]], tasks: list[str], title: str = "model") -> str:
+    """A markdown table, one row per model, one column per task plus the mean (in %)."""
+    header = f"| {title} | " + " | ".join(tasks) + " | mean |"
+    lines = [header, "|---|" + "---:|" * (len(tasks) + 1)]
+    for name, scores in rows.items():
+        cells = [f"{100 * scores[t]:.1f}" if t in scores else "–" for t in tasks]
+        values = [scores[t] for t in tasks if t in scores]
+        mean = f"{100 * sum(values) / len(values):.1f}" if values else "–"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {mean} |")
+    return "\n".join(lines)
+
+
+# ======================================================================================= run
+@dataclass
+class RecipeResult:
+    """What `run_recipe` produced."""
+
+    output_dir: str
+    report: Any
+    before: dict[str, float] | None
+    after: dict[str, float] | None
+    plot_path: str | None
+    timings: dict[str, float]
+    table: str | None
+    pushed_to: str | None = None
+
+
+def run_recipe(
+    recipe: Recipe,
+    *,
+    device: str | None = None,
+    evaluate: bool = True,
+    push_to_hub: bool = True,
+    show_progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> RecipeResult:
+    """Execute a recipe: merge → calibrate (checks first) → evaluate before/after → save (+ push).
+
+    The output folder gets the calibrated model (``save_pretrained``), its processor / tokenizer,
+    the model card (``README.md``, with the evaluation appended), ``featcal_drift_report.json``,
+    ``featcal_config.json``, ``featcal_drift.png``, ``featcal_evaluation.json`` and the recipe
+    (``featcal_recipe.yaml``).
+    """
+    import yaml
+
+    from .calibrator import FeatCalCalibrator
+    from .experts import load_model
+    from .merging import merge_models
+    from .plotting import plot_drift
+
+    family = recipe.model_family
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    log(f"Loading the base model {recipe.base} ...")
+    base = load_model(recipe.base, "base")
+    check_family(base, family, "base")
+    processing = load_processing(family, recipe.base)
+    clip_model = None
+    if family == "clip" and recipe.evaluation is not None and evaluate:
+        if recipe.evaluation.clip_model is not None:
+            clip_model = load_model(recipe.evaluation.clip_model, "evaluation.clip_model")
+            if processing.get("processor") is None:
+                processing = {**processing, "processor": load_processing("clip", recipe.evaluation.clip_model)["processor"]}
+        elif hasattr(base, "text_model"):
+            clip_model = base
+        else:
+            raise ValueError(
+                "evaluation: zero-shot CLIP evaluation needs a text tower: the base is a "
+                f"{type(base).__name__}; set evaluation.clip_model to a CLIPModel (or evaluation: false)"
+            )
+
+    log("Loading the calibration data ...")
+    seed = recipe.featcal.seed
+    if family == "clip":
+        calibration = {t: prepare_clip_calibration(t, s, seed) for t, s in recipe.calibration.items()}
+    else:
+        calibration = {t: prepare_flan_t5_calibration(t, s, processing["tokenizer"], seed) for t, s in recipe.calibration.items()}
+    timings["load"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    log(f"Merging {len(recipe.experts)} experts: {recipe.merge.describe()} ...")
+    merged = merge_models(base, dict(recipe.experts), recipe.merge.method, **recipe.merge.params)
+    timings["merge"] = time.perf_counter() - clock
+
+    calibrator = FeatCalCalibrator(
+        merged,
+        base,
+        dict(recipe.experts),
+        calibration,
+        recipe.featcal,
+        processing_class=calibration_processing_class(family, processing),
+        device=device,
+        show_progress=show_progress,
+    )
+    run_device = str(calibrator.device)
+
+    before = after = None
+    details: dict[str, Any] = {}
+    do_eval = evaluate and recipe.evaluation is not None
+    if do_eval:
+        clock = time.perf_counter()
+        log("Evaluating the merged model ...")
+        before, details["before"] = evaluate_model(
+            family, merged, recipe.evaluation, processing=processing, clip_model=clip_model, device=run_device
+        )
+        timings["evaluate_before"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    log("Calibrating with FeatCal ...")
+    calibrated = calibrator.calibrate()
+    timings["calibrate"] = time.perf_counter() - clock
+
+    if do_eval:
+        clock = time.perf_counter()
+        log("Evaluating the calibrated model ...")
+        after, details["after"] = evaluate_model(
+            family, calibrated, recipe.evaluation, processing=processing, clip_model=clip_model, device=run_device
+        )
+        timings["evaluate_after"] = time.perf_counter() - clock
+
+    out = recipe.output_dir
+    os.makedirs(out, exist_ok=True)
+    calibrator.save_model(out)
+    save_processing(processing, out)
+    plot_path = None
+    if calibrator.report is not None:
+        plot_path = plot_drift(calibrator.report, os.path.join(out, "featcal_drift.png"))
+    table = None
+    if do_eval and before is not None and after is not None:
+        assert recipe.evaluation is not None
+        rows = {recipe.merge.describe(): before, f"{recipe.merge.describe()} + FeatCal": after}
+        table = scores_table(rows, recipe.evaluation.tasks)
+        with open(os.path.join(out, "featcal_evaluation.json"), "w", encoding="utf-8") as handle:
+            json.dump({"before": before, "after": after, "details": details}, handle, indent=2, default=str)
+            handle.write("\n")
+        _append_to_card(out, table, recipe)
+    with open(os.path.join(out, "featcal_recipe.yaml"), "w", encoding="utf-8") as handle:
+        handle.write(f"# The recipe of this run (from {recipe.source or 'a dict'}), resolved: hf-featcal run <this file>\n")
+        yaml.safe_dump(recipe.to_dict(), handle, sort_keys=False, allow_unicode=True)
+
+    pushed = None
+    if push_to_hub and recipe.push_to_hub:
+        log(f"Uploading {out} to {recipe.push_to_hub} ...")
+        upload_folder(out, recipe.push_to_hub)
+        pushed = recipe.push_to_hub
+    return RecipeResult(
+        output_dir=out,
+        report=calibrator.report,
+        before=before,
+        after=after,
+        plot_path=plot_path,
+        timings=timings,
+        table=table,
+        pushed_to=pushed,
+    )
+
+
+def _append_to_card(output_dir: str, table: str, recipe: Recipe) -> None:
+    path = os.path.join(output_dir, "README.md")
+    assert recipe.evaluation is not None
+    splits = sorted({recipe.evaluation.datasets[t].split or "" for t in recipe.evaluation.tasks})
+    limit = (f", seeded random subsets of at most {recipe.evaluation.max_samples} examples per task"
+             if recipe.evaluation.max_samples else "")
+    text = (
+        f"\n## Evaluation\n\nHeadline score per task (%; split {', '.join(splits)}{limit}), "
+        f"before and after FeatCal:\n\n{table}\n\n![feature drift per block](featcal_drift.png)\n"
+    )
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def upload_folder(folder: str, repo_id: str) -> Any:
+    """Create (if needed) the hub model repo `repo_id` and upload `folder` in one commit."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo(repo_id, exist_ok=True)
+    return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message="Upload FeatCal-calibrated merged model")

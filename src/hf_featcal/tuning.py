@@ -1,0 +1,250 @@
+"""Choose FeatCal's λ (``lambda_ratio``), ρ (``anchor_rho``) and α (``teacher_alpha``) on held-out
+*training* data.
+
+FeatCal has three knobs that matter: the ridge strength λ towards the anchor, the anchor
+extrapolation ρ (anchor = base + ρ·(merged − base)) and the teacher mix α. The defaults (the
+authors' demo values λ=0.05, ρ=2.2, α=0.25) are good starting points; when a few labelled training
+examples per task are available, :func:`tune_featcal` picks the best values on a grid:
+
+for every grid point it deep-copies the merged model, calibrates the copy with that config and
+scores it with your ``validation_fn(model) -> float`` (higher is better, e.g. the mean accuracy over
+tasks). The merged model itself is never modified.
+
+Use a held-out slice of each task's **train** split for ``validation_fn``, disjoint from the
+calibration examples — never the test split you report (that would make the reported numbers
+optimistic). :func:`train_holdout_split` cuts a ``datasets.Dataset`` into the two parts::
+
+    from hf_featcal.tuning import train_holdout_split, tune_featcal
+
+    calibration, held_out = {}, {}
+    for task, train in train_splits.items():
+        calibration[task], held_out[task] = train_holdout_split(train, num_validation=500, seed=0)
+
+    def validation_fn(model):
+        return mean_accuracy(model, held_out)        # your scoring, on held_out only
+
+    result = tune_featcal(merged, base, experts, calibration, validation_fn,
+                          grid={"lambda_ratio": [0.02, 0.05, 0.1], "anchor_rho": [1.0, 2.2]})
+    print(result.to_markdown())
+    calibrated = result.best_model                   # or calibrate again with result.best_config
+
+Calibration is deterministic for a fixed config (``seed`` fixes the order of ``Dataset`` inputs),
+so calibrating again with ``result.best_config`` reproduces ``result.best_score``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import Any
+
+from torch import nn
+
+from .calibrator import FeatCalCalibrator
+from .config import FeatCalConfig
+
+__all__ = ["DEFAULT_GRID", "TuningResult", "train_holdout_split", "tune_featcal"]
+
+#: The default search grid (12 points) around the authors' demo values.
+DEFAULT_GRID: dict[str, list[float]] = {
+    "lambda_ratio": [0.02, 0.05, 0.1],
+    "anchor_rho": [1.0, 2.2],
+    "teacher_alpha": [0.25, 0.5],
+}
+
+
+@dataclass
+class TuningResult:
+    """The outcome of :func:`tune_featcal`.
+
+    Attributes:
+        best_config: the `FeatCalConfig` of the best grid point (the base config with its values).
+        best_params: the grid values of the best point, e.g. ``{"lambda_ratio": 0.05, ...}``.
+        best_score: its validation score.
+        table: one row per grid point, in grid order: the grid values plus ``"score"`` and
+            ``"seconds"`` (calibration + validation time).
+        best_model: the calibrated copy of the best point (None with ``keep_best_model=False``).
+        greater_is_better: whether higher scores won.
+    """
+
+    best_config: FeatCalConfig
+    best_params: dict[str, Any]
+    best_score: float
+    table: list[dict[str, Any]]
+    best_model: nn.Module | None = field(default=None, repr=False)
+    greater_is_better: bool = True
+
+    def to_markdown(self, digits: int = 4) -> str:
+        """The table as markdown; the best row is marked with ``*``."""
+        if not self.table:
+            return "No grid point was evaluated."
+        names = [k for k in self.table[0] if k not in ("score", "seconds")]
+        lines = ["| " + " | ".join([*names, "score", "seconds", "best"]) + " |", "|" + "---:|" * (len(names) + 3)]
+        for row in self.table:
+            best = "*" if {k: row[k] for k in names} == self.best_params else ""
+            cells = [str(row[k]) for k in names] + [f"{row['score']:.{digits}g}", f"{row['seconds']:.1f}", best]
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+
+def _grid_points(grid: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Grid points: the Cartesian product of a mapping field → values, or an explicit list of points."""
+    fields = {f.name for f in dataclasses.fields(FeatCalConfig)}
+    if isinstance(grid, Mapping):
+        if not grid:
+            raise ValueError("`grid` is empty: give at least one FeatCalConfig field with values.")
+        for name, values in grid.items():
+            if name not in fields:
+                raise ValueError(f"`grid` key {name!r} is not a FeatCalConfig field; valid: {sorted(fields)}.")
+            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) == 0:
+                raise ValueError(f"`grid[{name!r}]` must be a non-empty list of values, got {values!r}.")
+        names = list(grid)
+        return [dict(zip(names, combo)) for combo in itertools.product(*(grid[n] for n in names))]
+    if isinstance(grid, (str, bytes)) or not isinstance(grid, Sequence) or len(grid) == 0:
+        raise ValueError("`grid` must be a mapping field -> list of values, or a non-empty list of dicts.")
+    points = []
+    for index, point in enumerate(grid):
+        if not isinstance(point, Mapping) or not point:
+            raise ValueError(f"`grid[{index}]` must be a non-empty dict of FeatCalConfig fields, got {point!r}.")
+        unknown = sorted(set(point) - fields)
+        if unknown:
+            raise ValueError(f"`grid[{index}]` has keys {unknown} that are not FeatCalConfig fields.")
+        points.append(dict(point))
+    return points
+
+
+def tune_featcal(
+    merged_model: nn.Module,
+    base_model: Any,
+    experts: Mapping[str, Any],
+    calibration_data: Mapping[str, Any],
+    validation_fn: Callable[[nn.Module], float],
+    grid: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Any]] | None = None,
+    *,
+    base_config: FeatCalConfig | None = None,
+    greater_is_better: bool = True,
+    keep_best_model: bool = True,
+    calibrator_kwargs: Mapping[str, Any] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> TuningResult:
+    """Grid-search FeatCal settings (λ, ρ, α by default) with a validation score on held-out train data.
+
+    For every grid point: deep-copy ``merged_model``, calibrate the copy with
+    ``dataclasses.replace(base_config, **point)``, score it with ``validation_fn(copy)``. The best
+    point (first one on ties) is returned with the table of all scores.
+
+    Args:
+        merged_model: the merged model (never modified).
+        base_model: the base model (model, local path or hub id) or None — as for `FeatCalCalibrator`.
+        experts: task → expert (model, local path or hub id).
+        calibration_data: task → calibration data (``Dataset`` or batches), as for `FeatCalCalibrator`.
+            Must not overlap the examples ``validation_fn`` scores on.
+        validation_fn: ``model -> float``; e.g. mean accuracy over tasks on a held-out slice of each
+            task's **train** split (never the test split). Higher is better unless
+            ``greater_is_better=False``. A NaN score ranks last.
+        grid: a mapping FeatCalConfig field → list of values (Cartesian product, e.g.
+            ``{"lambda_ratio": [0.02, 0.05], "anchor_rho": [1.0, 2.2]}``) or an explicit list of
+            points (dicts). Default: :data:`DEFAULT_GRID` (12 points over λ, ρ, α).
+        base_config: the settings every point starts from (default ``FeatCalConfig()``).
+        greater_is_better: maximise (True) or minimise (False) the score.
+        keep_best_model: keep the calibrated copy of the best point as ``result.best_model``
+            (memory: at most two extra copies of the model exist at a time).
+        calibrator_kwargs: further `FeatCalCalibrator` arguments (``processing_class``,
+            ``data_collator``, ``device``, ...). ``show_progress`` defaults to False.
+        log: called with one line per grid point (e.g. ``print``).
+
+    Returns:
+        A :class:`TuningResult`.
+
+    Raises:
+        ValueError: on an invalid grid (unknown field, invalid value — named with its point) or a
+            ``validation_fn`` that does not return a real number.
+    """
+    if not callable(validation_fn):
+        raise TypeError(f"`validation_fn` must be callable (model -> float), got {type(validation_fn).__name__}.")
+    if base_config is None:
+        base_config = FeatCalConfig()
+    if not isinstance(base_config, FeatCalConfig):
+        raise TypeError(f"`base_config` must be a FeatCalConfig, got {type(base_config).__name__}.")
+    points = _grid_points(DEFAULT_GRID if grid is None else grid)
+    configs = []
+    for index, point in enumerate(points):  # validate every point before calibrating any
+        try:
+            configs.append(dataclasses.replace(base_config, **point))
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"grid point {index} {point}: {err}") from None
+    kwargs = {"show_progress": False, **dict(calibrator_kwargs or {})}
+
+    table: list[dict[str, Any]] = []
+    best_index: int | None = None
+    best_score = math.nan
+    best_model: nn.Module | None = None
+    for index, (point, config) in enumerate(zip(points, configs)):
+        start = time.perf_counter()
+        candidate = copy.deepcopy(merged_model)
+        calibrated = FeatCalCalibrator(candidate, base_model, experts, calibration_data, config, **kwargs).calibrate()
+        score = validation_fn(calibrated)
+        if isinstance(score, bool) or not isinstance(score, Real):
+            try:
+                score = float(score)  # e.g. a 0-dim tensor or numpy scalar
+            except (TypeError, ValueError):
+                raise ValueError(f"`validation_fn` must return a real number, got {type(score).__name__}.") from None
+        score = float(score)
+        seconds = time.perf_counter() - start
+        table.append({**point, "score": score, "seconds": seconds})
+        if log is not None:
+            log(f"[{index + 1}/{len(points)}] {point}: score {score:.6g} ({seconds:.1f} s)")
+        if _better(score, best_score, greater_is_better) or best_index is None:
+            best_index, best_score = index, score
+            best_model = calibrated if keep_best_model else None
+        del candidate, calibrated
+    assert best_index is not None
+    return TuningResult(
+        best_config=configs[best_index],
+        best_params=dict(points[best_index]),
+        best_score=best_score,
+        table=table,
+        best_model=best_model,
+        greater_is_better=greater_is_better,
+    )
+
+
+def _better(score: float, best: float, greater_is_better: bool) -> bool:
+    """Whether `score` beats `best` (NaN never beats anything; anything beats NaN)."""
+    if math.isnan(score):
+        return False
+    if math.isnan(best):
+        return True
+    return score > best if greater_is_better else score < best
+
+
+def train_holdout_split(dataset: Any, num_validation: int | float, seed: int = 0) -> tuple[Any, Any]:
+    """Cut a task's **train** ``datasets.Dataset`` into (calibration part, held-out validation part).
+
+    The two parts are disjoint (one shuffle with `seed`); use the first for FeatCal's calibration
+    data and the second in ``validation_fn``.
+
+    Args:
+        dataset: the train split.
+        num_validation: held-out examples (an int) or fraction (a float in (0, 1)).
+        seed: shuffle seed.
+    """
+    size = len(dataset)
+    if isinstance(num_validation, float) and not isinstance(num_validation, bool):
+        if not 0.0 < num_validation < 1.0:
+            raise ValueError(f"`num_validation` as a fraction must be in (0, 1), got {num_validation!r}.")
+        count = max(1, int(round(num_validation * size)))
+    elif isinstance(num_validation, int) and not isinstance(num_validation, bool):
+        count = num_validation
+    else:
+        raise ValueError(f"`num_validation` must be an int or a fraction, got {num_validation!r}.")
+    if not 0 < count < size:
+        raise ValueError(f"`num_validation` must leave examples on both sides: {count} of {size}.")
+    shuffled = dataset.shuffle(seed=seed)
+    return shuffled.select(range(count, size)), shuffled.select(range(count))

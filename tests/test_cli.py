@@ -1,0 +1,423 @@
+"""The `hf-featcal` command line and YAML recipes, offline: tiny local CLIP models and datasets."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import datasets
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from hf_featcal import cli, recipes
+from hf_featcal.recipes import RecipeError, load_recipe
+
+torch.set_num_threads(1)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = os.path.join(ROOT, "examples", "recipes")
+TASKS = {"zorbs": ["zorb", "blip", "quax"], "glyphs": ["glyph", "wisp"]}  # made-up tasks and class names
+IMAGE_SIZE = 8
+
+
+# ============================================================================ the tiny world
+def _tokenizer():
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<bos>": 0, "<eos>": 1, "<unk>": 2}
+    for word in "a photo of the drawing . ".split() + [n for names in TASKS.values() for n in names]:
+        vocab.setdefault(word, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.normalizer = normalizers.Lowercase()
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A <eos>", special_tokens=[("<bos>", 0), ("<eos>", 1)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<eos>", unk_token="<unk>"), len(vocab)
+
+
+def _images(rng: np.random.Generator, n: int, task_index: int) -> list[Image.Image]:
+    out = []
+    for _ in range(n):
+        pixels = rng.integers(0, 256, (10, 10, 3), dtype=np.uint8)
+        pixels[..., task_index] //= 3  # each task its own colour cast
+        out.append(Image.fromarray(pixels))
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """base/ (CLIPModel + processor), experts/<task>/ (CLIPVisionModel), data/<task>/ (DatasetDict
+    train/test with PIL images and labels), all written with save_pretrained / save_to_disk."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPVisionModel
+
+    root = tmp_path_factory.mktemp("world")
+    tokenizer, vocab_size = _tokenizer()
+    torch.manual_seed(0)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=IMAGE_SIZE, patch_size=4, num_channels=3)
+    text = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=vocab_size,
+                bos_token_id=0, eos_token_id=1, pad_token_id=1, max_position_embeddings=16)
+    base = CLIPModel(CLIPConfig(vision_config=vision, text_config=text, projection_dim=8)).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # non-trivial LayerNorm affines (random init has γ=1, β=0)
+        for module in base.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.add_(0.2 * torch.randn(module.weight.shape, generator=generator))
+                module.bias.add_(0.2 * torch.randn(module.bias.shape, generator=generator))
+    base.save_pretrained(root / "base")
+    image_processor = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                                         crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(root / "base")
+
+    rng = np.random.default_rng(0)
+    for index, (task, names) in enumerate(TASKS.items()):
+        expert = CLIPVisionModel(base.config.vision_config).eval()
+        expert.load_state_dict(base.vision_model.state_dict())
+        with torch.no_grad():
+            for p in expert.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=generator))
+        expert.save_pretrained(root / "experts" / task)
+        splits = {}
+        for split, n in (("train", 24), ("test", 10)):
+            features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=names)})
+            splits[split] = datasets.Dataset.from_dict(
+                {"image": _images(rng, n, index), "label": [i % len(names) for i in range(n)]}, features=features
+            )
+        datasets.DatasetDict(splits).save_to_disk(str(root / "data" / task))
+    return root
+
+
+def _recipe(world, **changes) -> dict:
+    """A valid recipe on the tiny world (relative paths: resolved against the recipe's folder)."""
+    recipe = {
+        "model_family": "clip",
+        "base": "./base",
+        "experts": {task: f"./experts/{task}" for task in TASKS},
+        "merge": {"method": "task_arithmetic", "scaling_factor": 0.3},
+        "featcal": {"lambda_ratio": 0.05, "batch_size": 8},
+        "calibration": {
+            "default": {"dataset": "./data/{task}", "split": "train", "num_examples": 16},
+        },
+        "evaluation": {
+            "split": "test",
+            "batch_size": 8,
+            "class_names": {task: names for task, names in TASKS.items()},
+            "templates": {"glyphs": ["a drawing of a {c} .", "a photo of the {c} ."]},
+        },
+        "output_dir": str(world / "out"),
+        "push_to_hub": None,
+    }
+    for key, value in changes.items():
+        recipe[key] = value
+    return recipe
+
+
+def _write(path, recipe: dict) -> str:
+    with open(path, "w", encoding="utf-8") as handle:
+        yaml.safe_dump(recipe, handle, sort_keys=False)
+    return str(path)
+
+
+# ===================================================================================== run
+def test_run_recipe_end_to_end(world, capsys):
+    from huggingface_hub import ModelCard
+    from transformers import CLIPModel, CLIPProcessor
+
+    from hf_featcal.merging import merge_models
+
+    path = _write(world / "recipe.yaml", _recipe(world))
+    assert cli.main(["run", path, "--quiet"]) == 0
+    captured = capsys.readouterr()
+    out_dir = world / "out"
+    # the tables: before / after per task, and the drift summary
+    assert "task_arithmetic (scaling_factor=0.3) + FeatCal" in captured.out
+    assert "| zorbs | glyphs | mean |" in captured.out
+    assert "last block before" in captured.out
+
+    model = CLIPModel.from_pretrained(out_dir)
+    assert model.config.hf_featcal_merge["method"] == "task_arithmetic"
+    CLIPProcessor.from_pretrained(out_dir)  # the processor travels with the model
+
+    card = ModelCard.load(out_dir / "README.md")
+    assert card.data.base_model == str(world / "base")
+    assert card.data.featcal["tasks"] == list(TASKS)
+    assert card.data.featcal["merge"]["method"] == "task_arithmetic"
+    assert card.data.featcal["samples_per_task"] == {task: 16 for task in TASKS}
+    assert "## Evaluation" in card.text
+
+    with open(out_dir / "featcal_drift.png", "rb") as handle:
+        assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
+    evaluation = json.loads((out_dir / "featcal_evaluation.json").read_text())
+    assert set(evaluation["before"]) == set(evaluation["after"]) == set(TASKS)
+    assert all(0.0 <= v <= 1.0 for v in evaluation["after"].values())
+    # the saved recipe is resolved: it validates to the same recipe from anywhere
+    saved = load_recipe(out_dir / "featcal_recipe.yaml")
+    original = load_recipe(path)
+    assert saved.calibration == original.calibration and saved.evaluation == original.evaluation
+    assert (saved.base, saved.experts, saved.merge, saved.featcal) == (original.base, original.experts, original.merge, original.featcal)
+    drift = json.loads((out_dir / "featcal_drift_report.json").read_text())["tasks"]
+    assert all(sum(d["after"]) < sum(d["before"]) for d in drift.values())
+
+    # calibration changed the merged vision tower (and only what FeatCal writes)
+    merged = merge_models(str(world / "base"), {t: str(world / "experts" / t) for t in TASKS}, "task_arithmetic",
+                          scaling_factor=0.3)
+    fc2 = "vision_model.encoder.layers.1.mlp.fc2.weight"
+    assert not torch.equal(model.state_dict()[fc2], merged.state_dict()[fc2])
+    text = "text_model.encoder.layers.0.mlp.fc1.weight"
+    assert torch.equal(model.state_dict()[text], merged.state_dict()[text])
+
+    # the saved model evaluates with `hf-featcal evaluate` (custom task: local data + class names)
+    scores = world / "scores.json"
+    assert cli.main(["evaluate", "--model", str(out_dir), "--task", "zorbs", "--data", f"zorbs={world / 'data' / 'zorbs'}",
+                     "--class-names", "zorbs=zorb,blip,quax", "--batch-size", "8", "--output-json", str(scores)]) == 0
+    assert json.loads(scores.read_text())["scores"]["zorbs"] == pytest.approx(evaluation["after"]["zorbs"])
+    assert "| zorbs | mean |" in capsys.readouterr().out
+
+
+def test_run_pushes_the_output_folder(world, monkeypatch, capsys):
+    pushed = []
+    monkeypatch.setattr(recipes, "upload_folder", lambda folder, repo: pushed.append((folder, sorted(os.listdir(folder)))))
+    recipe = _recipe(world, evaluation=False, output_dir=str(world / "pushed"))
+    path = _write(world / "push.yaml", recipe)
+    assert cli.main(["run", path, "--quiet", "--push-to-hub", "me/tiny-featcal"]) == 0
+    assert "Pushed to https://huggingface.co/me/tiny-featcal" in capsys.readouterr().out
+    (folder, files), = pushed
+    assert folder == str(world / "pushed")
+    assert {"README.md", "config.json", "model.safetensors", "featcal_drift.png", "featcal_recipe.yaml"} <= set(files)
+    assert "featcal_evaluation.json" not in files  # evaluation: false
+    assert cli.main(["run", path, "--quiet", "--push-to-hub", "me/tiny-featcal", "--no-push"]) == 0
+    assert len(pushed) == 1
+
+
+def test_merge_then_calibrate_commands(world, capsys):
+    from huggingface_hub import ModelCard
+    from transformers import CLIPModel
+
+    experts = [arg for task in TASKS for arg in ("--expert", f"{task}={world / 'experts' / task}")]
+    merged_dir = world / "merged-ties"
+    assert cli.main(["merge", "--base", str(world / "base"), *experts, "--method", "ties", "--scaling-factor", "0.5",
+                     "--density", "0.5", "--output-dir", str(merged_dir)]) == 0
+    merged = CLIPModel.from_pretrained(merged_dir)
+    assert merged.config.hf_featcal_merge["method"] == "ties"
+    assert merged.config.hf_featcal_merge["density"] == 0.5
+    assert os.path.isfile(merged_dir / "processor_config.json") or os.path.isfile(merged_dir / "preprocessor_config.json")
+
+    data = [arg for task in TASKS for arg in ("--data", f"{task}={world / 'data' / task}")]
+    out = world / "calibrated"
+    assert cli.main(["calibrate", "--model", str(merged_dir), "--base", str(world / "base"), *experts, *data,
+                     "--num-examples", "16", "--teacher-alpha", "0.3", "--batch-size", "8", "--quiet",
+                     "--output-dir", str(out)]) == 0
+    card = ModelCard.load(out / "README.md")
+    assert card.data.featcal["merge"]["method"] == "ties"
+    assert card.data.featcal["config"]["teacher_alpha"] == 0.3
+    assert os.path.isfile(out / "featcal_drift.png")
+    assert "last block before" in capsys.readouterr().out
+
+    # option errors name the option and stop before loading anything
+    code = cli.main(["merge", "--base", str(world / "base"), *experts, "--method", "task_arithmetic", "--density", "0.5",
+                     "--output-dir", str(world / "never")])
+    assert code == 2 and "--density" in capsys.readouterr().err
+    assert not os.path.exists(world / "never")
+
+
+def test_run_flan_t5_recipe_end_to_end(tmp_path, capsys):
+    """FLAN-T5 family: GLUE prompt preprocessing for calibration, GLUE scoring on validation."""
+    from huggingface_hub import ModelCard
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast, T5Config, T5ForConditionalGeneration
+
+    from hf_featcal.evaluation.glue import GLUE_LABEL_WORDS, GLUE_PROMPT_TEMPLATES
+
+    rows = {
+        "cola": {"sentence": ["the cat sat", "cat the sat", "a dog runs", "runs dog a", "the sun is warm", "warm is sun"]},
+        "rte": {"sentence1": ["the cat sat", "a dog runs", "the sun is warm", "a man eats", "the cat sat", "a dog runs"],
+                "sentence2": ["a cat sat", "the dog sleeps", "the sun is hot", "a man is hungry", "a dog runs", "a cat sat"]},
+    }
+    pre = pre_tokenizers.Whitespace()
+    texts = [GLUE_PROMPT_TEMPLATES[t] for t in rows] + [w for t in rows for w in GLUE_LABEL_WORDS[t]]
+    texts += [s for columns in rows.values() for column in columns.values() for s in column]
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
+    for word in sorted({piece for text in texts for piece, _ in pre.pre_tokenize_str(text)}):
+        vocab.setdefault(word, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre
+    backend.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=len(vocab), d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=1,
+                      num_heads=2, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
+    base = T5ForConditionalGeneration(config).eval()
+    base.save_pretrained(tmp_path / "t5-base")
+    tokenizer.save_pretrained(tmp_path / "t5-base")
+    generator = torch.Generator().manual_seed(1)
+    for task, columns in rows.items():
+        expert = T5ForConditionalGeneration(config).eval()
+        expert.load_state_dict(base.state_dict())
+        with torch.no_grad():
+            for p in expert.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=generator))
+        expert.save_pretrained(tmp_path / "experts" / task)
+        labels = [i % 2 for i in range(6)]
+        split = {"train": datasets.Dataset.from_dict({**columns, "label": labels, "idx": list(range(6))}),
+                 "validation": datasets.Dataset.from_dict({**columns, "label": labels[::-1], "idx": list(range(6))})}
+        datasets.DatasetDict(split).save_to_disk(str(tmp_path / "glue" / task))
+
+    recipe = {
+        "model_family": "flan_t5",
+        "base": "./t5-base",
+        "experts": {"cola": "./experts/cola", "rte": "./experts/rte"},
+        "merge": {"method": "dare", "scaling_factor": 0.3, "drop_rate": 0.5, "seed": 3},
+        "featcal": {"batch_size": 4},
+        "calibration": {"default": {"dataset": "./glue/{task}", "num_examples": 6, "max_input_length": 64}},
+        "evaluation": {"batch_size": 4, "max_samples": 4},  # default split: validation
+        "output_dir": str(tmp_path / "t5-out"),
+    }
+    path = _write(tmp_path / "t5.yaml", recipe)
+    assert cli.main(["run", path, "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "GLUE headline score (%), split validation" in out and "| cola | rte | mean |" in out
+    card = ModelCard.load(tmp_path / "t5-out" / "README.md")
+    assert card.data.featcal["merge"]["method"] == "dare"
+    assert card.data.featcal["samples_per_task"] == {"cola": 6, "rte": 6}
+    T5ForConditionalGeneration.from_pretrained(tmp_path / "t5-out")
+    AutoTokenizer.from_pretrained(tmp_path / "t5-out")
+    evaluation = json.loads((tmp_path / "t5-out" / "featcal_evaluation.json").read_text())
+    assert evaluation["details"]["after"]["cola"]["num_examples"] == {"cola": 4}
+    assert os.path.isfile(tmp_path / "t5-out" / "featcal_drift.png")
+
+
+# ============================================================================ bad recipes
+BAD = [
+    ("merge.density", {"merge": {"method": "ties", "scaling_factor": 0.3, "density": 1.5}}),
+    ("merge.scaling_factor", {"merge": {"method": "average", "scaling_factor": 0.3}}),
+    ("merge.method", {"merge": {"method": "magic"}}),
+    ("featcal.lambda_ratio", {"featcal": {"lambda_ratio": -1.0}}),
+    ("featcal.lamda_ratio", {"featcal": {"lamda_ratio": 0.1}}),
+    ("model_family", {"model_family": "bert"}),
+    ("experts.zorbs", {"experts": {"zorbs": 3}}),
+    ("base", {"base": "./no/such/model"}),
+    ("calibration.default.num_examples", {"calibration": {"default": {"dataset": "./data/{task}", "num_examples": 0}}}),
+    ("calibration.tasks.glyphs", {"calibration": {"tasks": {"zorbs": "./data/zorbs"}}}),
+    ("calibration.default.glue_task", {"calibration": {"default": {"dataset": "./data/{task}", "glue_task": "cola"}}}),
+    ("calibration.default.split", {"calibration": {"default": {"dataset": "./data/{task}", "split": "validation"}}}),
+    ("evaluation.tasks[0]", {"evaluation": {"tasks": ["cars"]}}),
+    ("evaluation.class_names.zorbs", {"evaluation": {"tasks": ["zorbs"]}}),
+    ("evaluation.templates.zorbs[0]", {"evaluation": {"class_names": {"zorbs": ["a", "b", "c"], "glyphs": ["x", "y"]},
+                                                      "templates": {"zorbs": ["a photo of {}"]}}}),
+    ("evaluation.split", {"evaluation": {"split": "train", "class_names": {"zorbs": ["a", "b", "c"], "glyphs": ["x", "y"]}}}),
+    ("push_to_hub", {"push_to_hub": "not a repo"}),
+    ("surprise", {"surprise": 1}),
+]
+
+
+@pytest.mark.parametrize("key,changes", BAD, ids=[key for key, _ in BAD])
+def test_bad_recipes_fail_before_any_download(world, key, changes, monkeypatch, capsys):
+    def never(*args, **kwargs):  # pragma: no cover - the recipe must be refused before this
+        raise AssertionError("run_recipe was called on an invalid recipe")
+
+    monkeypatch.setattr(recipes, "run_recipe", never)
+    path = _write(world / "bad.yaml", _recipe(world, **changes))
+    assert cli.main(["run", path]) == 2
+    err = capsys.readouterr().err
+    assert f"{key}:" in err and "bad.yaml" in err
+    assert "Traceback" not in err
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    assert info.value.key == key
+
+
+def test_recipe_errors_without_traceback_from_the_console_script(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(textwrap.dedent("""\
+        model_family: clip
+        base: openai/clip-vit-base-patch32
+        experts: {mnist: tanganke/clip-vit-base-patch32_mnist}
+        merge: {method: ties, density: 2}
+        calibration: {tasks: {mnist: ylecun/mnist}}
+        """))
+    exe = shutil.which("hf-featcal") or os.path.join(os.path.dirname(sys.executable), "hf-featcal")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = subprocess.run([exe, "run", str(path)], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2
+    assert "merge.density: must be in (0, 1]" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_not_yaml_and_missing_file(tmp_path, capsys):
+    bad = tmp_path / "x.yaml"
+    bad.write_text("model_family: [unclosed\n")
+    assert cli.main(["run", str(bad)]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    assert cli.main(["run", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    bad.write_text("!!python/object/apply:os.system ['echo hacked']\n")  # safe_load refuses python tags
+    assert cli.main(["run", str(bad)]) == 2
+    captured = capsys.readouterr()
+    assert "not valid YAML" in captured.err and "hacked" not in captured.out
+
+
+# ======================================================================== shipped recipes
+@pytest.mark.parametrize("name", ["clip_vit_b32_ta8.yaml", "clip_vit_b32_ties8.yaml", "flan_t5_base_glue8.yaml"])
+def test_shipped_recipes_validate(name, capsys):
+    recipe = load_recipe(os.path.join(SHIPPED, name))
+    assert recipe.push_to_hub is None
+    assert all(spec.split == "train" and spec.num_examples == 256 for spec in recipe.calibration.values())
+    assert recipe.merge.params["scaling_factor"] == 0.3
+    assert recipe.evaluation is not None and recipe.evaluation.tasks == recipe.tasks
+    if recipe.model_family == "clip":
+        assert recipe.base == "openai/clip-vit-base-patch32"
+        assert recipe.tasks == ["sun397", "stanford-cars", "resisc45", "eurosat", "svhn", "gtsrb", "mnist", "dtd"]
+        assert all(e == f"tanganke/clip-vit-base-patch32_{t}" for t, e in recipe.experts.items())
+        svhn = recipe.calibration["svhn"]
+        assert (svhn.dataset, svhn.config) == ("ufldl-stanford/svhn", "cropped_digits")
+        assert recipe.calibration["stanford-cars"].dataset == "tanganke/stanford_cars"
+        assert recipe.calibration["mnist"].dataset == "ylecun/mnist"
+        assert {s.split for s in recipe.evaluation.datasets.values()} == {"test"}
+        assert recipe.merge.method == ("ties" if "ties" in name else "task_arithmetic")
+        if recipe.merge.method == "ties":
+            assert recipe.merge.params["density"] == 0.2
+    else:
+        assert recipe.base == "google/flan-t5-base"
+        assert recipe.tasks == ["cola", "mnli", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb"]
+        assert all(e == f"tanganke/flan-t5-base_glue-{t}" for t, e in recipe.experts.items())
+        assert all((s.dataset, s.config) == ("nyu-mll/glue", t) for t, s in recipe.calibration.items())
+        splits = {t: s.split for t, s in recipe.evaluation.datasets.items()}
+        assert splits["mnli"] == "validation_matched" and splits["cola"] == "validation"
+    assert cli.main(["run", os.path.join(SHIPPED, name), "--check"]) == 0
+    assert "The recipe is valid" in capsys.readouterr().out
+
+
+# ============================================================================== help, demo
+@pytest.mark.parametrize("command", [[], ["merge"], ["calibrate"], ["evaluate"], ["run"], ["demo"]])
+def test_help_of_every_command(command, capsys):
+    assert cli.main([*command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: hf-featcal") and "examples:" in out
+
+
+def test_usage_errors_return_non_zero(capsys):
+    assert cli.main([]) == 2
+    assert cli.main(["merge", "--base", "b"]) == 2  # no --expert / --output-dir
+    assert "required" in capsys.readouterr().err
+
+
+def test_demo_runs(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert cli.main(["demo", "--fast", "--cache-dir", str(tmp_path / "cache"), "--output-dir", str(out),
+                     "--samples-per-task", "32"]) == 0
+    text = capsys.readouterr().out
+    for row in ("experts (own task)", "Task Arithmetic (0.3)", "Task Arithmetic + FeatCal", "→"):
+        assert row in text
+    assert os.path.isfile(out / "featcal_drift.png") and os.path.isfile(out / "README.md")
+    assert os.path.isdir(tmp_path / "cache")

@@ -1,0 +1,115 @@
+"""`tune_featcal`: grid search of λ / ρ / α on held-out *train* data of the offline digits scenario."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from datasets import Dataset
+
+from hf_featcal import FeatCalCalibrator, FeatCalConfig
+from hf_featcal.toy import accuracy, build_digits_scenario
+from hf_featcal.tuning import DEFAULT_GRID, TuningResult, train_holdout_split, tune_featcal
+
+torch.set_num_threads(1)
+# tiny models with 32 examples per task: ridge-set directions are expected and warned about
+pytestmark = pytest.mark.filterwarnings("ignore::hf_featcal.FeatCalWarning")
+
+CALIBRATION = 32  # calibration images per task: the first 32 of each task's train split
+HELD_OUT = slice(CALIBRATION, CALIBRATION + 200)  # validation: the next 200 train images (never test)
+GRID = [
+    {"lambda_ratio": 0.05, "anchor_rho": 2.2, "teacher_alpha": 0.25},
+    {"lambda_ratio": 0.5, "anchor_rho": 1.0, "teacher_alpha": 0.0},
+    {"lambda_ratio": 0.02, "anchor_rho": 1.5, "teacher_alpha": 0.5},
+]
+
+
+@pytest.fixture(scope="module")
+def scenario():
+    return build_digits_scenario(
+        seed=0, tasks=("digits", "rotated", "parity"), calibration_samples=CALIBRATION,
+        pretrain_epochs=4, finetune_epochs=4,
+    )
+
+
+def held_out_accuracy(scenario):
+    def validation_fn(model) -> float:
+        scores = []
+        for task in scenario.tasks:
+            data = scenario.data[task]
+            scores.append(accuracy(model, scenario.heads[task], data.train_images[HELD_OUT], data.train_labels[HELD_OUT]))
+        return sum(scores) / len(scores)
+
+    return validation_fn
+
+
+def test_tune_returns_argmax_and_reproduces(scenario):
+    merged = scenario.task_arithmetic(0.3)
+    snapshot = copy.deepcopy(merged.state_dict())
+    validation_fn = held_out_accuracy(scenario)
+    lines: list[str] = []
+    result = tune_featcal(merged, scenario.base, scenario.experts, scenario.calibration, validation_fn, GRID, log=lines.append)
+
+    assert isinstance(result, TuningResult)
+    assert len(result.table) == len(GRID) == len(lines)
+    scores = [row["score"] for row in result.table]
+    best = max(range(len(scores)), key=lambda i: (scores[i], -i))  # first of equal maxima
+    assert result.best_score == scores[best]
+    assert result.best_params == GRID[best]
+    for name, value in GRID[best].items():
+        assert getattr(result.best_config, name) == value
+    assert [{k: row[k] for k in GRID[0]} for row in result.table] == GRID
+    assert "*" in result.to_markdown()
+
+    # the merged model was never touched
+    assert all(torch.equal(v, merged.state_dict()[k]) for k, v in snapshot.items())
+    # the returned config reproduces the reported score, and so does the kept model
+    again = FeatCalCalibrator(copy.deepcopy(merged), scenario.base, scenario.experts, scenario.calibration,
+                              result.best_config, show_progress=False).calibrate()
+    assert validation_fn(again) == pytest.approx(result.best_score, abs=1e-12)
+    assert validation_fn(result.best_model) == pytest.approx(result.best_score, abs=1e-12)
+    # calibration helps on held-out train data at the chosen point
+    assert result.best_score >= validation_fn(merged)
+
+
+def test_minimise_and_mapping_grid(scenario):
+    merged = scenario.task_arithmetic(0.3)
+    calls = []
+
+    def drift_like(model) -> float:  # a score to minimise; depends on the model's weights
+        value = float(sum(p.detach().double().abs().sum() for p in model.parameters()))
+        calls.append(value)
+        return value
+
+    grid = {"lambda_ratio": [0.05, 1.0], "teacher_alpha": [0.25]}
+    result = tune_featcal(merged, scenario.base, scenario.experts, scenario.calibration, drift_like, grid,
+                          greater_is_better=False, keep_best_model=False)
+    assert [row["lambda_ratio"] for row in result.table] == [0.05, 1.0]
+    assert result.best_score == min(calls)
+    assert result.best_model is None
+
+
+def test_grid_errors_before_calibrating(scenario):
+    merged = scenario.task_arithmetic(0.3)
+
+    def never(model) -> float:  # pragma: no cover - must not be reached
+        raise AssertionError("calibrated despite an invalid grid")
+
+    with pytest.raises(ValueError, match="lambda"):
+        tune_featcal(merged, scenario.base, scenario.experts, scenario.calibration, never, {"lambda": [0.1]})
+    with pytest.raises(ValueError, match="grid point 1 .*teacher_alpha"):
+        tune_featcal(merged, scenario.base, scenario.experts, scenario.calibration, never,
+                     [{"teacher_alpha": 0.5}, {"teacher_alpha": 2.0}])
+    assert set(DEFAULT_GRID) == {"lambda_ratio", "anchor_rho", "teacher_alpha"}
+
+
+def test_train_holdout_split_is_disjoint():
+    ds = Dataset.from_dict({"i": list(range(50))})
+    calibration, held_out = train_holdout_split(ds, 10, seed=1)
+    assert len(calibration) == 40 and len(held_out) == 10
+    assert not set(calibration["i"]) & set(held_out["i"])
+    calibration, held_out = train_holdout_split(ds, 0.2)
+    assert len(held_out) == 10
+    with pytest.raises(ValueError):
+        train_holdout_split(ds, 50)
