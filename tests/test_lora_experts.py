@@ -98,3 +98,20 @@ def test_merging_lora_adapters_trained_on_the_vision_tower_into_a_clip_model(tmp
         torch.testing.assert_close(merged.vision_model.state_dict()[k], v, rtol=1e-5, atol=1e-6)
     for k, v in clip.text_model.state_dict().items():
         assert torch.equal(merged.text_model.state_dict()[k], v)
+
+
+def test_load_model_materialises_an_adapter_for_evaluation(clip_setting, tmp_path):
+    from hf_featcal.experts import load_model
+
+    base = clip_setting[0]
+    base.save_pretrained(tmp_path / "base")
+    from transformers import CLIPVisionModel as Vision
+
+    on_disk = Vision.from_pretrained(tmp_path / "base")  # records its folder as name_or_path
+    full = _adapter(on_disk, tmp_path / "a", 0, r=2, target_modules=["q_proj", "fc1"])
+    for model in (load_model(str(tmp_path / "a"), "model"), load_model(str(tmp_path / "a"), "model", base=base)):
+        for (name, p), q in zip(model.state_dict().items(), full.state_dict().values()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+    state = copy.deepcopy(base.state_dict())
+    load_model(str(tmp_path / "a"), "model", base=base)
+    assert all(torch.equal(v, state[k]) for k, v in base.state_dict().items())  # the given base is copied

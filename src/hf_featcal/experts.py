@@ -23,9 +23,14 @@ logger = logging.getLogger(__name__)
 ModelLike = Union[nn.Module, str, os.PathLike]
 
 
-def load_model(source: ModelLike, argument: str) -> nn.Module:
+def load_model(source: ModelLike, argument: str, base: ModelLike | None = None) -> nn.Module:
     """The model `source` names: itself if it is a model, else loaded from a local folder or hub id
-    with its checkpoint's own class, `trust_remote_code=False`, safetensors preferred."""
+    with its checkpoint's own class, `trust_remote_code=False`, safetensors preferred.
+
+    A PEFT LoRA adapter folder gives the full expert: a copy of `base` (default: the adapter's
+    recorded `base_model_name_or_path`) with the adapter merged in — for evaluation; merging and
+    calibration use adapters per block instead.
+    """
     if isinstance(source, nn.Module):
         return source
     if not isinstance(source, (str, os.PathLike)):
@@ -33,6 +38,8 @@ def load_model(source: ModelLike, argument: str) -> nn.Module:
             f"`{argument}` must be a PreTrainedModel, a local path or a hub id, got {type(source).__name__}."
         )
     path = os.fspath(source)
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        return _load_adapter_expert(path, argument, base)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - re-raised with the argument named
@@ -49,6 +56,18 @@ def load_model(source: ModelLike, argument: str) -> nn.Module:
         return model_class.from_pretrained(path, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001
         raise ValueError(f"`{argument}`: cannot load the model at {path!r}: {err}") from err
+
+
+def _load_adapter_expert(folder: str, argument: str, base: ModelLike | None) -> nn.Module:
+    from peft import PeftModel
+
+    if base is None:
+        with open(os.path.join(folder, "adapter_config.json"), encoding="utf-8") as handle:
+            base = json.load(handle).get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"`{argument}` is a LoRA adapter without a recorded base model: pass the base model.")
+    model = copy.deepcopy(base) if isinstance(base, nn.Module) else load_model(base, f"base of {argument}")
+    return PeftModel.from_pretrained(model, folder).merge_and_unload().eval()
 
 
 def block_on_device(block: nn.Module, device: torch.device) -> nn.Module:
