@@ -19,23 +19,11 @@ from datasets import load_dataset
 from transformers import CLIPImageProcessor, CLIPModel, CLIPVisionModel
 
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
+from hf_featcal.evaluation.clip_templates import CLIP_DATASETS
 from hf_featcal.merging import task_arithmetic
 
 BASE = "openai/clip-vit-base-patch32"
 TASKS = ["sun397", "stanford-cars", "resisc45", "eurosat", "svhn", "gtsrb", "mnist", "dtd"]
-# task → (dataset id, config)
-DATASETS = {
-    "sun397": ("tanganke/sun397", None),
-    "stanford-cars": ("tanganke/stanford_cars", None),
-    "resisc45": ("tanganke/resisc45", None),
-    "eurosat": ("tanganke/eurosat", None),
-    "svhn": ("ufldl-stanford/svhn", "cropped_digits"),
-    "gtsrb": ("tanganke/gtsrb", None),
-    "mnist": ("ylecun/mnist", None),
-    "dtd": ("tanganke/dtd", None),
-}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS)
@@ -51,7 +39,7 @@ def main() -> None:
 
     calibration = {}
     for task in args.tasks:
-        name, config = DATASETS[task]
+        name, config = CLIP_DATASETS[task]
         calibration[task] = load_dataset(name, config, split="train")  # images are processed per batch
 
     calibrator = FeatCalCalibrator(

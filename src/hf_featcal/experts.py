@@ -160,7 +160,7 @@ class CheckpointSource(ModelSource):
             self.config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
         except Exception as err:  # noqa: BLE001
             raise ValueError(f"`{argument}`: cannot load a model config from {name!r}: {err}") from err
-        self._files = _safetensors_files(folder)
+        self._files = safetensors_files(folder)
         self._key_map: dict[str, str] | None = None
 
     # -- keys
@@ -371,27 +371,27 @@ def make_source(
             f"`{argument}` must be a PreTrainedModel, a local path or a hub id, got {type(source).__name__}."
         )
     name = os.fspath(source)
-    folder = name if os.path.isdir(name) else _download(name, argument)
+    folder = name if os.path.isdir(name) else hub_snapshot(name)
     if folder is not None and os.path.isfile(os.path.join(folder, "adapter_config.json")):
         return LoraSource(folder, argument, name, base)
-    if folder is not None and _safetensors_files(folder):
+    if folder is not None and safetensors_files(folder):
         return CheckpointSource(folder, argument, name)
     return InMemorySource(load_model(source, argument), argument, name)
 
 
-def _download(repo_id: str, argument: str) -> str | None:
-    """A local snapshot of a hub repository's config and safetensors files (None if it has none)."""
+def hub_snapshot(repo_id: str) -> str | None:
+    """A local snapshot of a hub repository's config and safetensors files, None if unavailable
+    (offline, unknown id): callers then fall back to `load_model`, which produces the user-facing error."""
     from huggingface_hub import snapshot_download
 
     try:
-        folder = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"])
-    except Exception as err:  # noqa: BLE001 - let `load_model` produce the user-facing error
-        logger.debug("snapshot of %s (%s) failed: %s", repo_id, argument, err)
+        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"])
+    except Exception as err:  # noqa: BLE001
+        logger.debug("snapshot of %s failed: %s", repo_id, err)
         return None
-    return folder
 
 
-def _safetensors_files(folder: str) -> dict[str, str]:
+def safetensors_files(folder: str) -> dict[str, str]:
     """Checkpoint key → safetensors file, from an index (sharded) or the single file."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):

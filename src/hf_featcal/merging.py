@@ -52,7 +52,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .experts import LoraAdapter, load_model
+from .experts import LoraAdapter, hub_snapshot, load_model, safetensors_files
 
 __all__ = [
     "task_arithmetic",
@@ -169,38 +169,13 @@ def _validate_experts(experts: Mapping[str, ModelLike]) -> None:
 
 
 # ----------------------------------------------------------------------------------------- sources
-def _safetensors_files(folder: str) -> dict[str, str]:
-    """Checkpoint key -> safetensors file, from an index (sharded) or the single file ({} if none)."""
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as handle:
-            weight_map = json.load(handle)["weight_map"]
-        return {key: os.path.join(folder, file) for key, file in weight_map.items()}
-    single = os.path.join(folder, "model.safetensors")
-    if not os.path.isfile(single):
-        return {}
-    with safe_open(single, framework="pt") as handle:
-        return {key: single for key in handle.keys()}
-
-
 def _checkpoint_files(source: str | os.PathLike) -> dict[str, str]:
     """Checkpoint key -> safetensors file of a local folder or hub id ({} when it has none)."""
     path = os.fspath(source)
     if os.path.isdir(path):
-        return _safetensors_files(path)
-    folder = _hub_snapshot(path)
-    return {} if folder is None else _safetensors_files(folder)
-
-
-def _hub_snapshot(repo_id: str) -> str | None:
-    """A local snapshot (config and safetensors files) of a hub repository, None if unavailable
-    (`load_model` then produces the user-facing error)."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"])
-    except Exception:  # noqa: BLE001
-        return None
+        return safetensors_files(path)
+    folder = hub_snapshot(path)
+    return {} if folder is None else safetensors_files(folder)
 
 
 class _Expert:
@@ -225,7 +200,7 @@ class _Expert:
 def _lora_adapter(source: str | os.PathLike, argument: str) -> LoraAdapter | None:
     """The PEFT LoRA adapter at a local folder or hub id, or None if it is not one."""
     path = os.fspath(source)
-    folder = path if os.path.isdir(path) else _hub_snapshot(path)
+    folder = path if os.path.isdir(path) else hub_snapshot(path)
     if folder is None or not os.path.isfile(os.path.join(folder, "adapter_config.json")):
         return None
     return LoraAdapter(folder, argument)
