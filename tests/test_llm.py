@@ -163,3 +163,32 @@ def test_mismatched_llm_experts(llm_setting):
     other = AutoModelForCausalLM.from_config(llm_config(family, num_key_value_heads=4))
     with pytest.raises(ValueError, match=r"experts\['code'\].*num_key_value_heads: merged 2 vs 4"):
         FeatCalCalibrator(merged, base, {**experts, "code": other}, data)
+
+
+def test_keys_and_values_see_every_attended_position(generator, monkeypatch):
+    """With positions selected by `labels`, q (and every other module) counts only the selected
+    positions, while k/v count every non-padding position up to the last selected one (those are the
+    positions the selected ones attend to)."""
+    from hf_featcal.statistics import LinearGroupStatistics
+
+    base = AutoModelForCausalLM.from_config(llm_config("llama")).eval()
+    experts = {"a": perturbed(base, generator, 0.05).eval()}
+    batch = lm_batch(generator, n=2, length=8, pad=True)  # row 0: two left-padding positions
+    labels = torch.full_like(batch["input_ids"], -100)
+    labels[0, 4:6] = 5
+    labels[1, 3] = 5
+    seen = {}
+    original = LinearGroupStatistics.accumulate
+
+    def record(self, x_s, x_t, weights, targets=None):
+        seen.setdefault(self.modules, weights.clone())
+        return original(self, x_s, x_t, weights, targets)
+
+    monkeypatch.setattr(LinearGroupStatistics, "accumulate", record)
+    FeatCalCalibrator(task_arithmetic(base, experts), base, experts, {"a": [{**batch, "labels": labels}]},
+                      show_progress=False).calibrate()
+    counted = (labels != -100).float()
+    attended = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.float32)
+    assert torch.equal(seen[("self_attn.k_proj", "self_attn.v_proj")], attended)
+    assert torch.equal(seen[("self_attn.q_proj",)], counted)
+    assert torch.equal(seen[("mlp.gate_proj", "mlp.up_proj")], counted)

@@ -64,12 +64,13 @@ class _BlockPlan:
     specs: list[ModuleSpec]
     # set in the last block of a pooled-head stack: its non-key/value modules down-weight other tokens
     pooled_token_index: int | None
-    linear_groups: dict[tuple[str, bool], list[str]] = field(default_factory=dict)  # (source, pooled) → modules
+    # (captured input, pooled-token weighting, weight source) → modules sharing those statistics
+    linear_groups: dict[tuple[str, bool, str], list[str]] = field(default_factory=dict)
     norms: list[tuple[str, bool]] = field(default_factory=list)  # (module, pooled)
 
     @property
     def capture_sources(self) -> list[str]:
-        sources = {source for source, _ in self.linear_groups} | {name for name, _ in self.norms}
+        sources = {key[0] for key in self.linear_groups} | {name for name, _ in self.norms}
         return sorted(sources)
 
 
@@ -174,6 +175,9 @@ class FeatCalCalibrator:
             for task, batches in self.batches.items()
         }
         self._check_batches_enter_model()
+        # the layer map may group statistics by what the batches select (e.g. LLM response tokens)
+        self.layer_map.observe_batches(self.batches)
+        self._plans = self._plan_blocks()
         self.checkpoint_dir = checkpoint_dir
         self._data_digest = None if checkpoint_dir is None else fingerprint(
             [(f"{task}.{i}.{key}", value) for task, batches in self.batches.items()
@@ -374,7 +378,8 @@ class FeatCalCalibrator:
                 continue
             group = next((g for g in lm.shared_input_groups if spec.name in g), (spec.name,))
             source = next(n for n in group if n in selected)
-            plan.linear_groups.setdefault((source, weighted), []).append(spec.name)
+            key = (source, weighted, lm.weight_source(spec.name))
+            plan.linear_groups.setdefault(key, []).append(spec.name)
         return plan
 
     # ================================================================== the sweep
@@ -628,10 +633,10 @@ class FeatCalCalibrator:
         self, plan: _BlockPlan, linear: dict, norms: dict, xs: dict, xe: dict, state: StreamBatch, targets: dict
     ) -> None:
         alpha = self.config.teacher_alpha
-        for (source, weighted), stats in linear.items():
+        for (source, weighted, _), stats in linear.items():
             x_s = xs[source]
             x_t = torch.lerp(x_s.to(self._compute_dtype), xe[source].to(self._compute_dtype), alpha)
-            stats.accumulate(x_s, x_t, self._module_weights(plan, source, weighted, state), targets)
+            stats.accumulate(x_s, x_t, self._module_weights(plan, stats.modules[0], weighted, state), targets)
         for (name, weighted), stats in norms.items():
             stats.accumulate(xs[name], self._module_weights(plan, name, weighted, state))
 

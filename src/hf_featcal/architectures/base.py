@@ -128,6 +128,14 @@ class LayerMap:
         """Batch keys every calibration batch for `model` must have."""
         return (self.main_input_name,)
 
+    def weight_source(self, module_name: str) -> str:
+        """Which token weights a module's statistics use; modules reading one input with different
+        weight sources get separate statistics. Default: one source for every module."""
+        return "tokens"
+
+    def observe_batches(self, batches: Mapping[str, list[Mapping[str, Any]]]) -> None:
+        """Called with every task's calibration batches before the blocks are planned."""
+
     def check_batch(self, model: nn.Module, batch: Mapping[str, Any]) -> None:
         """Raise ValueError if a calibration batch lacks something `model` needs."""
         missing = [name for name in self.required_batch_keys(model) if name not in batch]

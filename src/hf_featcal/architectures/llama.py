@@ -3,7 +3,9 @@
 One stack of decoder layers. Each stream enters it through its own model's forward, so it carries
 that model's rotary position embeddings and causal/padding mask. Padding (`attention_mask == 0`)
 weighs 0; a batch may also select the positions that count with `loss_mask` (1 = counts) or
-`labels` (-100 = does not count), e.g. only the response tokens of instruction data. RMS norms
+`labels` (-100 = does not count), e.g. only the response tokens of instruction data. Keys and values are then fitted on every position
+a counted position attends to (all non-padding positions up to the last counted one, by the causal
+mask) — the analogue of the pooled-token rule for key/value projections. RMS norms
 (also Qwen3's per-head q/k norms) use the scale-only closed form; q/k/v (grouped-query shapes
 included) and gate/up share their statistics.
 """
@@ -13,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from ..streams import StreamBatch
 from .base import LayerMap, Stack, register_layer_map
 
 
@@ -41,6 +45,37 @@ class LlamaFamilyLayerMap(LayerMap):
     rms_norm_classes = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
     # `*ForCausalLM` checkpoints keep the decoder under `model.`
     checkpoint_prefixes = ("", "model.")
+
+    key_value_modules = ("self_attn.k_proj", "self_attn.v_proj")
+    _SELECTORS = ("loss_mask", "labels")
+
+    def __init__(self) -> None:
+        self.restricted_positions = False
+
+    def observe_batches(self, batches: Mapping[str, list[Mapping[str, Any]]]) -> None:
+        self.restricted_positions = any(key in b for bs in batches.values() for b in bs for key in self._SELECTORS)
+
+    def weight_source(self, module_name: str) -> str:
+        if self.restricted_positions and module_name in self.key_value_modules:
+            return "attended"
+        return "tokens"
+
+    def input_weights(self, module_name: str, state: StreamBatch) -> Tensor:
+        if self.weight_source(module_name) == "attended":
+            return state.extras["attended_weights"]
+        return state.weights
+
+    def enter_stack(
+        self, tower: nn.Module, batch: Mapping[str, Any], stack_index: int, previous: StreamBatch | None
+    ) -> StreamBatch:
+        state = super().enter_stack(tower, batch, stack_index, previous)
+        if self.restricted_positions:
+            padding = LayerMap.token_weights(self, batch, state.hidden, self.stacks(tower)[0])
+            counted = (state.weights > 0).int()
+            # a position is attended by a counted one when it is at or before the last counted position
+            up_to_last = torch.flip(torch.cummax(torch.flip(counted, [1]), dim=1).values, [1])
+            state.extras["attended_weights"] = padding * up_to_last.to(padding.dtype)
+        return state
 
     def tower(self, model: nn.Module) -> nn.Module:
         inner = getattr(model, "model", None)
