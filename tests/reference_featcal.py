@@ -81,7 +81,6 @@ def reference_featcal(merged, base, experts, data, *, lam=0.05, rho=2.2, alpha=0
                     for t in tasks:
                         x_s = xs[t][name].reshape(-1, d)
                         x_t = alpha * xe[t][name].reshape(-1, d) + (1 - alpha) * x_s
-                        n_tok = xs[t][name].shape[1]
                         w = torch.ones(xs[t][name].shape[:2], dtype=torch.float64)
                         if weighted:
                             w[:, 1:] = last_weight

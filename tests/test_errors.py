@@ -10,7 +10,7 @@ import torch
 from datasets import Dataset
 from transformers import BertConfig, BertModel, CLIPVisionModel, GPT2Config, GPT2Model
 
-from conftest import perturbed, pixel_batches, tiny_vision_config
+from conftest import tiny_vision_config
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalError
 
 

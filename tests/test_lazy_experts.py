@@ -30,7 +30,7 @@ def test_folders_give_the_in_memory_result_and_read_one_block_at_a_time(clip_set
 
     reads: list[tuple[str, str]] = []  # (phase, key)
     phase = {"now": "other"}
-    original_read, original_block, original_entry = CheckpointSource._read, CheckpointSource.block, CheckpointSource.entry_tower
+    original_read, original_block = CheckpointSource._read, CheckpointSource.block
 
     def read(self, key):
         reads.append((phase["now"], key))

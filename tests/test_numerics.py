@@ -7,7 +7,6 @@ import copy
 import pytest
 import torch
 
-from conftest import pixel_batches
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalWarning
 from hf_featcal.solver import solve_linear_weight
 from hf_featcal.statistics import LinearGroupStatistics, LinearTargets

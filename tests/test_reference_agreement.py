@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from reference_featcal import reference_featcal

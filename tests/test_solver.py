@@ -43,7 +43,7 @@ def _tasks(gen, num_tasks=3, d=6, out=4, tokens=(40, 25, 60), scales=(1.0, 5.0, 
 
 
 def _linear_statistics(tasks, alpha, eps):
-    d, out = tasks[0]["weight"].shape[1], tasks[0]["weight"].shape[0]
+    d = tasks[0]["weight"].shape[1]
     stats = LinearGroupStatistics(("m",), d, dtype=F64, device=torch.device("cpu"), epsilon=eps)
     for t in tasks:
         x_t = alpha * t["x_e"] + (1 - alpha) * t["x_s"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from hf_featcal import FeatCalCalibrator, FeatCalConfig
+from hf_featcal import FeatCalCalibrator
 from hf_featcal.toy import accuracy, build_digits_scenario
 from hf_featcal.tuning import DEFAULT_GRID, TuningResult, train_holdout_split, tune_featcal
 

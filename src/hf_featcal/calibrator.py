@@ -506,7 +506,7 @@ class FeatCalCalibrator:
         progress: tqdm,
         position: str,
     ) -> tuple[dict, dict, dict | None]:
-        cfg, lm = self.config, self.layer_map
+        lm = self.layer_map
         si, bi = plan.stack_index, plan.block_index
         calibrating = bool(plan.specs)
         linear_stats, norm_stats = self._new_statistics(plan, block) if calibrating else ({}, {})

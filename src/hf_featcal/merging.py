@@ -41,7 +41,6 @@ import contextlib
 import copy
 import hashlib
 import inspect
-import json
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping

@@ -42,7 +42,6 @@ the default task set.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import random
 import time
