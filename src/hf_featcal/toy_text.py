@@ -475,6 +475,30 @@ class TextScenario:
         return evaluate_exact_match(model, self.tokenizer, self.test_data, **kwargs)
 
 
+def scenario_splits(config: Any) -> tuple[dict[str, list[TextExample]], dict[str, list[TextExample]], dict[str, list[TextExample]]]:
+    """Per target task deterministic train/test examples, and the base's pretraining mix: the proxy
+    tasks plus, when ``config.pretrain_target_max_length`` is set, the target tasks' short TRAIN
+    examples. `config` has the fields of :class:`TextScenarioConfig` that describe data."""
+    seed = config.seed
+    train_data: dict[str, list[TextExample]] = {}
+    test_data: dict[str, list[TextExample]] = {}
+    for task in config.tasks:
+        train_data[task], test_data[task] = generate_task_examples(
+            task, config.num_train, config.num_test, seed, config.min_length, config.max_length
+        )
+    pretrain_data = {
+        task: generate_task_examples(task, config.num_train, 0, seed, config.min_length, config.max_length)[0]
+        for task in config.pretrain_tasks
+    }
+    if config.pretrain_target_max_length is not None:
+        for task in config.tasks:
+            if task not in pretrain_data:
+                pretrain_data[task] = [
+                    e for e in train_data[task] if len(e.source.split()) - 1 <= config.pretrain_target_max_length
+                ]
+    return train_data, test_data, pretrain_data
+
+
 def build_text_scenario(
     seed: int | None = None,
     cache_dir: str | os.PathLike | None = None,
@@ -498,23 +522,7 @@ def build_text_scenario(
     seed = config.seed
     tokenizer = build_text_tokenizer()
 
-    train_data: dict[str, list[TextExample]] = {}
-    test_data: dict[str, list[TextExample]] = {}
-    for task in config.tasks:
-        train_data[task], test_data[task] = generate_task_examples(
-            task, config.num_train, config.num_test, seed, config.min_length, config.max_length
-        )
-    pretrain_data = {
-        task: generate_task_examples(task, config.num_train, 0, seed, config.min_length, config.max_length)[0]
-        for task in config.pretrain_tasks
-    }
-    if config.pretrain_target_max_length is not None:
-        # the base also sees the target tasks, on short inputs only, drawn from their TRAIN splits
-        for task in config.tasks:
-            if task not in pretrain_data:
-                pretrain_data[task] = [
-                    e for e in train_data[task] if len(e.source.split()) - 1 <= config.pretrain_target_max_length
-                ]
+    train_data, test_data, pretrain_data = scenario_splits(config)
 
     loaded = _load_cached(cache_dir, config) if cache_dir is not None else None
     if loaded is not None:
