@@ -89,6 +89,7 @@ from .toy_text import (
     UNK_TOKEN,
     VOCABULARY,
     TextExample,
+    pretrain_and_finetune,
     scenario_splits,
 )
 
@@ -452,17 +453,7 @@ def build_causal_scenario(
             num_key_value_heads=config.num_key_value_heads,
             seed=seed,
         )
-        mix = [e for examples in pretrain_data.values() for e in examples]
-        if config.pretrain_steps > 0 and mix:
-            train_causal_lm(base, tokenizer, mix, config.pretrain_steps, config.batch_size, config.pretrain_lr, seed=seed)
-        experts = {}
-        for index, task in enumerate(config.tasks):
-            expert = copy.deepcopy(base)
-            train_causal_lm(
-                expert, tokenizer, train_data[task], config.expert_steps, config.batch_size, config.expert_lr,
-                seed=seed * 1000 + index + 1,
-            )
-            experts[task] = expert
+        experts = pretrain_and_finetune(base, tokenizer, train_causal_lm, pretrain_data, train_data, config)
         if cache_dir is not None:
             _save_cached(cache_dir, config, tokenizer, base, experts)
 

@@ -45,7 +45,7 @@ import copy
 import os
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -499,6 +499,29 @@ def scenario_splits(config: Any) -> tuple[dict[str, list[TextExample]], dict[str
     return train_data, test_data, pretrain_data
 
 
+def pretrain_and_finetune(
+    base: Any,
+    tokenizer: Any,
+    train: Callable[..., Any],
+    pretrain_data: Mapping[str, Sequence[TextExample]],
+    train_data: Mapping[str, Sequence[TextExample]],
+    config: Any,
+) -> dict[str, Any]:
+    """Pretrain `base` (in place) on the mix of `pretrain_data`, then make one expert per task: a copy
+    of the base fine-tuned on that task's train split. `train(model, tokenizer, examples, steps,
+    batch_size, lr, seed=...)` is the family's training loop."""
+    mix = [e for examples in pretrain_data.values() for e in examples]
+    if config.pretrain_steps > 0 and mix:
+        train(base, tokenizer, mix, config.pretrain_steps, config.batch_size, config.pretrain_lr, seed=config.seed)
+    experts = {}
+    for index, task in enumerate(config.tasks):
+        expert = copy.deepcopy(base)
+        train(expert, tokenizer, train_data[task], config.expert_steps, config.batch_size, config.expert_lr,
+              seed=config.seed * 1000 + index + 1)
+        experts[task] = expert
+    return experts
+
+
 def build_text_scenario(
     seed: int | None = None,
     cache_dir: str | os.PathLike | None = None,
@@ -538,17 +561,7 @@ def build_text_scenario(
             num_decoder_layers=config.num_decoder_layers,
             seed=seed,
         )
-        mix = [e for examples in pretrain_data.values() for e in examples]
-        if config.pretrain_steps > 0 and mix:
-            train_seq2seq(base, tokenizer, mix, config.pretrain_steps, config.batch_size, config.pretrain_lr, seed=seed)
-        experts = {}
-        for index, task in enumerate(config.tasks):
-            expert = copy.deepcopy(base)
-            train_seq2seq(
-                expert, tokenizer, train_data[task], config.expert_steps, config.batch_size, config.expert_lr,
-                seed=seed * 1000 + index + 1,
-            )
-            experts[task] = expert
+        experts = pretrain_and_finetune(base, tokenizer, train_seq2seq, pretrain_data, train_data, config)
         if cache_dir is not None:
             _save_cached(cache_dir, config, tokenizer, base, experts)
 
