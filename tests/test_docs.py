@@ -44,3 +44,17 @@ def test_doc_code_blocks_run(path, offline_env, tmp_path):
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=offline_env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{path.name}:\n{result.stderr[-4000:]}"
+
+
+def test_clip_example_runs_against_the_stand_ins(offline_env, tmp_path):
+    """examples/clip_vit_b32_ta8.py — the paper's CLIP setting with real hub ids — unchanged, on two
+    tasks and a few images."""
+    script = ROOT / "examples" / "clip_vit_b32_ta8.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--tasks", "eurosat", "dtd", "--samples-per-task", "8",
+         "--eval-max-samples", "8", "--output", str(tmp_path / "out")],
+        cwd=tmp_path, env=offline_env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "Task Arithmetic + FeatCal" in result.stdout
+    assert (tmp_path / "out" / "featcal_drift_report.json").is_file()
