@@ -11,6 +11,9 @@ patched: the docs' code runs through the real transformers / datasets loading co
 | `openai/clip-vit-base-patch32` | a tiny random-init `CLIPModel`, `CLIPImageProcessor` (8×8 images) and a word-level tokenizer |
 | `tanganke/clip-vit-base-patch32_<task>` (8 tasks) | a tiny `CLIPVisionModel`: the base's vision tower plus a seeded random task vector |
 | the 8 CLIP task datasets (`tanganke/sun397`, …, `ufldl-stanford/svhn` `cropped_digits`, `ylecun/mnist`) | 12 random RGB images with labels, `train` and `test` splits |
+| `google/flan-t5-base` | a tiny random-init FLAN-T5-geometry `T5ForConditionalGeneration` and a word-level tokenizer |
+| `tanganke/flan-t5-base_glue-<task>` (8 GLUE tasks) | the base plus a seeded random task vector |
+| `nyu-mll/glue` (every task's config) | 12 rows with the task's text columns, `label` and `idx`; `train` and the evaluation split |
 
 To add an id the docs use, add it to `MODELS` / `DATASETS` below.
 """
@@ -91,9 +94,8 @@ def _clip_models(hf_home: str) -> None:
 
 
 def _image_dataset(hf_home: str, repo_id: str, config: str | None, seed: int) -> None:
-    """A prepared dataset cache for `repo_id`, as `load_dataset(repo_id, config)` finds it offline."""
-    import datasets
-    from datasets import Dataset, DatasetDict, load_dataset_builder
+    """12 random RGB images with labels, train and test splits."""
+    from datasets import Dataset
     from PIL import Image
 
     rng = np.random.default_rng(seed)
@@ -101,6 +103,14 @@ def _image_dataset(hf_home: str, repo_id: str, config: str | None, seed: int) ->
     for split in ("train", "test"):
         images = [Image.fromarray(rng.integers(0, 255, (12, 12, 3), dtype=np.uint8)) for _ in range(12)]
         splits[split] = Dataset.from_dict({"image": images, "label": [i % 3 for i in range(12)]})
+    _prepared_dataset(hf_home, repo_id, config, splits)
+
+
+def _prepared_dataset(hf_home: str, repo_id: str, config: str | None, splits: dict) -> None:
+    """A prepared dataset cache for `repo_id`, as `load_dataset(repo_id, config)` finds it offline."""
+    import datasets
+    from datasets import DatasetDict, load_dataset_builder
+
     work = tempfile.mkdtemp()
     try:
         files = {}
@@ -127,11 +137,47 @@ def _image_dataset(hf_home: str, repo_id: str, config: str | None, seed: int) ->
     datasets.disable_progress_bars()
 
 
+GLUE_TASKS = ["cola", "mnli", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb"]
+
+
+def _flan_t5(hf_home: str) -> None:
+    """`google/flan-t5-base`, its GLUE experts and `nyu-mll/glue` (every task, train and validation)."""
+    from datasets import Dataset
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from hf_featcal.evaluation.glue import GLUE_DEFAULT_SPLITS, GLUE_INPUT_COLUMNS, GLUE_LABEL_WORDS
+
+    words = sorted({w for names in GLUE_LABEL_WORDS.values() for w in names} | {"the", "a", "cat", "sat", "1.0", "2.5"})
+    tokenizer = _word_tokenizer(words, bos="<pad>", eos="</s>")
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=4,
+                      feed_forward_proj="gated-gelu", tie_word_embeddings=False, decoder_start_token_id=0,
+                      pad_token_id=0, eos_token_id=1)
+    base = T5ForConditionalGeneration(config).eval()
+    path = _snapshot(hf_home, "model", "google/flan-t5-base")
+    base.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    for index, task in enumerate(GLUE_TASKS):
+        expert = copy.deepcopy(base)
+        generator = torch.Generator().manual_seed(200 + index)
+        with torch.no_grad():
+            for p in expert.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=generator))
+        expert.save_pretrained(_snapshot(hf_home, "model", f"tanganke/flan-t5-base_glue-{task}"))
+        rows = 12
+        columns = {c: [f"the cat sat {i}" for i in range(rows)] for c in GLUE_INPUT_COLUMNS[task]}
+        labels = [float(i % 5) for i in range(rows)] if task == "stsb" else [i % len(GLUE_LABEL_WORDS[task]) for i in range(rows)]
+        splits = {split: Dataset.from_dict({**columns, "label": labels, "idx": list(range(rows))})
+                  for split in ("train", GLUE_DEFAULT_SPLITS[task])}
+        _prepared_dataset(hf_home, "nyu-mll/glue", task, splits)
+
+
 def populate_offline_hub(hf_home: str) -> dict[str, str]:
     """Write every stand-in into `hf_home`; returns the environment to run the docs' code with."""
     _clip_models(hf_home)
     for seed, (repo_id, config) in enumerate(CLIP_DATASETS.items()):
         _image_dataset(hf_home, repo_id, config, seed)
+    _flan_t5(hf_home)
     return {"HF_HOME": hf_home, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 

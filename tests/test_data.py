@@ -69,3 +69,18 @@ def test_extra_batch_keys_are_ignored_by_the_model(clip_setting, generator):
     base, experts, merged, data = clip_setting
     with_labels = {t: [{**b, "labels": torch.zeros(b["pixel_values"].shape[0])} for b in bs] for t, bs in data.items()}
     FeatCalCalibrator(merged, base, experts, with_labels, show_progress=False).calibrate()
+
+
+def test_text_columns_beside_token_ids_are_dropped_by_the_default_collator():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "</s>": 1, "<unk>": 2, "a": 3, "b": 4}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    rows = [{"input_text": "a b", "input_ids": [3, 4], "attention_mask": [1, 1], "labels": [3]},
+            {"input_text": "a", "input_ids": [3], "attention_mask": [1], "labels": [4, 3]}]
+    dataset = Dataset.from_list(rows)
+    out = _prepare(dataset, main_input_name="input_ids", batch_size=2, processing_class=tokenizer)
+    assert set(out[0]) == {"input_ids", "attention_mask", "labels"}
+    assert out[0]["labels"].shape == (2, 2) and (out[0]["labels"] == -100).sum() == 1

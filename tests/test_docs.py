@@ -58,3 +58,17 @@ def test_clip_example_runs_against_the_stand_ins(offline_env, tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     assert "Task Arithmetic + FeatCal" in result.stdout
     assert (tmp_path / "out" / "featcal_drift_report.json").is_file()
+
+
+def test_flan_t5_example_runs_against_the_stand_ins(offline_env, tmp_path):
+    """examples/flan_t5_glue.py — the paper's FLAN-T5 GLUE setting with real hub ids — unchanged, on
+    three tasks and a few examples."""
+    script = ROOT / "examples" / "flan_t5_glue.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--tasks", "cola", "mnli", "stsb", "--samples-per-task", "8",
+         "--eval-max-samples", "6", "--output", str(tmp_path / "out")],
+        cwd=tmp_path, env=offline_env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "Task Arithmetic + FeatCal" in result.stdout
+    assert (tmp_path / "out" / "featcal_drift_report.json").is_file()

@@ -114,11 +114,18 @@ def collate(
     """Turn dataset rows into a batch: the processor first (images or text), then the collator."""
     if processing_class is not None and main_input_name not in rows[0]:
         rows = _process(task, rows, processing_class)
+    if data_collator is None:
+        # as `Trainer` drops unused columns: raw text (e.g. a prompt kept beside its token ids) is no input
+        rows = [{k: v for k, v in row.items() if not _is_text(v)} for row in rows]
     collator = data_collator or _default_collator(rows, processing_class)
     batch = collator(rows)
     if not isinstance(batch, Mapping):
         raise TypeError(f"the data collator returned {type(batch).__name__} for task {task!r}; expected a dict")
     return {k: (torch.as_tensor(v) if isinstance(v, list) else v) for k, v in dict(batch).items()}
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], str))
 
 
 def _process(task: str, rows: list[dict], processing_class: Any) -> list[dict]:
