@@ -28,12 +28,12 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 import torch
 from torch import nn
 
+from ._datasets import local_split
 from .clip_templates import (
     CLIP_CLASS_NAMES,
     CLIP_DATASETS,
@@ -457,18 +457,9 @@ def load_clip_split(
                 f"datasets: custom task {spec.name!r} has no Hub dataset; pass datasets={{{spec.name!r}: <Dataset>}}"
             )
         ds = hf_datasets.load_dataset(spec.dataset_path, spec.dataset_config, split=split)
-    elif isinstance(dataset, (str, os.PathLike)):
-        if not Path(dataset).exists():
-            raise FileNotFoundError(f"datasets[{spec.name!r}]: path {str(dataset)!r} does not exist")
-        ds = hf_datasets.load_from_disk(str(dataset))
     else:
         ds = dataset
-    if isinstance(ds, hf_datasets.DatasetDict):
-        if split not in ds:
-            raise ValueError(f"split={split!r} is not in the DatasetDict of task {spec.name!r}; it has {list(ds)}")
-        ds = ds[split]
-    if not isinstance(ds, hf_datasets.Dataset):
-        raise TypeError(f"datasets[{spec.name!r}] must be a datasets.Dataset, got {type(ds).__name__}")
+    ds = local_split(ds, split, f"datasets[{spec.name!r}]")
     for column, argument in ((spec.image_column, "image_column"), (spec.label_column, "label_column")):
         if column not in ds.column_names:
             raise ValueError(

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
+from ._datasets import local_split
+
 if TYPE_CHECKING:  # pragma: no cover
     import evaluate
     from datasets import Dataset
@@ -352,18 +354,9 @@ def load_glue_split(
     split = split or GLUE_DEFAULT_SPLITS[task]
     if dataset is None:
         ds = hf_datasets.load_dataset(_GLUE_HUB_ID, task, split=split)
-    elif isinstance(dataset, (str, os.PathLike)):
-        if not Path(dataset).exists():
-            raise FileNotFoundError(f"dataset path {str(dataset)!r} for GLUE {task} does not exist")
-        ds = hf_datasets.load_from_disk(str(dataset))
     else:
         ds = dataset
-    if isinstance(ds, hf_datasets.DatasetDict):
-        if split not in ds:
-            raise ValueError(f"split={split!r} not in the DatasetDict for GLUE {task}; it has {list(ds)}")
-        ds = ds[split]
-    if not isinstance(ds, hf_datasets.Dataset):
-        raise TypeError(f"dataset for GLUE {task} must be a datasets.Dataset, got {type(ds).__name__}")
+    ds = local_split(ds, split, f"dataset for GLUE {task}")
     missing = [c for c in (*GLUE_INPUT_COLUMNS[task], "label") if c not in ds.column_names]
     if missing:
         raise ValueError(f"dataset for GLUE {task} lacks column(s) {missing}; it has {ds.column_names}")
