@@ -23,7 +23,7 @@ from accelerate.utils import reduce, send_to_device
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .architectures import LAYER_NORM, LINEAR, LayerMap, ModuleSpec, get_layer_map, supported_model_types
+from .architectures import LAYER_NORM, LINEAR, LayerMap, ModuleSpec, get_layer_map, model_config, supported_model_types
 from .architectures.auto import infer_layer_map
 from .checkpointing import CheckpointFolder, fingerprint
 from .config import FeatCalConfig, matches_module_pattern
@@ -125,13 +125,14 @@ class FeatCalCalibrator:
         if not isinstance(config, FeatCalConfig):
             raise TypeError(f"`config` must be a FeatCalConfig, got {type(config).__name__}.")
         if not isinstance(model, nn.Module):
-            raise TypeError(f"`model` must be the merged PreTrainedModel, got {type(model).__name__}.")
+            raise TypeError(f"`model` must be the merged model (a PreTrainedModel or a supported open_clip model), got {type(model).__name__}.")
         self.config = config
         self.model = model
         if allow_inferred_layer_map and model_type_of(model) not in supported_model_types():
             self.layer_map: LayerMap = infer_layer_map(model)
         else:
             self.layer_map = get_layer_map(model, "model")
+        self.model_config = model_config(model)
         self.parameters = ModelParameters(model)
         # Processes (accelerate launch / torchrun): each takes a disjoint shard of every task's
         # batches; statistics are sums, reduced across processes before every solve.
@@ -226,7 +227,7 @@ class FeatCalCalibrator:
         if not self.state.is_main_process:
             return
         output_dir = os.fspath(output_dir)
-        self.model.save_pretrained(output_dir)
+        self.layer_map.save_model(self.model, output_dir)
         self.config.save_pretrained(output_dir)
         if self._report is not None:
             self._report.save(output_dir)
@@ -268,16 +269,16 @@ class FeatCalCalibrator:
     # ================================================================== checks
     def _check_compatible(self, source: ModelSource) -> None:
         argument = source.argument
-        if model_type_of(source.config) == model_type_of(self.model):
+        if model_type_of(source.config) == model_type_of(self.model_config):
             other_map = self.layer_map  # also an inferred one
         else:
             other_map = get_layer_map(source.config, argument)
         if type(other_map) is not type(self.layer_map):
             raise ValueError(
-                f"`{argument}` has model_type {source.config.model_type!r}, which does not match the merged "
-                f"{type(self.model).__name__} (model_type {self.model.config.model_type!r})."
+                f"`{argument}` has model_type {model_type_of(source.config)!r}, which does not match the merged "
+                f"{type(self.model).__name__} (model_type {model_type_of(self.model_config)!r})."
             )
-        ours, theirs = self.layer_map.compatibility(self.model.config), other_map.compatibility(source.config)
+        ours, theirs = self.layer_map.compatibility(self.model_config), other_map.compatibility(source.config)
         diff = {k: (ours[k], theirs.get(k)) for k in ours if ours[k] != theirs.get(k)}
         if diff:
             detail = ", ".join(f"{k}: merged {a!r} vs {b!r}" for k, (a, b) in diff.items())
@@ -332,12 +333,12 @@ class FeatCalCalibrator:
         for si, stack in enumerate(stacks):
             for bi, block in enumerate(stack.blocks):
                 specs = lm.block_modules(block)
-                all_names.update(s.name for s in specs)
+                all_names.update(n for s in specs for n in (s.name, *s.aliases))
                 chosen = [
                     s
                     for s in specs
                     if cfg.block_selected(flat, total_blocks)
-                    and cfg.module_selected(s.name)
+                    and cfg.module_selected(s.name, *s.aliases)
                     and (s.kind == LINEAR or cfg.calibrate_norms)
                 ]
                 selected_any |= bool(chosen)
@@ -370,14 +371,16 @@ class FeatCalCalibrator:
     def _group(self, si: int, bi: int, specs: list[ModuleSpec], pooled: int | None) -> _BlockPlan:
         lm = self.layer_map
         plan = _BlockPlan(si, bi, specs, pooled)
-        selected = {s.name for s in specs}
+        by_name = {s.name: s for s in specs}
         for spec in specs:
             weighted = pooled is not None and spec.name not in lm.key_value_modules
             if spec.kind != LINEAR:
                 plan.norms.append((spec.name, weighted))
                 continue
+            # modules reading one captured input share statistics: the same capture point, or a
+            # shared-input group of the layer map (captured at its first selected member)
             group = next((g for g in lm.shared_input_groups if spec.name in g), (spec.name,))
-            source = next(n for n in group if n in selected)
+            source = by_name[next(n for n in group if n in by_name)].capture
             key = (source, weighted, lm.weight_source(spec.name))
             plan.linear_groups.setdefault(key, []).append(spec.name)
         return plan
@@ -402,11 +405,11 @@ class FeatCalCalibrator:
 
     def _block_parameter_names(self, si: int, bi: int) -> list[str]:
         block = self.layer_map.stacks(self.layer_map.tower(self.model))[si].blocks[bi]
-        names = []
+        names: dict[str, None] = {}  # ordered set: packed specs share their parameters
         for spec in self._plans[(si, bi)].specs:
-            module = block.get_submodule(spec.name)
-            names += [self.parameters.qualified_name(module, attr) for attr, _ in module.named_parameters(recurse=False)]
-        return names
+            module = block.get_submodule(spec.owner)
+            names.update((self.parameters.qualified_name(module, attr), None) for attr in spec.attributes(block))
+        return list(names)
 
     def _enter(
         self, source: ModelSource | None, stack_index: int, previous: dict[str, list[StreamBatch]] | None, task: str
@@ -517,11 +520,17 @@ class FeatCalCalibrator:
             progress.set_postfix_str(f"({position}) {'collecting statistics' if calibrating else 'forwarding'} · {task}")
             with self._timed("loading expert blocks"):
                 expert_block = self.experts[task].block(lm, self.model, si, bi, self.device)
-                targets = self._expert_targets(linear_stats, expert_block)
+                targets = self._expert_targets(plan, linear_stats, expert_block)
             new_student[task], new_expert[task] = [], []
             if new_given is not None:
                 new_given[task] = []
-            with eval_mode(expert_block), capture_module_inputs(block, sources) as xs, capture_module_inputs(expert_block, sources) as xe:
+            with (
+                eval_mode(expert_block),
+                lm.capture_context(block),
+                lm.capture_context(expert_block),
+                capture_module_inputs(block, sources) as xs,
+                capture_module_inputs(expert_block, sources) as xe,
+            ):
                 for b, parked in enumerate(student[task]):
                     # the student's output of the uncalibrated block is only needed while it is also the
                     # merged-as-given stream, or when nothing is solved here; otherwise its forward can stop
@@ -616,9 +625,10 @@ class FeatCalCalibrator:
     def _new_statistics(self, plan: _BlockPlan, block: nn.Module) -> tuple[dict, dict]:
         kw = {"dtype": self._compute_dtype, "device": self.device}
         linear = {}
+        specs = {s.name: s for s in plan.specs}
         for key, names in plan.linear_groups.items():
-            dim = block.get_submodule(names[0]).in_features
-            outputs = sum(block.get_submodule(n).out_features for n in names)
+            dim = specs[names[0]].shape(block)[1]
+            outputs = sum(specs[n].shape(block)[0] for n in names)
             linear[key] = LinearGroupStatistics(tuple(names), dim, epsilon=self.config.epsilon, direct_rhs=outputs < dim, **kw)
         norms = {}
         for name, weighted in plan.norms:
@@ -651,14 +661,14 @@ class FeatCalCalibrator:
         return weights * factor
 
     @staticmethod
-    def _expert_targets(linear: dict, expert_block: nn.Module) -> dict[str, LinearTargets]:
+    def _expert_targets(plan: _BlockPlan, linear: dict, expert_block: nn.Module) -> dict[str, LinearTargets]:
         """The task expert's parameters of every Linear being solved."""
-        targets = {}
-        for stats in linear.values():
-            for name in stats.modules:
-                module = expert_block.get_submodule(name)
-                targets[name] = LinearTargets(module.weight.detach(), None if module.bias is None else module.bias.detach())
-        return targets
+        specs = {s.name: s for s in plan.specs}
+        return {
+            name: LinearTargets(specs[name].value(expert_block, "weight"), specs[name].value(expert_block, "bias"))
+            for stats in linear.values()
+            for name in stats.modules
+        }
 
     def _finish_task(self, expert_block: nn.Module, linear: dict, norms: dict, targets: dict) -> None:
         for stats in linear.values():
@@ -675,11 +685,13 @@ class FeatCalCalibrator:
         if self.base is not None:
             base_block = self.base.block(self.layer_map, self.model, plan.stack_index, plan.block_index, self.device)
 
+        specs = {s.name: s for s in plan.specs}
+
         def anchor_of(name: str, attr: str) -> Tensor:
-            merged = self.parameters.module_value(block.get_submodule(name), attr).to(self.device, self._compute_dtype)
+            merged = self._read_spec(block, specs[name], attr).to(self.device, self._compute_dtype)
             base = None
             if base_block is not None:
-                base = getattr(base_block.get_submodule(name), attr).detach().to(device=merged.device, dtype=self._compute_dtype)
+                base = specs[name].value(base_block, attr).to(device=merged.device, dtype=self._compute_dtype)
             return anchor(merged, base, rho)
 
         updates: dict[str, dict[str, Tensor]] = {}
@@ -700,12 +712,11 @@ class FeatCalCalibrator:
                     FeatCalWarning,
                     stacklevel=5,
                 )
-            modules = [block.get_submodule(name) for name in names]
             weights, info = solve_linear_weights(
                 stats.gram_sum, [stats.rhs_sum[name] for name in names], [anchor_of(name, "weight") for name in names], lam, eps
             )
-            for name, module, weight in zip(names, modules, weights):
-                old = self.parameters.module_value(module, "weight").to(self.device)
+            for name, weight in zip(names, weights):
+                old = self._read_spec(block, specs[name], "weight").to(self.device)
                 decrease = linear_objective_decrease(stats.gram_sum, old, weight, lam, eps)
                 self.solve_log.append(
                     {"block": where, "module": name, "method": info.method, "damping": info.damping, "objective_decrease": decrease}
@@ -715,7 +726,7 @@ class FeatCalCalibrator:
                     f", damping {info.damping:.3g}" if info.damping else "",
                 )
                 update = {"weight": weight}
-                if module.bias is not None and cfg.calibrate_bias:
+                if specs[name].value(block, "bias") is not None and cfg.calibrate_bias:
                     update["bias"] = solve_linear_bias(
                         weight, stats.bias_target_sum[name], stats.student_mean_sum, stats.scale_sum, anchor_of(name, "bias"), lam
                     )
@@ -738,9 +749,24 @@ class FeatCalCalibrator:
             for attr, value in update.items():
                 _check_finite(value, f"solution for {where}, module {name}.{attr}")
         for name, update in updates.items():
-            module = block.get_submodule(name)
             for attr, value in update.items():
-                self.parameters.set_module_value(module, attr, value)
+                self._write_spec(block, specs[name], attr, value)
+
+    def _read_spec(self, block: nn.Module, spec: ModuleSpec, attr: str) -> Tensor:
+        """A spec's current weight or bias in the merged model (also where accelerate offloaded it)."""
+        module = block.get_submodule(spec.owner)
+        value = self.parameters.module_value(module, spec.weight_attr if attr == "weight" else spec.bias_attr)
+        return value if spec.rows is None else value[spec.rows[0] : spec.rows[1]]
+
+    def _write_spec(self, block: nn.Module, spec: ModuleSpec, attr: str, value: Tensor) -> None:
+        """Write a spec's weight or bias; a packed spec replaces its rows of the shared parameter."""
+        module = block.get_submodule(spec.owner)
+        name = spec.weight_attr if attr == "weight" else spec.bias_attr
+        if spec.rows is not None:
+            packed = self.parameters.module_value(module, name).clone()
+            packed[spec.rows[0] : spec.rows[1]] = value.to(device=packed.device, dtype=packed.dtype)
+            value = packed
+        self.parameters.set_module_value(module, name, value)
 
 
 # ====================================================================== helpers

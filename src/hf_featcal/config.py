@@ -170,11 +170,15 @@ class FeatCalConfig:
             raise ValueError(f"FeatCalConfig.compute_dtype must be 'float32' or 'float64', got {self.compute_dtype!r}.")
 
     # ------------------------------------------------------------------ selection
-    def module_selected(self, name: str) -> bool:
-        """Whether the block-relative module `name` passes `target_modules` / `exclude_modules`."""
-        if self.target_modules is not None and not matches_module_pattern(self.target_modules, name):
+    def module_selected(self, name: str, *aliases: str) -> bool:
+        """Whether the block-relative module `name` passes `target_modules` / `exclude_modules`; a
+        pattern matching one of its `aliases` (a packed projection's name) counts as matching it."""
+        names = (name, *aliases)
+        if self.target_modules is not None and not any(matches_module_pattern(self.target_modules, n) for n in names):
             return False
-        return not (self.exclude_modules is not None and matches_module_pattern(self.exclude_modules, name))
+        return not (
+            self.exclude_modules is not None and any(matches_module_pattern(self.exclude_modules, n) for n in names)
+        )
 
     def block_selected(self, index: int, num_blocks: int) -> bool:
         """Whether block `index` (of `num_blocks`) is calibrated."""

@@ -40,6 +40,9 @@ def load_model(source: ModelLike, argument: str, base: ModelLike | None = None) 
     path = os.fspath(source)
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
         return _load_adapter_expert(path, argument, base)
+    checkpoint = _library_checkpoint(path, argument)
+    if checkpoint is not None:
+        return _load_library_model(checkpoint, argument)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - re-raised with the argument named
@@ -56,6 +59,23 @@ def load_model(source: ModelLike, argument: str, base: ModelLike | None = None) 
         return model_class.from_pretrained(path, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001
         raise ValueError(f"`{argument}`: cannot load the model at {path!r}: {err}") from err
+
+
+def _library_checkpoint(name: str, argument: str) -> Any:
+    """The checkpoint of a non-transformers model library (open_clip) that `name` refers to, if any."""
+    from .architectures import find_library_checkpoint
+
+    try:
+        return find_library_checkpoint(name)
+    except Exception as err:  # noqa: BLE001 - re-raised with the argument named
+        raise ValueError(f"`{argument}`: cannot read the checkpoint {name!r}: {err}") from err
+
+
+def _load_library_model(checkpoint: Any, argument: str) -> nn.Module:
+    try:
+        return checkpoint.load()
+    except Exception as err:  # noqa: BLE001
+        raise ValueError(f"`{argument}`: cannot load the model {checkpoint.name!r}: {err}") from err
 
 
 def _load_adapter_expert(folder: str, argument: str, base: ModelLike | None) -> nn.Module:
@@ -129,7 +149,9 @@ class InMemorySource(ModelSource):
     """A model object the caller handed over (or one loaded whole, for non-safetensors checkpoints)."""
 
     def __init__(self, model: nn.Module, argument: str, name: str | None = None) -> None:
-        self.model, self.argument, self.config = model, argument, getattr(model, "config", None)
+        from .architectures import model_config
+
+        self.model, self.argument, self.config = model, argument, model_config(model)
         self.name = name or getattr(self.config, "_name_or_path", None) or None
 
     def tower_shapes(self, layer_map: Any, reference: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -154,13 +176,19 @@ class CheckpointSource(ModelSource):
     use are ever materialised. Blocks are built as copies of the merged model's block (the reference)
     with this checkpoint's tensors loaded into them."""
 
-    def __init__(self, folder: str, argument: str, name: str) -> None:
+    def __init__(
+        self, folder: str | None, argument: str, name: str, config: Any = None, files: dict[str, str] | None = None
+    ) -> None:
+        """A transformers checkpoint `folder` (config and safetensors found there), or a library
+        checkpoint given by its `config` and `files` (state-dict key → safetensors file)."""
         self.folder, self.argument, self.name = folder, argument, name
-        try:
-            self.config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
-        except Exception as err:  # noqa: BLE001
-            raise ValueError(f"`{argument}`: cannot load a model config from {name!r}: {err}") from err
-        self._files = safetensors_files(folder)
+        if config is None:
+            try:
+                config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+            except Exception as err:  # noqa: BLE001
+                raise ValueError(f"`{argument}`: cannot load a model config from {name!r}: {err}") from err
+        self.config = config
+        self._files = safetensors_files(folder) if files is None else files
         self._key_map: dict[str, str] | None = None
 
     # -- keys
@@ -360,8 +388,8 @@ def make_source(
     source: ModelSource | nn.Module | str | os.PathLike, argument: str, base: ModelSource | None = None
 ) -> ModelSource:
     """A model → used in memory; a folder or hub id with safetensors → read lazily, one block at a
-    time; a LoRA adapter folder → the base plus the adapter's deltas, per block; a checkpoint without
-    safetensors → loaded whole (as `load_model`)."""
+    time (also open_clip's `local-dir:` / `hf-hub:` checkpoints); a LoRA adapter folder → the base plus
+    the adapter's deltas, per block; a checkpoint without safetensors → loaded whole (as `load_model`)."""
     if isinstance(source, ModelSource):
         return source
     if isinstance(source, nn.Module):
@@ -371,6 +399,11 @@ def make_source(
             f"`{argument}` must be a PreTrainedModel, a local path or a hub id, got {type(source).__name__}."
         )
     name = os.fspath(source)
+    checkpoint = _library_checkpoint(name, argument)
+    if checkpoint is not None:
+        if checkpoint.files:
+            return CheckpointSource(None, argument, name, checkpoint.config, checkpoint.files)
+        return InMemorySource(_load_library_model(checkpoint, argument), argument, name)
     folder = name if os.path.isdir(name) else hub_snapshot(name)
     if folder is not None and os.path.isfile(os.path.join(folder, "adapter_config.json")):
         return LoraSource(folder, argument, name, base)

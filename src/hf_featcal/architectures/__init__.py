@@ -9,22 +9,30 @@ from .base import (
     LINEAR,
     RMS_NORM,
     LayerMap,
+    LibraryCheckpoint,
     ModuleSpec,
     Stack,
+    find_library_checkpoint,
     get_layer_map,
+    model_config,
+    packed_attention_specs,
     register_layer_map,
     supported_model_types,
 )
-from . import bert, clip, llama, t5, vit  # noqa: F401  (registers the layer maps)
+from . import bert, clip, llama, openclip, t5, vit  # noqa: F401  (registers the layer maps)
 
 __all__ = [
     "LAYER_NORM",
     "LINEAR",
     "RMS_NORM",
     "LayerMap",
+    "LibraryCheckpoint",
     "ModuleSpec",
     "Stack",
+    "find_library_checkpoint",
     "get_layer_map",
+    "model_config",
+    "packed_attention_specs",
     "register_layer_map",
     "supported_model_types",
 ]

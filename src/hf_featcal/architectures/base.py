@@ -7,13 +7,16 @@ projections and which modules read the same input. The calibrator only talks to 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
+from ..hooks import attention_out_proj_called
 from ..streams import StreamBatch, capture_first_block_inputs
 
 LINEAR = "linear"
@@ -23,10 +26,55 @@ RMS_NORM = "rms_norm"
 
 @dataclass(frozen=True)
 class ModuleSpec:
-    """A calibratable module of a block, named relative to the block."""
+    """A calibratable Linear or norm of a block, named relative to the block.
+
+    Most specs are a module with `weight` (and `bias`) parameters. A *packed* Linear — the fused
+    query/key/value in-projection of `nn.MultiheadAttention` — is described by the module holding its
+    parameters, their attribute names and the rows of the packed weight this spec owns; its input is
+    captured at another module (`reads`).
+    """
 
     name: str
     kind: str  # LINEAR, LAYER_NORM or RMS_NORM
+    module: str | None = None  # the module holding the parameters (default: `name`)
+    weight_attr: str = "weight"
+    bias_attr: str = "bias"
+    rows: tuple[int, int] | None = None  # [start, stop) of the packed weight's rows (default: all)
+    reads: str | None = None  # the module whose input is this spec's input (default: the module)
+
+    @property
+    def owner(self) -> str:
+        """The block-relative name of the module holding the parameters."""
+        return self.name if self.module is None else self.module
+
+    @property
+    def capture(self) -> str:
+        """The block-relative name of the module whose input this spec reads."""
+        return self.owner if self.reads is None else self.reads
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        """Other names selecting this spec in `target_modules` / `exclude_modules`: a packed
+        projection's own name (`attn.in_proj` for `attn.in_proj.q`)."""
+        return (self.name.rsplit(".", 1)[0],) if self.rows is not None else ()
+
+    def attributes(self, block: nn.Module) -> list[str]:
+        """The parameter attributes of the owner module this spec writes (weight, and bias if present)."""
+        module = block.get_submodule(self.owner)
+        return [a for a in (self.weight_attr, self.bias_attr) if isinstance(getattr(module, a, None), Tensor)]
+
+    def value(self, block: nn.Module, attr: str = "weight") -> Tensor | None:
+        """This spec's weight or bias (attr 'weight' / 'bias') in `block`, None for a missing bias."""
+        tensor = getattr(block.get_submodule(self.owner), self.weight_attr if attr == "weight" else self.bias_attr, None)
+        if tensor is None:
+            return None
+        tensor = tensor.detach()
+        return tensor if self.rows is None else tensor[self.rows[0] : self.rows[1]]
+
+    def shape(self, block: nn.Module) -> tuple[int, int]:
+        """(out_features, in_features) of a Linear spec."""
+        weight = self.value(block)
+        return int(weight.shape[0]), int(weight.shape[1])
 
 
 @dataclass(frozen=True)
@@ -38,12 +86,42 @@ class Stack:
     pooled_token_index: int | None = None  # the token a head reads after this stack, if any
 
 
+def packed_attention_specs(name: str, attention: nn.MultiheadAttention) -> list[ModuleSpec]:
+    """The query, key and value rows of an `nn.MultiheadAttention`'s packed in-projection as three
+    Linear specs (`<name>.in_proj.q/k/v`) reading the attention's query input (self-attention).
+    Together they are the packed projection solved as one Linear: the closed form is row-separable,
+    so splitting only matters where rows get different token weights (the pooled last block)."""
+    if not attention._qkv_same_embed_dim:
+        raise ValueError(
+            f"{name}: nn.MultiheadAttention with separate q/k/v projection weights (kdim/vdim != embed_dim) "
+            "is not supported."
+        )
+    d = attention.embed_dim
+    return [
+        ModuleSpec(f"{name}.in_proj.{part}", LINEAR, module=name, weight_attr="in_proj_weight",
+                   bias_attr="in_proj_bias", rows=(i * d, (i + 1) * d), reads=name)
+        for i, part in enumerate("qkv")
+    ]
+
+
+@dataclass
+class LibraryCheckpoint:
+    """A checkpoint in a model library's own format (not a transformers one), recognised by a layer map."""
+
+    name: str
+    load: Callable[[], nn.Module]  # the whole model
+    config: Any = None  # what `LayerMap.describe` gives for the model (needed to read `files` lazily)
+    files: dict[str, str] = field(default_factory=dict)  # state-dict key → safetensors file ({} if none)
+
+
 class LayerMap:
     """Base class of the per-architecture layer maps. Subclasses set the class attributes and
     implement `tower`; the defaults cover a plain stack of transformer blocks."""
 
     #: `config.model_type` values this map handles.
     model_types: ClassVar[tuple[str, ...]] = ()
+    #: Model classes without a transformers config (`module.QualName`) this map handles.
+    model_classes: ClassVar[tuple[str, ...]] = ()
     #: Batch keys the tower's forward takes.
     input_names: ClassVar[tuple[str, ...]] = ()
     #: The batch key whose leading dimension counts examples.
@@ -67,6 +145,20 @@ class LayerMap:
         """The part of a model's config that describes the tower's geometry."""
         return config
 
+    def describe(self, model: nn.Module) -> Any:
+        """The model's config (for models without a transformers config: one built from its modules)."""
+        return model.config
+
+    @classmethod
+    def find_checkpoint(cls, name: str) -> LibraryCheckpoint | None:
+        """The checkpoint of this map's own model library that `name` (a path or hub reference) refers
+        to, None if it is not one (transformers checkpoints need no map: they are found by their config)."""
+        return None
+
+    def save_model(self, model: nn.Module, output_dir: str | os.PathLike) -> None:
+        """Save a calibrated model the way its library loads it back (`save_pretrained` here)."""
+        model.save_pretrained(output_dir)
+
     #: Key prefixes under which a checkpoint of this family may store the tower's tensors, tried in order.
     checkpoint_prefixes: ClassVar[tuple[str, ...]] = ("",)
 
@@ -83,10 +175,14 @@ class LayerMap:
         raise NotImplementedError
 
     def block_modules(self, block: nn.Module) -> list[ModuleSpec]:
-        """Every Linear and normalisation layer with parameters in `block`, in registration order."""
+        """Every Linear and normalisation layer with parameters in `block`, in registration order.
+        The packed in-projection of an `nn.MultiheadAttention` counts as three Linears (its query,
+        key and value rows), which read the attention's query input."""
         specs = []
         for name, module in block.named_modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, nn.MultiheadAttention):
+                specs += packed_attention_specs(name, module)
+            elif isinstance(module, nn.Linear):
                 specs.append(ModuleSpec(name, LINEAR))
             elif isinstance(module, nn.LayerNorm) and module.weight is not None:
                 specs.append(ModuleSpec(name, LAYER_NORM))
@@ -102,6 +198,11 @@ class LayerMap:
                 return float(value)
         raise ValueError(f"cannot find the epsilon of norm {type(module).__name__}")
 
+    def capture_context(self, block: nn.Module) -> contextlib.AbstractContextManager:
+        """Entered around every forward whose module inputs are captured. The default makes every
+        `nn.MultiheadAttention` of the block call its `out_proj` as a module, so a hook sees its input."""
+        return attention_out_proj_called(block)
+
     def compatibility(self, config: Any) -> dict[str, Any]:
         """The geometry (from a model's config) that must agree between models calibrated together."""
         config = self.tower_config(config)
@@ -111,6 +212,10 @@ class LayerMap:
     def model_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """The part of a batch the tower's forward takes."""
         return {k: v for k, v in batch.items() if k in self.input_names}
+
+    def forward_tower(self, tower: nn.Module, batch: Mapping[str, Any]) -> Any:
+        """Run the tower's own forward on a batch (streams are captured at a stack's first block)."""
+        return tower(**self.model_inputs(batch))
 
     def token_weights(self, batch: Mapping[str, Any], hidden: Tensor, stack: Stack) -> Tensor:
         """Per-token weights (B, N) of a stack's positions: 1 for real tokens, 0 for padding."""
@@ -148,8 +253,7 @@ class LayerMap:
         """The stream's input to the first block of stack `stack_index`, as `tower`'s own forward
         builds it. `previous` is the same stream's final state in the preceding stack."""
         stack = self.stacks(tower)[stack_index]
-        inputs = self.model_inputs(batch)
-        args, kwargs = capture_first_block_inputs(lambda: tower(**inputs), stack.blocks[0])
+        args, kwargs = capture_first_block_inputs(lambda: self.forward_tower(tower, batch), stack.blocks[0])
         hidden = args[0] if args else kwargs.pop("hidden_states")
         return StreamBatch(
             hidden=hidden,
@@ -168,15 +272,18 @@ class LayerMap:
 @dataclass
 class _Registry:
     maps: dict[str, type[LayerMap]] = field(default_factory=dict)
+    classes: dict[str, type[LayerMap]] = field(default_factory=dict)
 
 
 _REGISTRY = _Registry()
 
 
 def register_layer_map(cls: type[LayerMap]) -> type[LayerMap]:
-    """Class decorator: make `cls` the layer map of every model type it lists."""
+    """Class decorator: make `cls` the layer map of every model type and model class it lists."""
     for model_type in cls.model_types:
         _REGISTRY.maps[model_type] = cls
+    for model_class in cls.model_classes:
+        _REGISTRY.classes[model_class] = cls
     return cls
 
 
@@ -185,14 +292,42 @@ def supported_model_types() -> list[str]:
     return sorted(_REGISTRY.maps)
 
 
+def _class_name(model: Any) -> str:
+    return f"{type(model).__module__}.{type(model).__qualname__}"
+
+
 def get_layer_map(model: Any, argument: str = "model") -> LayerMap:
-    """The layer map for a model (or a model config), chosen by its `model_type`."""
+    """The layer map for a model (or a model config), chosen by its `model_type`, or for a model
+    without a transformers config by its class."""
     config = getattr(model, "config", model)
     model_type = getattr(config, "model_type", None)
-    if model_type not in _REGISTRY.maps:
-        name = type(model).__name__ if isinstance(model, nn.Module) else "config"
-        raise ValueError(
-            f"`{argument}` has unsupported architecture {name} (model_type={model_type!r}); "
-            f"supported model types: {', '.join(supported_model_types())}."
-        )
-    return _REGISTRY.maps[model_type]()
+    if model_type in _REGISTRY.maps:
+        return _REGISTRY.maps[model_type]()
+    if isinstance(model, nn.Module) and _class_name(model) in _REGISTRY.classes:
+        return _REGISTRY.classes[_class_name(model)]()
+    name = type(model).__name__ if isinstance(model, nn.Module) else "config"
+    raise ValueError(
+        f"`{argument}` has unsupported architecture {name} (model_type={model_type!r}); "
+        f"supported model types: {', '.join(supported_model_types())}; "
+        f"supported model classes: {', '.join(sorted(_REGISTRY.classes))}."
+    )
+
+
+def find_library_checkpoint(name: str) -> LibraryCheckpoint | None:
+    """The library checkpoint (e.g. open_clip) that a path or hub reference names, if a layer map knows it."""
+    for cls in dict.fromkeys(_REGISTRY.classes.values()):
+        checkpoint = cls.find_checkpoint(name)
+        if checkpoint is not None:
+            return checkpoint
+    return None
+
+
+def model_config(model: nn.Module) -> Any:
+    """A model's config: its transformers config, or for a class-registered model the config its
+    layer map describes (None when neither exists)."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        return config
+    if _class_name(model) in _REGISTRY.classes:
+        return _REGISTRY.classes[_class_name(model)]().describe(model)
+    return None

@@ -1,0 +1,286 @@
+"""open_clip vision towers (`VisionTransformer`, alone or inside an open_clip `CLIP`).
+
+The independent check: an open_clip tower converted to a transformers `CLIPVisionModel` (packed
+in-projection split into q/k/v) computes the same features, so the naive float64 reference
+implementation of the spec (`reference_featcal`, written for transformers CLIP) calibrates the
+converted models; the library's open_clip result, converted the same way, must agree with it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+if os.environ.get("HF_FEATCAL_REQUIRE_OPTIONAL") == "1":
+    import open_clip  # CI installs the [open_clip] extra: these tests must run there
+else:
+    open_clip = pytest.importorskip("open_clip")
+from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
+from open_clip.transformer import QuickGELU, VisionTransformer
+from transformers import CLIPVisionModel
+
+from conftest import perturbed, randomise_norms, tiny_vision_config
+from hf_featcal import FeatCalCalibrator, FeatCalConfig
+from reference_featcal import reference_featcal
+
+WIDTH, LAYERS, HEADS, MLP, IMAGE, PATCH = 16, 2, 2, 32, 8, 4
+
+
+def _tower(**overrides) -> VisionTransformer:
+    kw = dict(image_size=IMAGE, patch_size=PATCH, width=WIDTH, layers=LAYERS, heads=HEADS, mlp_ratio=MLP / WIDTH,
+              output_dim=8, act_layer=QuickGELU)
+    kw.update(overrides)
+    return VisionTransformer(**kw).eval()
+
+
+def _clip(**vision_overrides) -> CLIP:
+    vision = dict(layers=LAYERS, width=WIDTH, head_width=WIDTH // HEADS, mlp_ratio=MLP / WIDTH, patch_size=PATCH,
+                  image_size=IMAGE)
+    vision.update(vision_overrides)
+    text = CLIPTextCfg(context_length=8, vocab_size=64, width=16, heads=2, layers=1)
+    return CLIP(embed_dim=8, vision_cfg=CLIPVisionCfg(**vision), text_cfg=text, quick_gelu=True).eval()
+
+
+def _visual(model):
+    return getattr(model, "visual", model)
+
+
+def to_transformers(model) -> CLIPVisionModel:
+    """The same vision tower as a transformers `CLIPVisionModel` (float64)."""
+    visual = _visual(model)
+    hf = CLIPVisionModel(tiny_vision_config(hidden_size=WIDTH, intermediate_size=MLP, num_hidden_layers=LAYERS,
+                                            num_attention_heads=HEADS, image_size=IMAGE, patch_size=PATCH))
+    sd = {
+        "embeddings.class_embedding": visual.class_embedding,
+        "embeddings.patch_embedding.weight": visual.conv1.weight,
+        "embeddings.position_embedding.weight": visual.positional_embedding,
+        "pre_layrnorm.weight": visual.ln_pre.weight, "pre_layrnorm.bias": visual.ln_pre.bias,
+        "post_layernorm.weight": visual.ln_post.weight, "post_layernorm.bias": visual.ln_post.bias,
+    }
+    for i, block in enumerate(visual.transformer.resblocks):
+        p = f"encoder.layers.{i}."
+        for part, w, b in zip("qkv", block.attn.in_proj_weight.chunk(3), block.attn.in_proj_bias.chunk(3)):
+            sd[p + f"self_attn.{part}_proj.weight"], sd[p + f"self_attn.{part}_proj.bias"] = w, b
+        pairs = {"self_attn.out_proj": block.attn.out_proj, "layer_norm1": block.ln_1, "layer_norm2": block.ln_2,
+                 "mlp.fc1": block.mlp.c_fc, "mlp.fc2": block.mlp.c_proj}
+        for name, module in pairs.items():
+            sd[p + name + ".weight"], sd[p + name + ".bias"] = module.weight, module.bias
+    missing, unexpected = hf.load_state_dict({k: v.detach().clone() for k, v in sd.items()}, strict=False)
+    assert not unexpected and all("position_ids" in k for k in missing), (missing, unexpected)
+    return hf.double().eval()
+
+
+def _block_outputs(model, pixels):
+    """Every resblock's output of the model's own full forward (`encode_image` for a CLIP)."""
+    outs = []
+    handles = [b.register_forward_hook(lambda m, a, o: outs.append(o)) for b in _visual(model).transformer.resblocks]
+    with torch.no_grad():
+        (model.encode_image if hasattr(model, "encode_image") else model)(pixels)
+    for h in handles:
+        h.remove()
+    return outs
+
+
+def _setting(generator, build=_clip, tasks=("cars", "dtd")):
+    base = build()
+    randomise_norms(base, generator)
+    experts = {t: perturbed(base, generator, 0.05).eval() for t in tasks}
+    merged = copy.deepcopy(base)
+    with torch.no_grad():
+        for name, p in merged.named_parameters():
+            p.copy_(base.get_parameter(name) + 0.3 * sum(e.get_parameter(name) - base.get_parameter(name) for e in experts.values()))
+    data = {t: [{"pixel_values": torch.randn(n, 3, IMAGE, IMAGE, generator=generator)} for n in (5, 5, 3)] for t in tasks}
+    return base, experts, merged, data
+
+
+def _relative(a: dict, b: dict) -> float:
+    num = sum(float((a[k].double() - b[k].double()).square().sum()) for k in b)
+    den = sum(float(b[k].double().square().sum()) for k in b)
+    return (num / den) ** 0.5
+
+
+def test_conversion_is_the_same_network(generator):
+    model = _tower()
+    randomise_norms(model, generator)
+    pixels = torch.randn(3, 3, IMAGE, IMAGE, generator=generator)
+    hf = to_transformers(model)
+    with torch.no_grad():
+        want = hf(pixels.double(), output_hidden_states=True).hidden_states[1:]
+    got = _block_outputs(model, pixels)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_base", [True, False])
+def test_matches_the_reference_implementation(generator, with_base):
+    base, experts, merged, data = _setting(generator)
+    text_before = {k: v.clone() for k, v in merged.state_dict().items() if not k.startswith("visual.")}
+    expected, expected_drift = reference_featcal(
+        to_transformers(merged), to_transformers(base) if with_base else None,
+        {t: to_transformers(e) for t, e in experts.items()},
+        {t: [b["pixel_values"] for b in bs] for t, bs in data.items()},
+    )
+    calibrator = FeatCalCalibrator(merged, base if with_base else None, experts, data, show_progress=False)
+    calibrated = calibrator.calibrate()
+    assert calibrated is merged and type(calibrated) is CLIP
+    got = to_transformers(calibrated).state_dict()
+    want = expected.state_dict()
+    assert _relative(got, want) < 5e-6, _relative(got, want)
+    assert _relative(to_transformers(base).state_dict(), want) > 1e-3  # calibration really moved the model
+    # the query rows of the last block's packed projection were solved with class-token weights, key/value rows without
+    plan = calibrator._plans[(0, LAYERS - 1)]
+    assert plan.linear_groups[("attn", True, "tokens")] == ["attn.in_proj.q"]
+    assert plan.linear_groups[("attn", False, "tokens")] == ["attn.in_proj.k", "attn.in_proj.v"]
+    # the text tower is untouched
+    for k, v in text_before.items():
+        assert torch.equal(merged.state_dict()[k], v), k
+    report = calibrator.report.to_dict()["tasks"]
+    for task, stages in expected_drift.items():
+        assert report[task]["before"] == pytest.approx(stages["before"], rel=1e-5)
+        assert report[task]["after"] == pytest.approx(stages["after"], rel=1e-4)
+
+
+def test_drift_before_is_the_full_models_own_forward(generator):
+    base, experts, merged, data = _setting(generator)
+    given = copy.deepcopy(merged)
+    calibrator = FeatCalCalibrator(merged, base, experts, data, show_progress=False)
+    calibrator.calibrate()
+    for task, expert in experts.items():
+        sums, count = torch.zeros(LAYERS, dtype=torch.float64), 0
+        for batch in data[task]:
+            for i, (hm, he) in enumerate(zip(_block_outputs(given, batch["pixel_values"]), _block_outputs(expert, batch["pixel_values"]))):
+                sums[i] += (hm.double() - he.double()).norm(dim=-1).sum()
+            count += hm.shape[0] * hm.shape[1]
+        assert calibrator.report.tasks[task]["before"] == pytest.approx((sums / count).tolist(), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "parameter, target_modules",
+    [
+        ("mlp.c_proj.weight", None),  # the last Linear of each block, every module calibrated
+        ("attn.out_proj.weight", ["attn.out_proj"]),  # nn.MultiheadAttention never calls out_proj as a module
+        ("attn.in_proj_weight", ["in_proj"]),  # the packed projection, selected by its own name
+    ],
+)
+def test_exact_recovery(generator, parameter, target_modules):
+    expert = _tower().double()
+    randomise_norms(expert, generator)
+    merged = copy.deepcopy(expert)
+    with torch.no_grad():
+        for block in merged.transformer.resblocks:
+            p = block.get_parameter(parameter)
+            p.add_(0.3 * torch.randn(p.shape, generator=generator, dtype=torch.float64))
+    batches = [{"pixel_values": torch.randn(8, 3, IMAGE, IMAGE, generator=generator, dtype=torch.float64)} for _ in range(3)]
+    config = FeatCalConfig(teacher_alpha=1.0, lambda_ratio=0.0, compute_dtype="float64", epsilon=1e-15,
+                           target_modules=target_modules)
+    FeatCalCalibrator(merged, None, {"t": expert}, {"t": batches}, config, show_progress=False).calibrate()
+    for bm, be in zip(merged.transformer.resblocks, expert.transformer.resblocks):
+        got, want = bm.get_parameter(parameter).detach(), be.get_parameter(parameter).detach()
+        assert float((got - want).norm() / want.norm()) <= 1e-8
+    probe = torch.randn(3, 3, IMAGE, IMAGE, generator=generator, dtype=torch.float64)
+    with torch.no_grad():
+        got, want = merged(probe), expert(probe)
+    assert float((got - want).norm() / want.norm()) <= 1e-8
+
+
+def test_pool_type_decides_the_class_token_weighting(generator):
+    base, experts, merged, data = _setting(generator, build=_tower)
+    avg = {name: copy.deepcopy(m) for name, m in [("base", base), ("merged", merged)]}
+    avg_experts = {t: copy.deepcopy(e) for t, e in experts.items()}
+    for model in [*avg.values(), *avg_experts.values()]:
+        model.pool_type = "avg"
+    calibrator = FeatCalCalibrator(avg["merged"], avg["base"], avg_experts, data, show_progress=False)
+    assert all(not weighted for (_, weighted, _) in calibrator._plans[(0, LAYERS - 1)].linear_groups)
+    calibrator.calibrate()
+    # average pooling: the same as class-token pooling with every token at weight 1 in the last block
+    tok_uniform = copy.deepcopy(merged)
+    FeatCalCalibrator(tok_uniform, base, experts, data, FeatCalConfig(final_block_token_weight=1.0), show_progress=False).calibrate()
+    tok_default = copy.deepcopy(merged)
+    FeatCalCalibrator(tok_default, base, experts, data, show_progress=False).calibrate()
+    assert _relative(avg["merged"].state_dict(), tok_uniform.state_dict()) < 1e-6
+    assert _relative(tok_default.state_dict(), tok_uniform.state_dict()) > 1e-4
+
+
+def test_mismatched_and_unsupported_models(generator):
+    base, experts, merged, data = _setting(generator, build=_tower)
+    wider_mlp = _tower(mlp_ratio=3.0)
+    with pytest.raises(ValueError, match=r"experts\['dtd'\].*mlp_width: merged 32 vs 48"):
+        FeatCalCalibrator(merged, base, {"cars": experts["cars"], "dtd": wider_mlp}, data)
+    more_heads = _tower(heads=4)
+    with pytest.raises(ValueError, match=r"base_model.*heads: merged 2 vs 4"):
+        FeatCalCalibrator(merged, more_heads, experts, data)
+    transformers_expert = CLIPVisionModel(tiny_vision_config())
+    with pytest.raises(ValueError, match=r"experts\['dtd'\].*model_type 'clip_vision_model'.*open_clip_vision"):
+        FeatCalCalibrator(merged, base, {"cars": experts["cars"], "dtd": transformers_expert}, data)
+    custom = _tower(scale_attn=True)  # open_clip's CustomResidualAttentionBlock
+    with pytest.raises(ValueError, match="only ResidualAttentionBlock"):
+        FeatCalCalibrator(custom, None, {"cars": copy.deepcopy(custom)}, {"cars": data["cars"]})
+    with pytest.raises(ValueError, match=r"calibration_data\['cars'\]"):
+        FeatCalCalibrator(merged, base, experts, {"cars": [{"input_ids": torch.ones(2, 3, dtype=torch.long)}], "dtd": data["dtd"]})
+
+
+@pytest.fixture
+def tiny_model_name(tmp_path):
+    """A tiny open_clip model config registered under a name, as `open_clip.add_model_config` allows."""
+    cfg = {
+        "embed_dim": 8,
+        "quick_gelu": True,
+        "vision_cfg": {"image_size": IMAGE, "layers": LAYERS, "width": WIDTH, "head_width": WIDTH // HEADS,
+                       "mlp_ratio": MLP / WIDTH, "patch_size": PATCH},
+        "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 16, "heads": 2, "layers": 1},
+    }
+    path = tmp_path / "hf-featcal-tiny-vit.json"
+    path.write_text(json.dumps(cfg))
+    open_clip.add_model_config(path)
+    return "hf-featcal-tiny-vit"
+
+
+def test_open_clip_folders_read_lazily_saved_the_open_clip_way(generator, tmp_path, tiny_model_name):
+    from hf_featcal.architectures.openclip import CONFIG_NAME, WEIGHTS_NAME, OpenCLIPVisionLayerMap, load_open_clip
+    from hf_featcal.experts import CheckpointSource
+    from hf_featcal.merging import task_arithmetic
+
+    base = load_open_clip(tiny_model_name)
+    randomise_norms(base, generator)
+    experts = {t: perturbed(base, generator, 0.05).eval() for t in ("cars", "dtd")}
+    folders = {}
+    for name, model in [("base", base), *experts.items()]:
+        folders[name] = str(tmp_path / name)
+        OpenCLIPVisionLayerMap().save_model(model, folders[name])
+    # merging reads the open_clip folders too
+    merged = task_arithmetic(f"local-dir:{folders['base']}", {t: f"local-dir:{folders[t]}" for t in experts}, 0.3)
+    assert type(merged) is CLIP
+    for name, value in merged.state_dict().items():
+        want = base.state_dict()[name] + 0.3 * sum(e.state_dict()[name] - base.state_dict()[name] for e in experts.values())
+        torch.testing.assert_close(value, want, rtol=0, atol=1e-6)
+    data = {t: [{"pixel_values": torch.randn(4, 3, IMAGE, IMAGE, generator=generator)} for _ in range(2)] for t in experts}
+
+    in_memory = copy.deepcopy(merged)
+    FeatCalCalibrator(in_memory, base, experts, data, show_progress=False).calibrate()
+    # experts and base as folders: "local-dir:" references or a plain folder holding open_clip_config.json
+    calibrator = FeatCalCalibrator(
+        merged, f"local-dir:{folders['base']}", {"cars": f"local-dir:{folders['cars']}", "dtd": folders["dtd"]}, data,
+        show_progress=False,
+    )
+    assert all(isinstance(s, CheckpointSource) for s in [calibrator.base, *calibrator.experts.values()])
+    calibrator.calibrate()
+    for name, value in in_memory.state_dict().items():
+        torch.testing.assert_close(merged.state_dict()[name], value, rtol=0, atol=1e-6)
+
+    out = tmp_path / "calibrated"
+    calibrator.save_model(out)
+    assert {WEIGHTS_NAME, CONFIG_NAME, "README.md"} <= set(os.listdir(out))
+    reloaded = open_clip.create_model(f"local-dir:{out}").eval()
+    assert type(reloaded) is CLIP
+    for name, value in merged.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], value), name
+    probe = torch.randn(2, 3, IMAGE, IMAGE, generator=generator)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.encode_image(probe), merged.encode_image(probe))
+    # a missing folder is a clear error naming the argument
+    with pytest.raises(ValueError, match=r"experts\['dtd'\].*not an open_clip folder"):
+        FeatCalCalibrator(merged, base, {"cars": experts["cars"], "dtd": f"local-dir:{tmp_path / 'nowhere'}"}, data)
