@@ -7,6 +7,7 @@ to disk once (`--workdir`) and read block by block, as users' hub checkpoints ar
     python benchmarks/bench_clip.py --tasks 8 --samples 32                 # one run
     python benchmarks/bench_clip.py --sweep 1,2,4,8 --samples 32           # memory vs number of experts
     python benchmarks/bench_clip.py --device cuda --dtype bfloat16 --tasks 8 --samples 256   # GPU variant
+    python benchmarks/bench_clip.py --library open_clip --tasks 8 --samples 32   # open_clip ViT-B-32 folders
 
 Each measured run is its own process, so peak RSS is that run's alone.
 """
@@ -34,34 +35,76 @@ def _config(layers: int):
     return CLIPVisionConfig(**{**VIT_B32, "num_hidden_layers": layers})
 
 
-def prepare(workdir: str, tasks: int, layers: int) -> None:
+class _Library:
+    """How the benchmark builds, saves and loads models of one library (transformers or open_clip)."""
+
+    def __init__(self, name: str, layers: int) -> None:
+        self.name, self.layers = name, layers
+
+    def build(self) -> torch.nn.Module:
+        if self.name == "transformers":
+            from transformers import CLIPVisionModel
+
+            return CLIPVisionModel(_config(self.layers)).eval()
+        import open_clip
+
+        return open_clip.create_model("ViT-B-32", force_quick_gelu=True).eval()  # the OpenAI ViT-B/32
+
+    def save(self, model: torch.nn.Module, path: str) -> None:
+        if self.name == "transformers":
+            model.save_pretrained(path)
+            return
+        import open_clip
+
+        from hf_featcal.architectures.openclip import CONFIG_ATTRIBUTE, OpenCLIPVisionLayerMap
+
+        config = open_clip.get_model_config("ViT-B-32")
+        config["quick_gelu"] = True
+        config["vision_cfg"]["layers"] = self.layers
+        setattr(model, CONFIG_ATTRIBUTE, {"model_cfg": config, "preprocess_cfg": {}})
+        OpenCLIPVisionLayerMap().save_model(model, path)
+
+    def reference(self, path: str) -> str:
+        """How a saved model is named to the calibrator (a folder; open_clip: a `local-dir:` reference)."""
+        return path if self.name == "transformers" else f"local-dir:{path}"
+
+    def load(self, path: str, dtype: torch.dtype) -> torch.nn.Module:
+        if self.name == "transformers":
+            from transformers import CLIPVisionModel
+
+            return CLIPVisionModel.from_pretrained(path, dtype=dtype).eval()
+        from hf_featcal.architectures.openclip import load_open_clip
+
+        return load_open_clip(path).to(dtype)
+
+
+def prepare(workdir: str, tasks: int, layers: int, library: _Library) -> None:
     """Write base, `tasks` experts (base + a synthetic task vector) and their Task-Arithmetic merge.
     Only one expert is in memory at a time."""
-    from transformers import CLIPVisionModel
-
     marker = os.path.join(workdir, f"ready-{tasks}-{layers}.json")
     if os.path.exists(marker):
         return
     torch.manual_seed(0)
-    base = CLIPVisionModel(_config(layers)).eval()
-    base.save_pretrained(os.path.join(workdir, "base"))
-    merged = {k: v.clone() for k, v in base.state_dict().items()}
+    base = library.build()
+    if library.name == "open_clip" and layers != len(base.visual.transformer.resblocks):
+        base.visual.transformer.resblocks = base.visual.transformer.resblocks[:layers]
+    library.save(base, os.path.join(workdir, "base"))
+    original = {k: v.clone() for k, v in base.state_dict().items()}
+    merged = {k: v.clone() for k, v in original.items()}
     for i in range(tasks):
         gen = torch.Generator().manual_seed(1000 + i)
         expert = {k: v + 0.02 * v.std().clamp_min(1e-3) * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v
-                  for k, v in base.state_dict().items()}
+                  for k, v in original.items()}
         for k, v in expert.items():
             if v.is_floating_point():
-                merged[k] += 0.3 * (v - base.state_dict()[k])
+                merged[k] += 0.3 * (v - original[k])
         path = os.path.join(workdir, f"expert-{i}")
         if not os.path.isdir(path):
-            model = CLIPVisionModel(_config(layers))
-            model.load_state_dict(expert)
-            model.save_pretrained(path)
+            base.load_state_dict(expert)
+            library.save(base, path)
         del expert
-    model = CLIPVisionModel(_config(layers))
-    model.load_state_dict(merged)
-    model.save_pretrained(os.path.join(workdir, f"merged-{tasks}"))
+    base.load_state_dict(merged)
+    library.save(base, os.path.join(workdir, f"merged-{tasks}"))
     with open(marker, "w") as handle:
         json.dump({"tasks": tasks}, handle)
 
@@ -113,15 +156,14 @@ def flop_count(tasks: int, samples: int, layers: int, d: int = 768, ff: int = 30
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from transformers import CLIPVisionModel
-
     from hf_featcal import FeatCalCalibrator, FeatCalConfig
 
+    library = _Library(args.library, args.layers)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
-    merged = CLIPVisionModel.from_pretrained(os.path.join(args.workdir, f"merged-{args.tasks}"), dtype=dtype).eval()
-    experts = {f"task{i}": os.path.join(args.workdir, f"expert-{i}") for i in range(args.tasks)}
+    merged = library.load(os.path.join(args.workdir, f"merged-{args.tasks}"), dtype)
+    experts = {f"task{i}": library.reference(os.path.join(args.workdir, f"expert-{i}")) for i in range(args.tasks)}
     batch = args.batch_size
     data = {
         task: [{"pixel_values": torch.randn(min(batch, args.samples - s), 3, 224, 224, dtype=dtype)}
@@ -129,7 +171,7 @@ def measure(args: argparse.Namespace) -> dict:
         for task in experts
     }
     calibrator = FeatCalCalibrator(
-        merged, os.path.join(args.workdir, "base"), experts, data,
+        merged, library.reference(os.path.join(args.workdir, "base")), experts, data,
         FeatCalConfig(num_samples_per_task=args.samples, stream_placement=args.stream_placement),
         device=device, show_progress=False,
     )
@@ -143,6 +185,7 @@ def measure(args: argparse.Namespace) -> dict:
     flops = flop_count(args.tasks, args.samples, args.layers)
     work = sum(calibrator.timings.get(k, 0.0) for k in flops)
     return {
+        "library": args.library,
         "tasks": args.tasks,
         "samples_per_task": args.samples,
         "device": str(device),
@@ -173,10 +216,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--stream-placement", default="accelerator", choices=["accelerator", "cpu", "pinned_cpu"])
-    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "hf_featcal_bench"))
+    parser.add_argument("--library", default="transformers", choices=["transformers", "open_clip"],
+                        help="CLIPVisionModel (transformers) or open_clip's ViT-B-32 CLIP (its vision tower)")
+    parser.add_argument("--workdir", default=None, help="where models are written (default: a temp folder per library)")
     parser.add_argument("--sweep", default=None, help="comma-separated numbers of experts, e.g. 1,2,4,8")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.workdir is None:
+        suffix = "" if args.library == "transformers" else f"_{args.library}"
+        args.workdir = os.path.join(tempfile.gettempdir(), f"hf_featcal_bench{suffix}")
     os.makedirs(args.workdir, exist_ok=True)
 
     if args.measure:
@@ -185,10 +233,10 @@ def main() -> None:
 
     counts = [int(t) for t in args.sweep.split(",")] if args.sweep else [args.tasks]
     for tasks in counts:
-        prepare(args.workdir, tasks, args.layers)
+        prepare(args.workdir, tasks, args.layers, _Library(args.library, args.layers))
     rows = []
     for tasks in counts:
-        cmd = [sys.executable, __file__, "--measure", "--tasks", str(tasks), "--samples", str(args.samples),
+        cmd = [sys.executable, __file__, "--measure", "--library", args.library, "--tasks", str(tasks), "--samples", str(args.samples),
                "--batch-size", str(args.batch_size), "--layers", str(args.layers), "--device", args.device,
                "--dtype", args.dtype, "--stream-placement", args.stream_placement, "--workdir", args.workdir]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout

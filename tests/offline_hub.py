@@ -14,6 +14,11 @@ patched: the docs' code runs through the real transformers / datasets loading co
 | `google/flan-t5-base` | a tiny random-init FLAN-T5-geometry `T5ForConditionalGeneration` and a word-level tokenizer |
 | `tanganke/flan-t5-base_glue-<task>` (8 GLUE tasks) | the base plus a seeded random task vector |
 | `nyu-mll/glue` (every task's config) | 12 rows with the task's text columns, `label` and `idx`; `train` and the evaluation split |
+| `laion/CLIP-ViT-B-32-laion2B-s34B-b79K` (open_clip, when open_clip is installed) | a tiny open_clip `CLIP` (8×8 images): `open_clip_config.json` + `open_clip_model.safetensors` |
+
+`write_open_clip_experts(workdir)` also writes the fine-tuned experts that docs/open_clip.md reads from
+its working directory (`finetuned/<task>`, open_clip folders: the stand-in base plus a seeded random
+task vector), since such experts are the user's own rather than hub ids.
 
 To add an id the docs use, add it to `MODELS` / `DATASETS` below.
 """
@@ -172,13 +177,65 @@ def _flan_t5(hf_home: str) -> None:
         _prepared_dataset(hf_home, "nyu-mll/glue", task, splits)
 
 
+OPEN_CLIP_BASE = "laion/CLIP-ViT-B-32-laion2B-s34B-b79K"
+OPEN_CLIP_TASKS = ["eurosat", "dtd"]
+_OPEN_CLIP_CFG = {
+    "embed_dim": 8,
+    "vision_cfg": {"image_size": 8, "layers": 2, "width": 16, "head_width": 8, "mlp_ratio": 2.0, "patch_size": 4},
+    "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 16, "heads": 2, "layers": 1},
+}
+
+
+def _open_clip_folder(model, path: str) -> None:
+    from safetensors.torch import save_model
+
+    os.makedirs(path, exist_ok=True)
+    save_model(model, os.path.join(path, "open_clip_model.safetensors"))
+    preprocess = {"mean": [0.48145466, 0.4578275, 0.40821073], "std": [0.26862954, 0.26130258, 0.27577711]}
+    with open(os.path.join(path, "open_clip_config.json"), "w") as handle:
+        json.dump({"model_cfg": _OPEN_CLIP_CFG, "preprocess_cfg": preprocess}, handle)
+
+
+def _open_clip_base():
+    from open_clip.model import CLIP
+
+    torch.manual_seed(0)
+    return CLIP(**copy.deepcopy(_OPEN_CLIP_CFG)).eval()
+
+
+def _open_clip_models(hf_home: str) -> None:
+    _open_clip_folder(_open_clip_base(), _snapshot(hf_home, "model", OPEN_CLIP_BASE))
+
+
+def write_open_clip_experts(workdir: str) -> None:
+    """`finetuned/<task>` open_clip folders in `workdir`: the stand-in base plus seeded task vectors."""
+    try:
+        import open_clip  # noqa: F401
+    except ImportError:
+        return
+    base = _open_clip_base()
+    for index, task in enumerate(OPEN_CLIP_TASKS):
+        expert = copy.deepcopy(base)
+        generator = torch.Generator().manual_seed(200 + index)
+        with torch.no_grad():
+            for p in expert.visual.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=generator))
+        _open_clip_folder(expert, os.path.join(workdir, "finetuned", task))
+
+
 def populate_offline_hub(hf_home: str) -> dict[str, str]:
     """Write every stand-in into `hf_home`; returns the environment to run the docs' code with."""
     _clip_models(hf_home)
+    try:
+        import open_clip  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        _open_clip_models(hf_home)
     for seed, (repo_id, config) in enumerate(CLIP_DATASETS.items()):
         _image_dataset(hf_home, repo_id, config, seed)
     _flan_t5(hf_home)
     return {"HF_HOME": hf_home, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-__all__ = ["CLIP_DATASETS", "CLIP_TASKS", "populate_offline_hub", "copy"]
+__all__ = ["CLIP_DATASETS", "CLIP_TASKS", "OPEN_CLIP_BASE", "populate_offline_hub", "write_open_clip_experts"]

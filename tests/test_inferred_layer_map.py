@@ -70,3 +70,14 @@ def test_inferred_layer_map_finds_blocks_and_calibrates(generator):
                           show_progress=False, allow_inferred_layer_map=True).calibrate()
     for lm_, le in zip(model.model.decoder.layers, expert.model.decoder.layers):
         assert float((lm_.fc2.weight - le.fc2.weight).norm() / le.fc2.weight.norm()) <= 1e-8
+
+
+def test_deberta_v2_is_refused_with_the_reason(generator):
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    model = DebertaV2ForSequenceClassification(DebertaV2Config(
+        vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        relative_attention=True, pos_att_type=["p2c", "c2p"], max_position_embeddings=32)).eval()
+    batch = _batch(generator)
+    with pytest.raises(ValueError, match=r"DebertaV2ForSequenceClassification cannot be calibrated.*relative-position"):
+        FeatCalCalibrator(model, None, {"a": copy.deepcopy(model)}, {"a": [batch]}, allow_inferred_layer_map=True)

@@ -284,3 +284,40 @@ def test_open_clip_folders_read_lazily_saved_the_open_clip_way(generator, tmp_pa
     # a missing folder is a clear error naming the argument
     with pytest.raises(ValueError, match=r"experts\['dtd'\].*not an open_clip folder"):
         FeatCalCalibrator(merged, base, {"cars": experts["cars"], "dtd": f"local-dir:{tmp_path / 'nowhere'}"}, data)
+
+
+def test_zero_shot_evaluation_of_open_clip_models(generator):
+    """`evaluate_clip_zeroshot` on an open_clip CLIP (and its bare tower) agrees with open_clip's own
+    zero-shot classifier (`open_clip.build_zero_shot_classifier`)."""
+    import datasets
+    import numpy as np
+    from PIL import Image
+
+    from hf_featcal.evaluation import evaluate_clip_zeroshot
+
+    text = CLIPTextCfg(context_length=12, vocab_size=49408, width=16, heads=2, layers=1)
+    vision = CLIPVisionCfg(layers=LAYERS, width=WIDTH, head_width=WIDTH // HEADS, mlp_ratio=2.0, patch_size=PATCH, image_size=IMAGE)
+    model = CLIP(embed_dim=8, vision_cfg=vision, text_cfg=text, quick_gelu=True).eval()
+    randomise_norms(model, generator)
+    tokenizer = open_clip.tokenizer.SimpleTokenizer(context_length=12)
+    preprocess = open_clip.image_transform(IMAGE, is_train=False)
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (12, 12, 3), dtype=np.uint8)) for _ in range(24)]
+    labels = [i % 3 for i in range(24)]
+    dataset = datasets.Dataset.from_dict({"image": images, "label": labels})
+    names, templates = ["cat", "dog", "bird"], ["a photo of a {c}.", "a drawing of a {c}."]
+
+    with torch.no_grad():
+        classifier = open_clip.build_zero_shot_classifier(
+            model, tokenizer, names, [lambda c, t=t: t.format(c=c) for t in templates], device="cpu", use_tqdm=False)
+        features = model.encode_image(torch.stack([preprocess(im) for im in images]))
+        predictions = (torch.nn.functional.normalize(features, dim=-1) @ classifier).argmax(dim=-1)
+    expected = float((predictions == torch.tensor(labels)).float().mean())
+
+    kwargs = dict(tasks="toy", datasets={"toy": dataset}, class_names={"toy": names}, templates={"toy": templates})
+    result = evaluate_clip_zeroshot(model, None, (tokenizer, preprocess), **kwargs)
+    assert result["toy"] == pytest.approx(expected)
+    assert result.predictions["toy"] == predictions.tolist()
+    assert len(set(predictions.tolist())) > 1  # a non-trivial check: the classifier separates the images
+    tower = evaluate_clip_zeroshot(model.visual, model, (tokenizer, preprocess), **kwargs)
+    assert tower.predictions["toy"] == predictions.tolist()

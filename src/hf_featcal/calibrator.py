@@ -78,8 +78,8 @@ class FeatCalCalibrator:
     """Calibrate a merged model towards its experts with FeatCal, in a `Trainer`-like way.
 
     Args:
-        model: the merged `PreTrainedModel` (calibrated in place by `calibrate()`; left exactly as it
-            was if calibration raises).
+        model: the merged `PreTrainedModel`, or an open_clip `CLIP` / `VisionTransformer` (calibrated
+            in place by `calibrate()`; left exactly as it was if calibration raises).
         base_model: the pre-trained model the experts were fine-tuned from (a model, local path or hub
             id), or None to anchor at the merged weights.
         experts: task name → expert (model, local path or hub id).

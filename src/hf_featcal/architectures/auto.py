@@ -47,8 +47,22 @@ class InferredLayerMap(LayerMap):
         return {}
 
 
+#: Architectures whose blocks apply one Linear to two different inputs per forward, which FeatCal's
+#: per-module objective cannot express (DeBERTa: `query_proj`/`key_proj` also project the shared
+#: relative-position embeddings).
+_REFUSED = {
+    "deberta": "its disentangled attention applies query_proj/key_proj to the hidden states and to the "
+    "relative-position embeddings alike",
+    "deberta-v2": "its disentangled attention applies query_proj/key_proj to the hidden states and to the "
+    "relative-position embeddings alike",
+}
+
+
 def infer_layer_map(model: nn.Module) -> InferredLayerMap:
     """Infer the blocks of an unregistered architecture; warns with what was found."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in _REFUSED:
+        raise ValueError(f"`model`: {type(model).__name__} cannot be calibrated with FeatCal: {_REFUSED[model_type]}.")
     block_classes = set(getattr(model, "_no_split_modules", None) or [])
     lists = []
     for name, module in model.named_modules():

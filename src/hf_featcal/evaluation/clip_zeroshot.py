@@ -18,6 +18,10 @@ Image embeddings come from the model under evaluation, which may be
   ``pooler_output``.
 
 :func:`vision_tower_into_clip` puts such a tower back into a copy of the base ``CLIPModel``.
+
+open_clip models work the same way: an open_clip ``CLIP`` embeds prompts with ``encode_text`` and
+images with ``encode_image`` (a bare open_clip ``VisionTransformer`` with its own ``proj``); the
+processor is then the pair ``(open_clip tokenizer, preprocess transform)``.
 The reported score is top-1 accuracy per task and their plain mean.
 """
 
@@ -316,14 +320,14 @@ def build_zeroshot_head(
     temps = _check_templates(name, templates, "templates")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if not hasattr(clip_model, "get_text_features") or not hasattr(clip_model, "logit_scale"):
+    if not _has_text_tower(clip_model) or not hasattr(clip_model, "logit_scale"):
         raise TypeError(f"clip_model must be a CLIPModel (with a text tower), got {type(clip_model).__name__}")
     if not hasattr(tokenizer, "convert_tokens_to_ids") and hasattr(tokenizer, "tokenizer"):
         tokenizer = tokenizer.tokenizer
     run_device = torch.device(device) if device is not None else _module_device(clip_model)
 
     prompts = [p for row in render_prompts(names, temps) for p in row]
-    text_config = getattr(clip_model.config, "text_config", None)
+    text_config = getattr(getattr(clip_model, "config", None), "text_config", None)
     max_length = getattr(text_config, "max_position_embeddings", None)
     model_max = getattr(tokenizer, "model_max_length", None)
     if isinstance(model_max, int) and model_max < 10**6:
@@ -332,6 +336,10 @@ def build_zeroshot_head(
     chunks: list[torch.Tensor] = []
     with torch.inference_mode():
         for start in range(0, len(prompts), batch_size):
+            if _is_open_clip(clip_model):  # open_clip tokenizers return the padded token ids
+                emb = clip_model.encode_text(tokenizer(prompts[start : start + batch_size]).to(run_device)).float()
+                chunks.append(emb / emb.norm(dim=-1, keepdim=True))
+                continue
             enc = tokenizer(
                 prompts[start : start + batch_size],
                 padding=True,
@@ -352,6 +360,15 @@ def build_zeroshot_head(
 # ----------------------------------------------------------------- vision side
 
 
+def _is_open_clip(model: nn.Module) -> bool:
+    """An open_clip model (``encode_text`` / ``encode_image``, or a bare ``VisionTransformer``)."""
+    return type(model).__module__.startswith("open_clip.")
+
+
+def _has_text_tower(model: nn.Module) -> bool:
+    return hasattr(model, "get_text_features") or (_is_open_clip(model) and hasattr(model, "encode_text"))
+
+
 def _vision_parts(vision_model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
     """(tower, own projection or None) of a CLIPModel / CLIPVisionModelWithProjection / CLIPVisionModel."""
     if hasattr(vision_model, "visual_projection") and hasattr(vision_model, "vision_model"):
@@ -367,6 +384,10 @@ def _vision_parts(vision_model: nn.Module) -> tuple[nn.Module, nn.Module | None]
 
 
 def _check_vision_compat(vision_model: nn.Module, clip_model: nn.Module | None) -> None:
+    if _is_open_clip(vision_model):
+        if getattr(getattr(vision_model, "visual", vision_model), "proj", None) is None:
+            raise ValueError("vision_model is an open_clip tower without a projection (proj is None)")
+        return
     tower, projection = _vision_parts(vision_model)
     if projection is not None:
         return
@@ -392,6 +413,8 @@ def clip_image_embeddings(
     ``CLIPModel``: ``get_image_features``; ``CLIPVisionModelWithProjection``: ``image_embeds``;
     bare ``CLIPVisionModel``: ``clip_model.visual_projection(pooler_output)``.
     """
+    if _is_open_clip(vision_model):  # CLIP.encode_image, or a bare VisionTransformer's projected output
+        return vision_model.encode_image(pixel_values) if hasattr(vision_model, "encode_image") else vision_model(pixel_values)
     if hasattr(vision_model, "get_image_features"):
         return _features(vision_model.get_image_features(pixel_values=pixel_values), "image_embeds")
     out = vision_model(pixel_values=pixel_values)
@@ -513,7 +536,10 @@ class _ImageBatches(torch.utils.data.Dataset):
                 f"task {self.spec.name!r}: labels must be integers in [0, {self.spec.num_classes}) "
                 f"(one per class name); got {bad[:5]!r}"
             )
-        pixel_values = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        if hasattr(self.image_processor, "model_input_names"):  # a transformers image processor
+            pixel_values = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        else:  # a per-image transform (open_clip's preprocess)
+            pixel_values = torch.stack([self.image_processor(image) for image in images])
         return pixel_values, torch.tensor(labels, dtype=torch.long)
 
 
@@ -645,11 +671,13 @@ def evaluate_clip_zeroshot(
     Args:
         vision_model: the model under evaluation: a ``CLIPModel``, a
             ``CLIPVisionModelWithProjection`` or a bare ``CLIPVisionModel`` (whose pooled output
-            goes through ``clip_model.visual_projection``).
+            goes through ``clip_model.visual_projection``); or an open_clip ``CLIP`` /
+            ``VisionTransformer``.
         clip_model: the base ``CLIPModel`` (e.g. ``openai/clip-vit-base-patch32``): its text tower
             builds the zero-shot heads and its ``visual_projection`` serves bare towers. None
             only when ``vision_model`` is itself a ``CLIPModel`` (its own text tower is used).
-        processor: a ``CLIPProcessor``, or a ``(tokenizer, image_processor)`` pair.
+        processor: a ``CLIPProcessor``, or a ``(tokenizer, image_processor)`` pair (for open_clip:
+            ``(open_clip.get_tokenizer(name), preprocess)``).
         tasks: one task name or several: built-in ones (:data:`CLIP_TASKS`) and/or custom ones
             given in ``class_names``.
         datasets: optional mapping task -> local ``datasets.Dataset`` / ``DatasetDict`` /
@@ -704,10 +732,10 @@ def evaluate_clip_zeroshot(
     if not isinstance(vision_model, nn.Module):
         raise TypeError(f"vision_model must be a torch module (a CLIP vision model), got {type(vision_model).__name__}")
     if clip_model is None:
-        if not hasattr(vision_model, "get_text_features"):
+        if not _has_text_tower(vision_model):
             raise ValueError("clip_model is required unless vision_model is a full CLIPModel (with a text tower)")
         clip_model = vision_model  # type: ignore[assignment]
-    if not hasattr(clip_model, "get_text_features"):
+    if not _has_text_tower(clip_model):
         raise TypeError(f"clip_model must be a CLIPModel, got {type(clip_model).__name__}")
     _check_vision_compat(vision_model, clip_model)
     tokenizer, image_processor = _split_processor(processor)
