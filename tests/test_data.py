@@ -51,6 +51,22 @@ def test_dataset_with_images_and_processing_class(generator):
     assert torch.allclose(out[0]["pixel_values"], want)
 
 
+def test_dataset_with_images_and_a_per_image_transform():
+    """A per-image transform (open_clip's / torchvision's `preprocess`) as the processing class."""
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)) for _ in range(5)]
+    dataset = Dataset.from_dict({"image": images, "label": [0, 1, 0, 1, 0]})
+
+    def preprocess(image):
+        return torch.as_tensor(np.asarray(image), dtype=torch.float32).permute(2, 0, 1) / 255
+
+    out = _prepare(dataset, batch_size=3, seed=2, processing_class=preprocess)
+    shuffled = dataset.shuffle(seed=2)
+    want = torch.stack([preprocess(shuffled[i]["image"]) for i in range(5)])
+    assert [b["pixel_values"].shape[0] for b in out] == [3, 2]
+    assert torch.equal(torch.cat([b["pixel_values"] for b in out]), want)
+
+
 def test_calibrator_accepts_datasets(clip_setting, generator):
     base, experts, merged, data = clip_setting
     datasets = {

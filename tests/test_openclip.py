@@ -274,6 +274,9 @@ def test_open_clip_folders_read_lazily_saved_the_open_clip_way(generator, tmp_pa
     out = tmp_path / "calibrated"
     calibrator.save_model(out)
     assert {WEIGHTS_NAME, CONFIG_NAME, "README.md"} <= set(os.listdir(out))
+    # the card says which library loads the model back, and how it was merged
+    card = (out / "README.md").read_text()
+    assert "library_name: open_clip" in card and "method=task_arithmetic" in card and "scaling_factor=0.3" in card
     reloaded = open_clip.create_model(f"local-dir:{out}").eval()
     assert type(reloaded) is CLIP
     for name, value in merged.state_dict().items():

@@ -88,12 +88,12 @@ class FeatCalCalibrator:
         config: a `FeatCalConfig` (defaults: the authors' demo settings).
         data_collator: turns a list of dataset rows into a batch (default: transformers'
             `default_data_collator`).
-        processing_class: an image processor or tokenizer applied to dataset rows that lack the
-            model's main input.
+        processing_class: an image processor, a per-image transform (open_clip's `preprocess`) or a
+            tokenizer, applied to dataset rows that lack the model's main input.
         accelerator: an `accelerate.Accelerator` whose device is used.
         device: an explicit device (overrides `accelerator`). Default: the accelerate state's device.
         merge_info: how the merged model was made (for the model card); default
-            `model.config.hf_featcal_merge` when present.
+            `model.config.hf_featcal_merge` (open_clip: `model.hf_featcal_merge`) when present.
         show_progress: show a progress bar per block.
         checkpoint_dir: persist progress there after every block; re-running with the same arguments
             after an interruption continues from the last finished block (same result as an
@@ -188,7 +188,9 @@ class FeatCalCalibrator:
             rank, world = self.state.process_index, self.state.num_processes
             self.batches = {task: batches[rank::world] for task, batches in self.batches.items()}
 
-        self.merge_info = merge_info if merge_info is not None else getattr(getattr(model, "config", None), "hf_featcal_merge", None)
+        if merge_info is None:  # recorded by hf_featcal.merging on the config, or on a config-less model
+            merge_info = getattr(getattr(model, "config", None), "hf_featcal_merge", None) or getattr(model, "hf_featcal_merge", None)
+        self.merge_info = merge_info
         self._report: DriftReport | None = None
         self._calibrated = False
         #: Seconds spent per stage of the last `calibrate()` (entering stacks, block forwards,
@@ -258,6 +260,7 @@ class FeatCalCalibrator:
         """The model card (a `huggingface_hub.ModelCard`) describing this calibration."""
         return build_model_card(
             model_class=type(self.model).__name__,
+            library_name=self.layer_map.library_name,
             base_model=None if self.base is None else self.base.name,
             experts={task: source.name or "in-memory model" for task, source in self.experts.items()},
             samples_per_task=self.samples_per_task,

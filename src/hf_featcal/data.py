@@ -133,6 +133,9 @@ def _process(task: str, rows: list[dict], processing_class: Any) -> list[dict]:
     text_column = next((c for c in _TEXT_COLUMNS if c in rows[0]), None)
     if image_column is not None and hasattr(processing_class, "preprocess"):
         out = processing_class(images=[r[image_column] for r in rows], return_tensors="pt")
+    elif image_column is not None and not hasattr(processing_class, "tokenize"):
+        # a per-image transform (open_clip's / torchvision's preprocess): PIL image → tensor
+        return [{"pixel_values": processing_class(r[image_column])} for r in rows]
     elif text_column is not None:
         out = processing_class([r[text_column] for r in rows], return_tensors="pt", padding=True)
     else:

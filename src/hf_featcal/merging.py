@@ -357,9 +357,9 @@ def _merge(
                 delta = delta_fn(key, [(r, r.task_vector(key, base32)) for r in covering])
                 target.copy_((base32 + scaling_factor * delta).to(target.dtype))
 
+    # on the config (saved in config.json); a model without one (open_clip) keeps it as an attribute
     config = getattr(merged, "config", None)
-    if config is not None:
-        setattr(config, MERGE_CONFIG_ATTRIBUTE, record)
+    setattr(merged if config is None else config, MERGE_CONFIG_ATTRIBUTE, record)
     return merged
 
 

@@ -74,6 +74,7 @@ def build_model_card(
     *,
     model_class: str,
     base_model: str | None,
+    library_name: str = "transformers",
     experts: dict[str, str],
     samples_per_task: dict[str, int],
     featcal_config: dict[str, Any],
@@ -81,8 +82,10 @@ def build_model_card(
     merge_info: dict[str, Any] | None,
 ) -> ModelCard:
     """A model card (README.md with hub metadata) for a FeatCal-calibrated merged model."""
+    if base_model is not None and base_model.startswith("hf-hub:"):  # open_clip's reference → the repo id
+        base_model = base_model[len("hf-hub:"):]
     data = ModelCardData(
-        library_name="transformers",
+        library_name=library_name,
         base_model=base_model,
         tags=["hf_featcal", "featcal", "model-merging", "merge"],
     )

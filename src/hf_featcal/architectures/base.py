@@ -122,6 +122,8 @@ class LayerMap:
     model_types: ClassVar[tuple[str, ...]] = ()
     #: Model classes without a transformers config (`module.QualName`) this map handles.
     model_classes: ClassVar[tuple[str, ...]] = ()
+    #: The library that loads a saved model back (the model card's `library_name`).
+    library_name: ClassVar[str] = "transformers"
     #: Batch keys the tower's forward takes.
     input_names: ClassVar[tuple[str, ...]] = ()
     #: The batch key whose leading dimension counts examples.

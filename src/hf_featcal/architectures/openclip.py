@@ -60,6 +60,7 @@ class OpenCLIPVisionLayerMap(LayerMap):
         "open_clip.model.CustomTextCLIP",
         "open_clip.transformer.VisionTransformer",
     )
+    library_name = "open_clip"
     input_names = ("pixel_values",)
     main_input_name = "pixel_values"
     key_value_modules = ("attn.in_proj.k", "attn.in_proj.v")
