@@ -182,7 +182,8 @@ OPEN_CLIP_TASKS = ["eurosat", "dtd"]
 _OPEN_CLIP_CFG = {
     "embed_dim": 8,
     "vision_cfg": {"image_size": 8, "layers": 2, "width": 16, "head_width": 8, "mlp_ratio": 2.0, "patch_size": 4},
-    "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 16, "heads": 2, "layers": 1},
+    # open_clip's own tokenizer (the zero-shot heads use it): its full vocabulary
+    "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 16, "heads": 2, "layers": 1},
 }
 
 

@@ -231,7 +231,8 @@ def tiny_model_name(tmp_path):
         "quick_gelu": True,
         "vision_cfg": {"image_size": IMAGE, "layers": LAYERS, "width": WIDTH, "head_width": WIDTH // HEADS,
                        "mlp_ratio": MLP / WIDTH, "patch_size": PATCH},
-        "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 16, "heads": 2, "layers": 1},
+        # open_clip's own tokenizer: its full vocabulary
+        "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 16, "heads": 2, "layers": 1},
     }
     path = tmp_path / "hf-featcal-tiny-vit.json"
     path.write_text(json.dumps(cfg))
@@ -324,3 +325,89 @@ def test_zero_shot_evaluation_of_open_clip_models(generator):
     assert len(set(predictions.tolist())) > 1  # a non-trivial check: the classifier separates the images
     tower = evaluate_clip_zeroshot(model.visual, model, (tokenizer, preprocess), **kwargs)
     assert tower.predictions["toy"] == predictions.tolist()
+
+
+def test_open_clip_recipe_and_commands_end_to_end(generator, tmp_path, tiny_model_name, capsys):
+    """`hf-featcal run` with `model_family: open_clip` (base and experts as open_clip folders, local
+    datasets), then `merge` / `calibrate` / `evaluate` on the same folders."""
+    import datasets
+    import numpy as np
+    import yaml
+    from huggingface_hub import ModelCard
+    from PIL import Image
+
+    from hf_featcal import cli
+    from hf_featcal.architectures.openclip import OpenCLIPVisionLayerMap, load_open_clip
+    from hf_featcal.evaluation import evaluate_clip_zeroshot
+    from hf_featcal.merging import task_arithmetic
+
+    names = {"zorbs": ["red", "green", "blue"], "glyphs": ["cat", "dog"]}
+    base = load_open_clip(tiny_model_name)  # a full CLIP: its text tower builds the zero-shot heads
+    randomise_norms(base, generator)
+    OpenCLIPVisionLayerMap().save_model(base, tmp_path / "base")
+    rng = np.random.default_rng(0)
+    for index, (task, classes) in enumerate(names.items()):
+        expert = copy.deepcopy(base)
+        with torch.no_grad():
+            for p in expert.visual.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=generator))
+        OpenCLIPVisionLayerMap().save_model(expert, tmp_path / "experts" / task)
+        features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
+        splits = {
+            split: datasets.Dataset.from_dict(
+                {"image": [Image.fromarray(rng.integers(0, 255, (10, 10, 3), dtype=np.uint8)) for _ in range(n)],
+                 "label": [i % len(classes) for i in range(n)]}, features=features)
+            for split, n in (("train", 12), ("test", 8))
+        }
+        datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "data" / task))
+    recipe = {
+        "model_family": "open_clip",
+        "base": "local-dir:./base",
+        "experts": {task: f"local-dir:./experts/{task}" for task in names},
+        "merge": {"method": "task_arithmetic", "scaling_factor": 0.3},
+        "featcal": {"batch_size": 4},
+        "calibration": {"default": {"dataset": "./data/{task}", "split": "train", "num_examples": 8}},
+        "evaluation": {"split": "test", "batch_size": 4, "class_names": names},
+        "output_dir": str(tmp_path / "out"),
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert cli.main(["run", str(path), "--quiet"]) == 0
+    assert "task_arithmetic (scaling_factor=0.3) + FeatCal" in capsys.readouterr().out
+
+    out = tmp_path / "out"
+    reloaded = open_clip.create_model(f"local-dir:{out}").eval()
+    assert type(reloaded) is CLIP
+    card = ModelCard.load(out / "README.md")
+    assert card.data.library_name == "open_clip" and card.data.featcal["merge"]["method"] == "task_arithmetic"
+    assert "## Evaluation" in card.text
+    # the reported "after" score is the saved model's zero-shot accuracy, recomputed here
+    evaluation = json.loads((out / "featcal_evaluation.json").read_text())
+    tokenizer = open_clip.get_tokenizer(f"local-dir:{out}")
+    preprocess = open_clip.image_transform(IMAGE, is_train=False)
+    test = datasets.load_from_disk(str(tmp_path / "data" / "zorbs"))["test"]
+    direct = evaluate_clip_zeroshot(reloaded, None, (tokenizer, preprocess), tasks="zorbs", datasets={"zorbs": test},
+                                    class_names={"zorbs": names["zorbs"]})
+    assert evaluation["after"]["zorbs"] == pytest.approx(direct["zorbs"])
+    # the calibration changed the vision tower and only that
+    merged = task_arithmetic(f"local-dir:{tmp_path / 'base'}", {t: f"local-dir:{tmp_path / 'experts' / t}" for t in names}, 0.3)
+    key = "visual.transformer.resblocks.1.mlp.c_proj.weight"
+    assert not torch.equal(reloaded.state_dict()[key], merged.state_dict()[key])
+    assert torch.equal(reloaded.state_dict()["text_projection"], merged.state_dict()["text_projection"])
+
+    # the separate commands on the same folders
+    experts = [arg for task in names for arg in ("--expert", f"{task}=local-dir:{tmp_path / 'experts' / task}")]
+    assert cli.main(["merge", "--base", f"local-dir:{tmp_path / 'base'}", *experts, "--method", "task_arithmetic",
+                     "--scaling-factor", "0.3", "--output-dir", str(tmp_path / "merged")]) == 0
+    data = [arg for task in names for arg in ("--data", f"{task}={tmp_path / 'data' / task}")]
+    assert cli.main(["calibrate", "--model", f"local-dir:{tmp_path / 'merged'}", "--base", f"local-dir:{tmp_path / 'base'}",
+                     *experts, *data, "--num-examples", "8", "--batch-size", "4", "--quiet",
+                     "--output-dir", str(tmp_path / "calibrated")]) == 0
+    calibrated = open_clip.create_model(f"local-dir:{tmp_path / 'calibrated'}")
+    for name, value in reloaded.state_dict().items():
+        torch.testing.assert_close(calibrated.state_dict()[name], value, rtol=0, atol=1e-6)
+    scores = tmp_path / "scores.json"
+    assert cli.main(["evaluate", "--model", f"local-dir:{tmp_path / 'calibrated'}", "--task", "zorbs",
+                     "--data", f"zorbs={tmp_path / 'data' / 'zorbs'}", "--class-names", "zorbs=red,green,blue",
+                     "--batch-size", "4", "--output-json", str(scores)]) == 0
+    assert json.loads(scores.read_text())["scores"]["zorbs"] == pytest.approx(direct["zorbs"])

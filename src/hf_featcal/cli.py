@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="train", help="calibration split (default: train)")
     p.add_argument("--num-examples", type=_positive_int, default=256, help="calibration examples per task (default 256)")
     p.add_argument("--image-column", help="CLIP: the image column (default: image / img)")
-    p.add_argument("--family", choices=["clip", "flan_t5"], help="model family (default: from the model's config)")
+    p.add_argument("--family", choices=["clip", "flan_t5", "open_clip"], help="model family (default: from the model)")
     p.add_argument("--processor", help="processor / tokenizer folder or hub id (default: the model folder, else the base)")
     _add_featcal_options(p)
     p.add_argument("--device", help="device for calibration, e.g. cuda or cpu (default: accelerate's)")
@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="model to evaluate: local folder or hub id")
     p.add_argument("--task", dest="tasks", action="append", required=True, metavar="TASK", help="a task; repeat for several")
-    p.add_argument("--family", choices=["clip", "flan_t5"], help="model family (default: from the model's config)")
+    p.add_argument("--family", choices=["clip", "flan_t5", "open_clip"], help="model family (default: from the model)")
     p.add_argument("--data", type=_task_value, action="append", default=[], metavar="TASK=DATASET",
                    help="evaluation dataset of TASK: hub id or save_to_disk folder (default: the task's built-in dataset)")
     p.add_argument("--data-config", type=_task_value, action="append", default=[], metavar="TASK=NAME",
@@ -368,7 +368,10 @@ def _family(model: Any, given: str | None, option: str = "--model") -> str:
         return given
     if found is None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        raise CLIError(f"{option}: model_type {model_type!r} is neither a CLIP nor a T5 model; supported families: clip, flan_t5")
+        raise CLIError(
+            f"{option}: model_type {model_type!r} is neither a CLIP, an open_clip nor a T5 model; supported families: "
+            "clip, flan_t5, open_clip"
+        )
     return found
 
 
@@ -384,7 +387,7 @@ def _processing(family: str, candidates: Sequence[str | None]) -> dict[str, Any]
             return load_processing(family, source)
         except (OSError, ValueError, TypeError) as err:
             errors.append(f"{source}: {err}")
-    what = "CLIPImageProcessor" if family == "clip" else "tokenizer"
+    what = {"clip": "CLIPImageProcessor", "open_clip": "open_clip config"}.get(family, "tokenizer")
     raise CLIError(f"no {what} found (tried {[c for c in candidates if c]}); pass --processor. " + " | ".join(errors)[:500])
 
 
@@ -477,7 +480,12 @@ def _cmd_merge(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     merged = merge_models(base, experts, spec.method, **spec.params)
     os.makedirs(args.output_dir, exist_ok=True)
-    merged.save_pretrained(args.output_dir)
+    if hasattr(merged, "save_pretrained"):
+        merged.save_pretrained(args.output_dir)
+    else:  # open_clip: its own format
+        from .architectures import get_layer_map
+
+        get_layer_map(merged, "--base").save_model(merged, args.output_dir)
     saved = _maybe_save_processing(model_family_of(merged), [base], args.output_dir)
     print(f"Merged {type(merged).__name__} ({spec.describe()}; tasks: {', '.join(experts)}) "
           f"in {time.perf_counter() - start:.1f} s → {args.output_dir}"
@@ -521,6 +529,7 @@ def _calibrate(
     from .experts import load_model
     from .plotting import plot_drift
     from .recipes import (
+        IMAGE_FAMILIES,
         RecipeError,
         calibration_processing_class,
         parse_calibration,
@@ -539,8 +548,8 @@ def _calibrate(
         if args.data_default_config:
             default["config"] = args.data_default_config
     if args.image_column:
-        if family != "clip":
-            raise CLIError("--image-column is only for CLIP models")
+        if family not in IMAGE_FAMILIES:
+            raise CLIError("--image-column is only for CLIP / open_clip models")
         default["image_column"] = args.image_column
     tasks_section = {t: {"dataset": d, **({"config": configs[t]} if t in configs else {})} for t, d in data.items()}
     try:
@@ -550,7 +559,7 @@ def _calibrate(
 
     processing = _processing(family, [args.processor, model_source, base_source])
     _log("Loading the calibration data ...")
-    if family == "clip":
+    if family in IMAGE_FAMILIES:
         calibration = {t: prepare_clip_calibration(t, s, config.seed) for t, s in specs.items()}
     else:
         calibration = {t: prepare_flan_t5_calibration(t, s, processing["tokenizer"], config.seed) for t, s in specs.items()}
@@ -588,7 +597,7 @@ def _calibrate(
 
 
 def _evaluation_spec(args: argparse.Namespace, family: str) -> Any:
-    from .recipes import DatasetSpec, EvaluationSpec, RecipeError
+    from .recipes import IMAGE_FAMILIES, DatasetSpec, EvaluationSpec, RecipeError
 
     v = _validator()
     data = _pairs(args.data, "--data")
@@ -604,11 +613,13 @@ def _evaluation_spec(args: argparse.Namespace, family: str) -> Any:
         for task in mapping:
             if task not in tasks:
                 raise CLIError(f"{option} {task}=...: {task!r} is not among the --task values {tasks}")
-    if family != "clip" and (class_names or templates or args.clip_model):
+    if family == "flan_t5" and (class_names or templates or args.clip_model):
         raise CLIError("--class-names, --template and --clip-model are only for CLIP models")
+    if family == "open_clip" and args.clip_model:
+        raise CLIError("--clip-model is only for transformers CLIP models (an open_clip model uses its own text tower)")
     specs: dict[str, DatasetSpec] = {}
     for task in tasks:
-        if family == "clip":
+        if family in IMAGE_FAMILIES:
             from .evaluation.clip_templates import CLIP_CLASS_NAMES, CLIP_DATASETS, CLIP_TASK_ALIASES
 
             name = task if task in CLIP_CLASS_NAMES else CLIP_TASK_ALIASES.get(task)
@@ -637,7 +648,7 @@ def _evaluation_spec(args: argparse.Namespace, family: str) -> Any:
                                   is_local=local is not None, glue_task=task if family == "flan_t5" else None)
     return EvaluationSpec(
         tasks=tasks, datasets=specs, max_samples=args.max_samples,
-        batch_size=args.batch_size or (64 if family == "clip" else 32),
+        batch_size=args.batch_size or (64 if family in IMAGE_FAMILIES else 32),
         class_names=class_names, templates=templates, clip_model=args.clip_model,
     )
 
@@ -660,6 +671,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
             clip_model = load_model(clip_source, "--clip-model")
         elif not hasattr(model, "get_text_features"):
             raise CLIError(f"--model is a {type(model).__name__} (no text tower): pass --clip-model, the base CLIPModel")
+    if family == "open_clip" and not hasattr(model, "encode_text"):
+        raise CLIError(f"--model is an open_clip {type(model).__name__} without a text tower: evaluate the full CLIP")
     processing = _processing(family, [args.processor, model_source, clip_source])
     if family == "clip" and processing.get("processor") is None:
         raise CLIError("CLIP zero-shot evaluation needs a tokenizer with the image processor (a CLIPProcessor); pass --processor")
@@ -670,7 +683,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     start = time.perf_counter()
     scores, details = evaluate_model(family, model, spec, processing=processing, clip_model=clip_model, device=device)
-    metric = "zero-shot top-1 accuracy" if family == "clip" else "GLUE headline score (accuracy; Spearman for stsb)"
+    metric = "zero-shot top-1 accuracy" if family != "flan_t5" else "GLUE headline score (accuracy; Spearman for stsb)"
     splits = ", ".join(sorted({spec.datasets[t].split or "" for t in spec.tasks}))
     print(f"{metric} (%), split {splits}" + (f", random subsets of at most {spec.max_samples} examples per task" if spec.max_samples else "") + "\n")
     print(scores_table({os.path.basename(os.path.normpath(args.model)) or args.model: scores}, spec.tasks))

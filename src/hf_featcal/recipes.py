@@ -8,8 +8,9 @@ scripts) or, for local folders, ``datasets.load_from_disk``.
 
 Schema (``?`` marks optional keys; defaults in brackets)::
 
-    model_family: clip | flan_t5
-    base: <hub id or local model folder>              # a CLIPModel / T5ForConditionalGeneration
+    model_family: clip | flan_t5 | open_clip
+    base: <hub id or local model folder>              # a CLIPModel / T5ForConditionalGeneration; open_clip:
+                                                      #   hf-hub:<repo> | local-dir:<folder> | <folder>
     experts:                                          # task -> hub id or local folder
       <task>: <hub id or path>
     merge:
@@ -30,7 +31,7 @@ Schema (``?`` marks optional keys; defaults in brackets)::
         config?: <dataset config name> [none]
         split?: <split> [train]
         num_examples?: <int or null = all> [featcal.num_samples_per_task if given, else 256]
-        image_column?: <column> [image]               # clip only
+        image_column?: <column> [image]               # clip / open_clip only
         glue_task?: <GLUE task> [the task name]       # flan_t5 only
         max_input_length?: <int or null> [512]        # flan_t5 only
         max_target_length?: <int or null> [32]        # flan_t5 only
@@ -44,9 +45,9 @@ Schema (``?`` marks optional keys; defaults in brackets)::
       batch_size?: <int> [64 for clip, 32 for flan_t5]
       datasets?:                                      # [the calibration dataset and config]
         <task>: <hub id or path> | {dataset, config?, split?, image_column?, label_column?}
-      class_names?: {<task>: [<name>, ...]}           # clip only: zero-shot class names in label
+      class_names?: {<task>: [<name>, ...]}           # clip / open_clip: zero-shot class names in label
                                                       #   order (required for non-built-in tasks)
-      templates?: {<task>: ["a photo of a {c}.", ...]}  # clip only: zero-shot prompt templates
+      templates?: {<task>: ["a photo of a {c}.", ...]}  # clip / open_clip: zero-shot prompt templates
       clip_model?: <hub id or path> [base]            # clip only: text tower for the zero-shot heads
     output_dir?: <folder> [outputs/<recipe file stem>]
     push_to_hub?: <repo id> | null [null]
@@ -60,7 +61,10 @@ For ``flan_t5`` every task's calibration data goes through
 decoder target) and evaluation uses :func:`hf_featcal.evaluation.evaluate_glue`. For ``clip`` the
 calibration images are processed by the base's ``CLIPImageProcessor`` and evaluation is zero-shot
 classification with the base's text tower
-(:func:`hf_featcal.evaluation.clip_zeroshot.evaluate_clip_zeroshot`).
+(:func:`hf_featcal.evaluation.clip_zeroshot.evaluate_clip_zeroshot`). ``open_clip`` works like
+``clip`` with open_clip checkpoints (experts as ``hf-hub:`` / ``local-dir:`` references or folders):
+images go through the checkpoint's own preprocess transform, zero-shot heads come from the model's own
+text tower, and the result is saved the open_clip way.
 
 The per-task ``num_examples`` decides how many calibration examples are used (the dataset is
 shuffled with ``featcal.seed`` and cut); the :class:`~hf_featcal.FeatCalConfig` of the run then has
@@ -85,6 +89,7 @@ from .config import FeatCalConfig
 
 __all__ = [
     "EVALUATION_SUBSET_SEED",
+    "IMAGE_FAMILIES",
     "MERGE_PARAMETERS",
     "MODEL_FAMILIES",
     "DatasetSpec",
@@ -111,7 +116,9 @@ __all__ = [
 ]
 
 #: Supported model families.
-MODEL_FAMILIES: tuple[str, ...] = ("clip", "flan_t5")
+MODEL_FAMILIES: tuple[str, ...] = ("clip", "flan_t5", "open_clip")
+#: Families calibrated on images and evaluated by zero-shot classification.
+IMAGE_FAMILIES: tuple[str, ...] = ("clip", "open_clip")
 
 _TOP_LEVEL_KEYS = (
     "model_family",
@@ -229,7 +236,7 @@ class Recipe:
             out["split"] = spec.split
             if calibration:
                 out["num_examples"] = spec.num_examples
-            if self.model_family == "clip":
+            if self.model_family in IMAGE_FAMILIES:
                 if spec.image_column:
                     out["image_column"] = spec.image_column
                 if spec.label_column and not calibration:
@@ -258,7 +265,7 @@ class Recipe:
                 "batch_size": ev.batch_size,
                 "datasets": {t: data(s, False) for t, s in ev.datasets.items()},
             }
-            if self.model_family == "clip":
+            if self.model_family in IMAGE_FAMILIES:
                 evaluation.update(class_names=dict(ev.class_names), templates=dict(ev.templates))
                 if ev.clip_model is not None:
                     evaluation["clip_model"] = ev.clip_model
@@ -400,7 +407,18 @@ class _Validator:
             raise self.error(f"{path}.{task}", f"task names must be non-empty strings, got {task!r}")
 
     def source(self, value: Any, path: str, kind: str) -> str:
-        """A hub id or an existing local path (returned absolute)."""
+        """A hub id or an existing local path (returned absolute); open_clip's `hf-hub:<hub id>` and
+        `local-dir:<path>` references keep their scheme."""
+        if isinstance(value, str) and value.startswith(("hf-hub:", "local-dir:")):
+            scheme, _, rest = value.partition(":")
+            if scheme == "local-dir":
+                local = self.local_path(rest, path, kind)
+                if local is None:
+                    raise self.error(path, f"local {kind} path {rest!r} does not exist")
+                return f"local-dir:{local}"
+            if not _HUB_ID.match(rest) or ".." in rest:
+                raise self.error(path, f"{rest!r} is not a valid hub id")
+            return value
         local = self.local_path(value, path, kind)
         return local if local is not None else value
 
@@ -552,6 +570,7 @@ _COMMON_DATA_KEYS = ("dataset", "config", "split", "num_examples")
 _FAMILY_DATA_KEYS = {
     "clip": ("image_column",),
     "flan_t5": ("glue_task", "max_input_length", "max_target_length"),
+    "open_clip": ("image_column",),
 }
 
 
@@ -566,9 +585,8 @@ def parse_calibration(
     v = v or _Validator(None, os.getcwd())
     v.keys(section, "calibration", ("default", "tasks"))
     allowed = _COMMON_DATA_KEYS + _FAMILY_DATA_KEYS[family]
-    other_family = next(f for f in MODEL_FAMILIES if f != family)
     default = section.get("default") or {}
-    _check_entry_keys(v, default, "calibration.default", allowed, family, other_family)
+    _check_entry_keys(v, default, "calibration.default", allowed, family)
     per_task = section.get("tasks") or {}
     if not isinstance(per_task, Mapping):
         raise v.error("calibration.tasks", f"must be a mapping task -> dataset, got {_show(per_task)}")
@@ -583,7 +601,7 @@ def parse_calibration(
             entry = {"dataset": entry}
         elif entry is None:
             entry = {}
-        _check_entry_keys(v, entry, path, allowed, family, other_family)
+        _check_entry_keys(v, entry, path, allowed, family)
         merged = {**default, **entry}
         if "dataset" not in merged or merged["dataset"] is None:
             raise v.error(path, f"no calibration dataset for expert {task!r}: give {path} or calibration.default.dataset")
@@ -592,14 +610,14 @@ def parse_calibration(
     return specs
 
 
-def _check_entry_keys(
-    v: _Validator, entry: Any, path: str, allowed: tuple[str, ...], family: str, other_family: str
-) -> None:
+def _check_entry_keys(v: _Validator, entry: Any, path: str, allowed: tuple[str, ...], family: str) -> None:
     if not isinstance(entry, Mapping):
         raise v.error(path, f"must be a dataset (hub id or path) or a mapping, got {_show(entry)}")
     for key in entry:
-        if key in _FAMILY_DATA_KEYS[other_family] and key not in allowed:
-            raise v.error(f"{path}.{key}", f"only for model_family {other_family!r} (this recipe is {family!r})")
+        owners = [f for f, keys in _FAMILY_DATA_KEYS.items() if key in keys]
+        if owners and key not in allowed:
+            shown = " / ".join(repr(f) for f in owners)
+            raise v.error(f"{path}.{key}", f"only for model_family {shown} (this recipe is {family!r})")
         if key not in allowed:
             raise v.error(f"{path}.{key}", f"unknown key; valid keys here: {list(allowed)}")
 
@@ -640,7 +658,7 @@ def _dataset_spec(
         num_examples=num,
         is_local=local is not None,
     )
-    if family == "clip":
+    if family in IMAGE_FAMILIES:
         spec.image_column = v.string(entry.get("image_column"), key("image_column"), optional=True)
     else:
         from .evaluation.glue import GLUE_TASKS
@@ -675,7 +693,11 @@ def _local_splits(path: str) -> list[str] | None:
 # ----------------------------------------------------------------------------- evaluation
 _EVALUATION_KEYS = ("tasks", "split", "max_samples", "batch_size", "datasets", "class_names", "templates", "clip_model")
 _CLIP_ONLY_EVALUATION_KEYS = ("class_names", "templates", "clip_model")
-_EVALUATION_DATA_KEYS = {"clip": ("dataset", "config", "split", "image_column", "label_column"), "flan_t5": ("dataset", "config", "split")}
+_EVALUATION_DATA_KEYS = {
+    "clip": ("dataset", "config", "split", "image_column", "label_column"),
+    "flan_t5": ("dataset", "config", "split"),
+    "open_clip": ("dataset", "config", "split", "image_column", "label_column"),
+}
 
 
 def _parse_evaluation(
@@ -686,10 +708,11 @@ def _parse_evaluation(
     if not isinstance(section, Mapping):
         raise v.error("evaluation", f"must be a mapping or false, got {_show(section)}")
     v.keys(section, "evaluation", _EVALUATION_KEYS)
-    if family != "clip":
-        for key in _CLIP_ONLY_EVALUATION_KEYS:
-            if key in section:
-                raise v.error(f"evaluation.{key}", f"only for model_family 'clip' (this recipe is {family!r})")
+    for key in _CLIP_ONLY_EVALUATION_KEYS:
+        # open_clip models embed prompts with their own text tower: no separate clip_model
+        if key in section and (family == "flan_t5" or (family == "open_clip" and key == "clip_model")):
+            owners = "'clip'" if key == "clip_model" else "'clip' / 'open_clip'"
+            raise v.error(f"evaluation.{key}", f"only for model_family {owners} (this recipe is {family!r})")
     eval_tasks = v.string_list(section["tasks"], "evaluation.tasks") if "tasks" in section else list(tasks)
     for i, task in enumerate(eval_tasks):
         if task not in tasks:
@@ -736,7 +759,7 @@ def _parse_evaluation(
                 entry["split"], keys["split"] = split[task], f"evaluation.split.{task}"
             elif isinstance(split, str):
                 entry["split"], keys["split"] = split, "evaluation.split"
-            elif family == "clip":
+            elif family in IMAGE_FAMILIES:
                 entry["split"] = "test"
             else:
                 from .evaluation.glue import GLUE_DEFAULT_SPLITS
@@ -745,7 +768,7 @@ def _parse_evaluation(
         if family == "flan_t5":
             entry["glue_task"] = cal.glue_task
         spec = _dataset_spec(v, task, entry, keys, path, family, default_split=None, default_num=None)
-        if family == "clip":
+        if family in IMAGE_FAMILIES:
             spec.label_column = v.string(entry.get("label_column"), f"{path}.label_column", optional=True)
         specs[task] = spec
         if spec.dataset == cal.dataset and spec.config == cal.config:
@@ -761,7 +784,7 @@ def _parse_evaluation(
                     f"task {task!r} would be evaluated on its calibration split {cal.split!r}; use a held-out split",
                 )
 
-    if family == "clip":
+    if family in IMAGE_FAMILIES:
         from .evaluation.clip_templates import CLIP_CLASS_NAMES, CLIP_TASK_ALIASES
 
         for task in eval_tasks:
@@ -784,7 +807,7 @@ def _parse_evaluation(
                     )
 
     max_samples = v.integer(section.get("max_samples"), "evaluation.max_samples", 1, optional=True)
-    batch_size = v.integer(section.get("batch_size", 64 if family == "clip" else 32), "evaluation.batch_size", 1)
+    batch_size = v.integer(section.get("batch_size", 64 if family in IMAGE_FAMILIES else 32), "evaluation.batch_size", 1)
     clip_model = section.get("clip_model")
     if clip_model is not None:
         clip_model = v.source(clip_model, "evaluation.clip_model", kind="model")
@@ -857,7 +880,10 @@ def prepare_flan_t5_calibration(task: str, spec: DatasetSpec, tokenizer: Any, se
 
 
 def model_family_of(model_or_config: Any) -> str | None:
-    """``"clip"`` / ``"flan_t5"`` from a model's (or config's) ``model_type``; None if neither."""
+    """``"clip"`` / ``"flan_t5"`` from a model's (or config's) ``model_type``, ``"open_clip"`` for an
+    open_clip model; None if neither."""
+    if type(model_or_config).__module__.startswith("open_clip."):
+        return "open_clip"
     config = getattr(model_or_config, "config", model_or_config)
     model_type = getattr(config, "model_type", None)
     if model_type in ("clip", "clip_vision_model"):
@@ -877,8 +903,14 @@ def check_family(model: Any, family: str, argument: str) -> None:
 
 def load_processing(family: str, source: str) -> dict[str, Any]:
     """The processing classes saved with `source`: for CLIP the image processor (``"image"``) and,
-    when there is a tokenizer, a ``CLIPProcessor`` (``"processor"``); for FLAN-T5 the tokenizer."""
+    when there is a tokenizer, a ``CLIPProcessor`` (``"processor"``); for FLAN-T5 the tokenizer; for
+    open_clip the checkpoint's preprocess transform (``"image"``) and ``(tokenizer, preprocess)``."""
     out: dict[str, Any] = {}
+    if family == "open_clip":
+        from .architectures.openclip import load_open_clip_processing
+
+        tokenizer, preprocess = load_open_clip_processing(source)
+        return {"image": preprocess, "processor": (tokenizer, preprocess)}
     if family == "clip":
         from transformers import CLIPImageProcessor, CLIPProcessor
 
@@ -895,12 +927,16 @@ def load_processing(family: str, source: str) -> dict[str, Any]:
 
 
 def calibration_processing_class(family: str, processing: Mapping[str, Any]) -> Any:
-    """What the calibrator applies to raw rows: the image processor (CLIP) or tokenizer (FLAN-T5)."""
-    return processing["image"] if family == "clip" else processing["tokenizer"]
+    """What the calibrator applies to raw rows: the image processor / transform (CLIP, open_clip) or
+    the tokenizer (FLAN-T5)."""
+    return processing["image"] if family in IMAGE_FAMILIES else processing["tokenizer"]
 
 
 def save_processing(processing: Mapping[str, Any], output_dir: str) -> None:
-    """Save the processing classes next to a model (so the folder loads as a complete model)."""
+    """Save the processing classes next to a model (so the folder loads as a complete model). open_clip
+    keeps its preprocessing in `open_clip_config.json`, written with the model: nothing to save."""
+    if isinstance(processing.get("processor"), tuple):
+        return
     if processing.get("processor") is not None:
         processing["processor"].save_pretrained(output_dir)
     elif processing.get("image") is not None:
@@ -940,7 +976,7 @@ def evaluate_model(
         if spec.max_samples is not None and len(ds) > spec.max_samples:
             # a seeded random subset: evaluation splits are often sorted by label
             ds = ds.shuffle(seed=EVALUATION_SUBSET_SEED).select(range(spec.max_samples))
-        if family == "clip":
+        if family in IMAGE_FAMILIES:
             from .evaluation.clip_zeroshot import evaluate_clip_zeroshot
 
             processor = processing.get("processor")
@@ -1023,7 +1059,8 @@ def run_recipe(
 ) -> RecipeResult:
     """Execute a recipe: merge → calibrate (checks first) → evaluate before/after → save (+ push).
 
-    The output folder gets the calibrated model (``save_pretrained``), its processor / tokenizer,
+    The output folder gets the calibrated model (``save_pretrained``; open_clip: its own format), its
+    processor / tokenizer,
     the model card (``README.md``, with the evaluation appended), ``featcal_drift_report.json``,
     ``featcal_config.json``, ``featcal_drift.png``, ``featcal_evaluation.json`` and the recipe
     (``featcal_recipe.yaml``).
@@ -1057,9 +1094,15 @@ def run_recipe(
                 f"{type(base).__name__}; set evaluation.clip_model to a CLIPModel (or evaluation: false)"
             )
 
+    if family == "open_clip" and recipe.evaluation is not None and evaluate and not hasattr(base, "encode_text"):
+        raise ValueError(
+            f"evaluation: zero-shot evaluation needs a text tower: the base is a {type(base).__name__}; "
+            "use an open_clip CLIP as the base (or evaluation: false)"
+        )
+
     log("Loading the calibration data ...")
     seed = recipe.featcal.seed
-    if family == "clip":
+    if family in IMAGE_FAMILIES:
         calibration = {t: prepare_clip_calibration(t, s, seed) for t, s in recipe.calibration.items()}
     else:
         calibration = {t: prepare_flan_t5_calibration(t, s, processing["tokenizer"], seed) for t, s in recipe.calibration.items()}

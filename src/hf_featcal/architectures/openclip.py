@@ -18,8 +18,11 @@ Experts and bases given as `"local-dir:<folder>"`, `"hf-hub:<repo>"` or a folder
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,7 +127,7 @@ class OpenCLIPVisionLayerMap(LayerMap):
         # the geometry, from the model open_clip builds for this config on the meta device (no weights)
         import open_clip
 
-        with torch.device("meta"):
+        with torch.device("meta"), _without_random_init_warning():
             skeleton = open_clip.create_model(LOCAL_DIR + folder, load_weights=False, device="meta", pretrained_text=False)
         return LibraryCheckpoint(name, lambda: load_open_clip(reference), cls().describe(skeleton), files)
 
@@ -141,6 +144,22 @@ class OpenCLIPVisionLayerMap(LayerMap):
 
 
 LOCAL_DIR, HF_HUB = "local-dir:", "hf-hub:"
+
+
+@contextlib.contextmanager
+def _without_random_init_warning() -> Iterator[None]:
+    """Silence open_clip's "No pretrained weights loaded … initialized randomly" (logged on the root
+    logger) while building a weightless skeleton on purpose."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "No pretrained weights loaded" not in record.getMessage()
+
+    root = logging.getLogger()
+    root.addFilter(keep)
+    try:
+        yield
+    finally:
+        root.removeFilter(keep)
 _SCHEMES = (LOCAL_DIR, HF_HUB)
 
 
@@ -205,3 +224,26 @@ def _model_cfg(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
     if overrides.get("force_context_length") is not None:
         cfg["text_cfg"]["context_length"] = overrides["force_context_length"]
     return cfg
+
+
+def load_open_clip_processing(name: str) -> tuple[Any, Any]:
+    """(tokenizer, evaluation image transform) of the open_clip checkpoint `name` (`local-dir:`,
+    `hf-hub:` or a folder), as open_clip builds them from its `open_clip_config.json`."""
+    import open_clip
+
+    folder = open_clip_folder(name)
+    if not folder:
+        raise ValueError(f"{name!r} is not an open_clip folder or a reachable open_clip hub repository")
+    with open(os.path.join(folder, CONFIG_NAME), encoding="utf-8") as handle:
+        config = json.load(handle)
+    tokenizer = open_clip.get_tokenizer(LOCAL_DIR + folder)
+    preprocess_cfg = config.get("preprocess_cfg") or {}
+    preprocess = open_clip.image_transform(
+        preprocess_cfg.get("size") or config["model_cfg"]["vision_cfg"]["image_size"],
+        is_train=False,
+        mean=preprocess_cfg.get("mean"),
+        std=preprocess_cfg.get("std"),
+        resize_mode=preprocess_cfg.get("resize_mode"),
+        interpolation=preprocess_cfg.get("interpolation"),
+    )
+    return tokenizer, preprocess
