@@ -168,9 +168,12 @@ def open_clip_folder(name: str) -> str | None:
     holding `open_clip_config.json`, or `"hf-hub:<repo>"` (its config and safetensors, fetched; "" when
     the hub cannot be reached, so the caller's load reports the error). None if `name` is not one."""
     if name.startswith(HF_HUB):
-        from ..experts import hub_snapshot
+        from huggingface_hub import snapshot_download
 
-        return hub_snapshot(name[len(HF_HUB):]) or ""
+        try:  # only open_clip's own files (such repos often hold transformers weights too)
+            return snapshot_download(name[len(HF_HUB):], allow_patterns=[CONFIG_NAME, WEIGHTS_NAME])
+        except Exception:  # noqa: BLE001 - offline / unknown repo: the caller's load reports it
+            return ""
     path = name[len(LOCAL_DIR):] if name.startswith(LOCAL_DIR) else name
     if os.path.isfile(os.path.join(path, CONFIG_NAME)):
         return path
