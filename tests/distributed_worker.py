@@ -1,5 +1,5 @@
-"""Run by `torchrun --nproc_per_node N` from test_distributed.py: calibrate the shared tiny CLIP setting
-with the same user code as on one process; the main process saves the result."""
+"""Run by `torchrun --nproc_per_node N` from test_distributed.py: calibrate the shared tiny CLIP (or
+open_clip) setting with the same user code as on one process; the main process saves the result."""
 
 from __future__ import annotations
 
@@ -14,10 +14,15 @@ from conftest import build_clip_setting  # noqa: E402
 from hf_featcal import FeatCalCalibrator, FeatCalConfig  # noqa: E402
 
 
-def main(output: str) -> None:
+def main(output: str, family: str = "clip") -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    base, experts, merged, data = build_clip_setting(torch.Generator().manual_seed(0), (4, 3, 5, 2, 4))
+    if family == "open_clip":
+        from openclip_models import open_clip_setting
+
+        base, experts, merged, data = open_clip_setting(torch.Generator().manual_seed(0), batch_sizes=(4, 3, 5, 2, 4))
+    else:
+        base, experts, merged, data = build_clip_setting(torch.Generator().manual_seed(0), (4, 3, 5, 2, 4))
     calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(), show_progress=False)
     calibrator.calibrate()
     calibrator.save_model(output)  # writes on the main process only
@@ -30,4 +35,4 @@ def main(output: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

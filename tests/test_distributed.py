@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import build_clip_setting
@@ -22,28 +23,41 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_processes_match_one(tmp_path):
-    out = tmp_path / "dist"
+def _run_two_processes(out, family: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), WORKER, str(out)]
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), WORKER, str(out), family]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _rank_states(out) -> list[dict]:
+    states = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+    # each process really took a disjoint shard (5 batches: 3 + 2) and the sums were reduced
+    assert [s.pop("num_processes") for s in states] == [2, 2]
+    assert [s.pop("local_batches") for s in states] == [{"cars": 3, "dtd": 3}, {"cars": 2, "dtd": 2}]
+    return states
+
+
+def _assert_same_model(states: list[dict], ref: dict) -> None:
+    for name, value in ref.items():
+        for state in states:  # every process ends with the same calibrated model
+            diff = float((state[name].double() - value.double()).norm())
+            assert diff <= 1e-5 * max(float(value.double().norm()), 1e-12), name
+
+
+def test_two_processes_match_one(tmp_path):
+    out = tmp_path / "dist"
+    _run_two_processes(out, "clip")
 
     torch.manual_seed(0)
     base, experts, merged, data = build_clip_setting(torch.Generator().manual_seed(0), (4, 3, 5, 2, 4))
     single = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(), show_progress=False)
     single.calibrate()
     ref = merged.state_dict()
-    states = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
-    # each process really took a disjoint shard (5 batches: 3 + 2) and the sums were reduced
-    assert [s.pop("num_processes") for s in states] == [2, 2]
-    assert [s.pop("local_batches") for s in states] == [{"cars": 3, "dtd": 3}, {"cars": 2, "dtd": 2}]
-    for name, value in ref.items():
-        for state in states:  # every process ends with the same calibrated model
-            diff = float((state[name].double() - value.double()).norm())
-            assert diff <= 1e-5 * max(float(value.double().norm()), 1e-12), name
+    states = _rank_states(out)
+    _assert_same_model(states, ref)
     assert any(not torch.equal(states[0][k], base.state_dict()[k]) for k in ref)
 
     report = json.loads((out / "featcal_drift_report.json").read_text())
@@ -53,3 +67,20 @@ def test_two_processes_match_one(tmp_path):
     # one folder, written once: the model card counts every example, not one shard
     card = (out / "README.md").read_text()
     assert "cars: 18" in card
+
+
+def test_two_processes_match_one_open_clip(tmp_path):
+    """The same for an open_clip CLIP (packed projections, out_proj capture, saved the open_clip way)."""
+    if os.environ.get("HF_FEATCAL_REQUIRE_OPTIONAL") != "1":
+        pytest.importorskip("open_clip")
+    from openclip_models import open_clip_setting
+
+    out = tmp_path / "dist"
+    _run_two_processes(out, "open_clip")
+    torch.manual_seed(0)
+    base, experts, merged, data = open_clip_setting(torch.Generator().manual_seed(0), batch_sizes=(4, 3, 5, 2, 4))
+    FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(), show_progress=False).calibrate()
+    states = _rank_states(out)
+    _assert_same_model(states, merged.state_dict())
+    assert any(not torch.equal(states[0][k], base.state_dict()[k]) for k in base.state_dict())
+    assert (out / "open_clip_model.safetensors").is_file()

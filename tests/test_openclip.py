@@ -20,30 +20,12 @@ if os.environ.get("HF_FEATCAL_REQUIRE_OPTIONAL") == "1":
 else:
     open_clip = pytest.importorskip("open_clip")
 from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
-from open_clip.transformer import QuickGELU, VisionTransformer
 from transformers import CLIPVisionModel
 
 from conftest import perturbed, randomise_norms, tiny_vision_config
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
+from openclip_models import HEADS, IMAGE, LAYERS, MLP, PATCH, WIDTH, open_clip_setting, tiny_tower
 from reference_featcal import reference_featcal
-
-WIDTH, LAYERS, HEADS, MLP, IMAGE, PATCH = 16, 2, 2, 32, 8, 4
-
-
-def _tower(**overrides) -> VisionTransformer:
-    kw = dict(image_size=IMAGE, patch_size=PATCH, width=WIDTH, layers=LAYERS, heads=HEADS, mlp_ratio=MLP / WIDTH,
-              output_dim=8, act_layer=QuickGELU)
-    kw.update(overrides)
-    return VisionTransformer(**kw).eval()
-
-
-def _clip(**vision_overrides) -> CLIP:
-    vision = dict(layers=LAYERS, width=WIDTH, head_width=WIDTH // HEADS, mlp_ratio=MLP / WIDTH, patch_size=PATCH,
-                  image_size=IMAGE)
-    vision.update(vision_overrides)
-    text = CLIPTextCfg(context_length=8, vocab_size=64, width=16, heads=2, layers=1)
-    return CLIP(embed_dim=8, vision_cfg=CLIPVisionCfg(**vision), text_cfg=text, quick_gelu=True).eval()
-
 
 def _visual(model):
     return getattr(model, "visual", model)
@@ -85,18 +67,6 @@ def _block_outputs(model, pixels):
     return outs
 
 
-def _setting(generator, build=_clip, tasks=("cars", "dtd")):
-    base = build()
-    randomise_norms(base, generator)
-    experts = {t: perturbed(base, generator, 0.05).eval() for t in tasks}
-    merged = copy.deepcopy(base)
-    with torch.no_grad():
-        for name, p in merged.named_parameters():
-            p.copy_(base.get_parameter(name) + 0.3 * sum(e.get_parameter(name) - base.get_parameter(name) for e in experts.values()))
-    data = {t: [{"pixel_values": torch.randn(n, 3, IMAGE, IMAGE, generator=generator)} for n in (5, 5, 3)] for t in tasks}
-    return base, experts, merged, data
-
-
 def _relative(a: dict, b: dict) -> float:
     num = sum(float((a[k].double() - b[k].double()).square().sum()) for k in b)
     den = sum(float(b[k].double().square().sum()) for k in b)
@@ -104,7 +74,7 @@ def _relative(a: dict, b: dict) -> float:
 
 
 def test_conversion_is_the_same_network(generator):
-    model = _tower()
+    model = tiny_tower()
     randomise_norms(model, generator)
     pixels = torch.randn(3, 3, IMAGE, IMAGE, generator=generator)
     hf = to_transformers(model)
@@ -117,7 +87,7 @@ def test_conversion_is_the_same_network(generator):
 
 @pytest.mark.parametrize("with_base", [True, False])
 def test_matches_the_reference_implementation(generator, with_base):
-    base, experts, merged, data = _setting(generator)
+    base, experts, merged, data = open_clip_setting(generator)
     text_before = {k: v.clone() for k, v in merged.state_dict().items() if not k.startswith("visual.")}
     expected, expected_drift = reference_featcal(
         to_transformers(merged), to_transformers(base) if with_base else None,
@@ -145,7 +115,7 @@ def test_matches_the_reference_implementation(generator, with_base):
 
 
 def test_drift_before_is_the_full_models_own_forward(generator):
-    base, experts, merged, data = _setting(generator)
+    base, experts, merged, data = open_clip_setting(generator)
     given = copy.deepcopy(merged)
     calibrator = FeatCalCalibrator(merged, base, experts, data, show_progress=False)
     calibrator.calibrate()
@@ -167,7 +137,7 @@ def test_drift_before_is_the_full_models_own_forward(generator):
     ],
 )
 def test_exact_recovery(generator, parameter, target_modules):
-    expert = _tower().double()
+    expert = tiny_tower().double()
     randomise_norms(expert, generator)
     merged = copy.deepcopy(expert)
     with torch.no_grad():
@@ -188,7 +158,7 @@ def test_exact_recovery(generator, parameter, target_modules):
 
 
 def test_pool_type_decides_the_class_token_weighting(generator):
-    base, experts, merged, data = _setting(generator, build=_tower)
+    base, experts, merged, data = open_clip_setting(generator, build=tiny_tower)
     avg = {name: copy.deepcopy(m) for name, m in [("base", base), ("merged", merged)]}
     avg_experts = {t: copy.deepcopy(e) for t, e in experts.items()}
     for model in [*avg.values(), *avg_experts.values()]:
@@ -206,17 +176,17 @@ def test_pool_type_decides_the_class_token_weighting(generator):
 
 
 def test_mismatched_and_unsupported_models(generator):
-    base, experts, merged, data = _setting(generator, build=_tower)
-    wider_mlp = _tower(mlp_ratio=3.0)
+    base, experts, merged, data = open_clip_setting(generator, build=tiny_tower)
+    wider_mlp = tiny_tower(mlp_ratio=3.0)
     with pytest.raises(ValueError, match=r"experts\['dtd'\].*mlp_width: merged 32 vs 48"):
         FeatCalCalibrator(merged, base, {"cars": experts["cars"], "dtd": wider_mlp}, data)
-    more_heads = _tower(heads=4)
+    more_heads = tiny_tower(heads=4)
     with pytest.raises(ValueError, match=r"base_model.*heads: merged 2 vs 4"):
         FeatCalCalibrator(merged, more_heads, experts, data)
     transformers_expert = CLIPVisionModel(tiny_vision_config())
     with pytest.raises(ValueError, match=r"experts\['dtd'\].*model_type 'clip_vision_model'.*open_clip_vision"):
         FeatCalCalibrator(merged, base, {"cars": experts["cars"], "dtd": transformers_expert}, data)
-    custom = _tower(scale_attn=True)  # open_clip's CustomResidualAttentionBlock
+    custom = tiny_tower(scale_attn=True)  # open_clip's CustomResidualAttentionBlock
     with pytest.raises(ValueError, match="only ResidualAttentionBlock"):
         FeatCalCalibrator(custom, None, {"cars": copy.deepcopy(custom)}, {"cars": data["cars"]})
     with pytest.raises(ValueError, match=r"calibration_data\['cars'\]"):
