@@ -32,6 +32,9 @@ def main(output: str, family: str = "clip") -> None:
     state["local_batches"] = {task: len(batches) for task, batches in calibrator.batches.items()}
     state["num_processes"] = calibrator.state.num_processes
     torch.save(state, os.path.join(output, f"rank{rank}.pt"))
+    # a clean end of a multi-process script: no rank exits while gloo's threads still serve the others
+    calibrator.state.wait_for_everyone()
+    calibrator.state.destroy_process_group()
 
 
 if __name__ == "__main__":
