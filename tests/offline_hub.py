@@ -188,13 +188,12 @@ _OPEN_CLIP_CFG = {
 
 
 def _open_clip_folder(model, path: str) -> None:
-    from safetensors.torch import save_model
+    """An open_clip folder (`open_clip_config.json` + `open_clip_model.safetensors`), as the library saves one."""
+    from hf_featcal.architectures.openclip import CONFIG_ATTRIBUTE, OpenCLIPVisionLayerMap
 
-    os.makedirs(path, exist_ok=True)
-    save_model(model, os.path.join(path, "open_clip_model.safetensors"))
     preprocess = {"mean": [0.48145466, 0.4578275, 0.40821073], "std": [0.26862954, 0.26130258, 0.27577711]}
-    with open(os.path.join(path, "open_clip_config.json"), "w") as handle:
-        json.dump({"model_cfg": _OPEN_CLIP_CFG, "preprocess_cfg": preprocess}, handle)
+    setattr(model, CONFIG_ATTRIBUTE, {"model_cfg": _OPEN_CLIP_CFG, "preprocess_cfg": preprocess})
+    OpenCLIPVisionLayerMap().save_model(model, path)
 
 
 def _open_clip_base():

@@ -210,7 +210,8 @@ def tiny_model_name(tmp_path):
     return "hf-featcal-tiny-vit"
 
 
-def test_open_clip_folders_read_lazily_saved_the_open_clip_way(generator, tmp_path, tiny_model_name):
+def test_open_clip_folders_read_lazily_saved_the_open_clip_way(generator, tmp_path, tiny_model_name, monkeypatch):
+    from hf_featcal import merging as merging_module
     from hf_featcal.architectures.openclip import CONFIG_NAME, WEIGHTS_NAME, OpenCLIPVisionLayerMap, load_open_clip
     from hf_featcal.experts import CheckpointSource
     from hf_featcal.merging import task_arithmetic
@@ -222,8 +223,14 @@ def test_open_clip_folders_read_lazily_saved_the_open_clip_way(generator, tmp_pa
     for name, model in [("base", base), *experts.items()]:
         folders[name] = str(tmp_path / name)
         OpenCLIPVisionLayerMap().save_model(model, folders[name])
-    # merging reads the open_clip folders too
+    # merging reads the open_clip folders too: the experts lazily, tensor by tensor, never loaded whole
+    loads = []
+    real_load_model = merging_module.load_model
+    monkeypatch.setattr(merging_module, "load_model",
+                        lambda source, argument: loads.append(argument) or real_load_model(source, argument))
     merged = task_arithmetic(f"local-dir:{folders['base']}", {t: f"local-dir:{folders[t]}" for t in experts}, 0.3)
+    monkeypatch.undo()
+    assert loads == ["base_model"]
     assert type(merged) is CLIP
     for name, value in merged.state_dict().items():
         want = base.state_dict()[name] + 0.3 * sum(e.state_dict()[name] - base.state_dict()[name] for e in experts.values())

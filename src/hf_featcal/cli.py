@@ -22,6 +22,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .recipes import MODEL_FAMILIES
+
 __all__ = ["build_parser", "main"]
 
 PROG = "hf-featcal"
@@ -227,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="train", help="calibration split (default: train)")
     p.add_argument("--num-examples", type=_positive_int, default=256, help="calibration examples per task (default 256)")
     p.add_argument("--image-column", help="CLIP: the image column (default: image / img)")
-    p.add_argument("--family", choices=["clip", "flan_t5", "open_clip"], help="model family (default: from the model)")
+    p.add_argument("--family", choices=MODEL_FAMILIES, help="model family (default: from the model)")
     p.add_argument("--processor", help="processor / tokenizer folder or hub id (default: the model folder, else the base)")
     _add_featcal_options(p)
     p.add_argument("--device", help="device for calibration, e.g. cuda or cpu (default: accelerate's)")
@@ -246,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="model to evaluate: local folder or hub id")
     p.add_argument("--task", dest="tasks", action="append", required=True, metavar="TASK", help="a task; repeat for several")
-    p.add_argument("--family", choices=["clip", "flan_t5", "open_clip"], help="model family (default: from the model)")
+    p.add_argument("--family", choices=MODEL_FAMILIES, help="model family (default: from the model)")
     p.add_argument("--data", type=_task_value, action="append", default=[], metavar="TASK=DATASET",
                    help="evaluation dataset of TASK: hub id or save_to_disk folder (default: the task's built-in dataset)")
     p.add_argument("--data-config", type=_task_value, action="append", default=[], metavar="TASK=NAME",

@@ -40,7 +40,7 @@ def load_model(source: ModelLike, argument: str, base: ModelLike | None = None) 
     path = os.fspath(source)
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
         return _load_adapter_expert(path, argument, base)
-    checkpoint = _library_checkpoint(path, argument)
+    checkpoint = library_checkpoint(path, argument)
     if checkpoint is not None:
         return _load_library_model(checkpoint, argument)
     try:
@@ -61,7 +61,7 @@ def load_model(source: ModelLike, argument: str, base: ModelLike | None = None) 
         raise ValueError(f"`{argument}`: cannot load the model at {path!r}: {err}") from err
 
 
-def _library_checkpoint(name: str, argument: str) -> Any:
+def library_checkpoint(name: str, argument: str) -> Any:
     """The checkpoint of a non-transformers model library (open_clip) that `name` refers to, if any."""
     from .architectures import find_library_checkpoint
 
@@ -399,10 +399,10 @@ def make_source(
             f"`{argument}` must be a PreTrainedModel, a local path or a hub id, got {type(source).__name__}."
         )
     name = os.fspath(source)
-    checkpoint = _library_checkpoint(name, argument)
+    checkpoint = library_checkpoint(name, argument)
     if checkpoint is not None:
         if checkpoint.files:
-            return CheckpointSource(None, argument, name, checkpoint.config, checkpoint.files)
+            return CheckpointSource(None, argument, name, checkpoint.describe(), checkpoint.files)
         return InMemorySource(_load_library_model(checkpoint, argument), argument, name)
     folder = name if os.path.isdir(name) else hub_snapshot(name)
     if folder is not None and os.path.isfile(os.path.join(folder, "adapter_config.json")):

@@ -51,7 +51,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .experts import LoraAdapter, hub_snapshot, load_model, safetensors_files
+from .experts import LoraAdapter, hub_snapshot, library_checkpoint, load_model, safetensors_files
 
 __all__ = [
     "task_arithmetic",
@@ -168,9 +168,13 @@ def _validate_experts(experts: Mapping[str, ModelLike]) -> None:
 
 
 # ----------------------------------------------------------------------------------------- sources
-def _checkpoint_files(source: str | os.PathLike) -> dict[str, str]:
-    """Checkpoint key -> safetensors file of a local folder or hub id ({} when it has none)."""
+def _checkpoint_files(source: str | os.PathLike, argument: str) -> dict[str, str]:
+    """Checkpoint key -> safetensors file of a local folder or hub id, or of a model library's own
+    checkpoint (open_clip's `local-dir:` / `hf-hub:`) ({} when it has none)."""
     path = os.fspath(source)
+    checkpoint = library_checkpoint(path, argument)
+    if checkpoint is not None:
+        return checkpoint.files
     if os.path.isdir(path):
         return safetensors_files(path)
     folder = hub_snapshot(path)
@@ -245,7 +249,7 @@ def _open_expert(
     adapter = None if isinstance(source, nn.Module) else _lora_adapter(source, argument)
     if adapter is not None:
         return _open_lora_expert(name, adapter, merged, base_state, canonical)
-    files = {} if isinstance(source, nn.Module) else _checkpoint_files(source)
+    files = {} if isinstance(source, nn.Module) else _checkpoint_files(source, argument)
     if files:
         handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in sorted(set(files.values()))}
         shapes: dict[str, tuple[int, ...]] = {}

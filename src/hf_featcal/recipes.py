@@ -882,7 +882,9 @@ def prepare_flan_t5_calibration(task: str, spec: DatasetSpec, tokenizer: Any, se
 def model_family_of(model_or_config: Any) -> str | None:
     """``"clip"`` / ``"flan_t5"`` from a model's (or config's) ``model_type``, ``"open_clip"`` for an
     open_clip model; None if neither."""
-    if type(model_or_config).__module__.startswith("open_clip."):
+    from .architectures.openclip import is_open_clip_model
+
+    if is_open_clip_model(model_or_config):
         return "open_clip"
     config = getattr(model_or_config, "config", model_or_config)
     model_type = getattr(config, "model_type", None)

@@ -110,8 +110,9 @@ class LibraryCheckpoint:
 
     name: str
     load: Callable[[], nn.Module]  # the whole model
-    config: Any = None  # what `LayerMap.describe` gives for the model (needed to read `files` lazily)
     files: dict[str, str] = field(default_factory=dict)  # state-dict key → safetensors file ({} if none)
+    # what `LayerMap.describe` gives for the model, computed only when `files` are read lazily
+    describe: Callable[[], Any] | None = None
 
 
 class LayerMap:

@@ -124,12 +124,16 @@ class OpenCLIPVisionLayerMap(LayerMap):
             return LibraryCheckpoint(name, lambda: load_open_clip(reference))
         with safe_open(weights, framework="pt") as handle:
             files = {key: weights for key in handle.keys()}
-        # the geometry, from the model open_clip builds for this config on the meta device (no weights)
-        import open_clip
 
-        with torch.device("meta"), _without_random_init_warning():
-            skeleton = open_clip.create_model(LOCAL_DIR + folder, load_weights=False, device="meta", pretrained_text=False)
-        return LibraryCheckpoint(name, lambda: load_open_clip(reference), cls().describe(skeleton), files)
+        def describe() -> OpenCLIPVisionGeometry:
+            # the geometry, from the model open_clip builds for this config on the meta device (no weights)
+            import open_clip
+
+            with torch.device("meta"), _without_random_init_warning():
+                skeleton = open_clip.create_model(LOCAL_DIR + folder, load_weights=False, device="meta", pretrained_text=False)
+            return cls().describe(skeleton)
+
+        return LibraryCheckpoint(name, lambda: load_open_clip(reference), files, describe)
 
     def save_model(self, model: nn.Module, output_dir: str | os.PathLike) -> None:
         from safetensors.torch import save_model
@@ -144,6 +148,11 @@ class OpenCLIPVisionLayerMap(LayerMap):
 
 
 LOCAL_DIR, HF_HUB = "local-dir:", "hf-hub:"
+
+
+def is_open_clip_model(model: Any) -> bool:
+    """Whether `model` is an open_clip model (or one of its modules), by where its class is defined."""
+    return type(model).__module__.startswith("open_clip.")
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Union
 import torch
 from torch import nn
 
+from ..architectures.openclip import is_open_clip_model
 from ._datasets import local_split
 from .clip_templates import (
     CLIP_CLASS_NAMES,
@@ -336,7 +337,7 @@ def build_zeroshot_head(
     chunks: list[torch.Tensor] = []
     with torch.inference_mode():
         for start in range(0, len(prompts), batch_size):
-            if _is_open_clip(clip_model):  # open_clip tokenizers return the padded token ids
+            if is_open_clip_model(clip_model):  # open_clip tokenizers return the padded token ids
                 emb = clip_model.encode_text(tokenizer(prompts[start : start + batch_size]).to(run_device)).float()
                 chunks.append(emb / emb.norm(dim=-1, keepdim=True))
                 continue
@@ -360,13 +361,8 @@ def build_zeroshot_head(
 # ----------------------------------------------------------------- vision side
 
 
-def _is_open_clip(model: nn.Module) -> bool:
-    """An open_clip model (``encode_text`` / ``encode_image``, or a bare ``VisionTransformer``)."""
-    return type(model).__module__.startswith("open_clip.")
-
-
 def _has_text_tower(model: nn.Module) -> bool:
-    return hasattr(model, "get_text_features") or (_is_open_clip(model) and hasattr(model, "encode_text"))
+    return hasattr(model, "get_text_features") or (is_open_clip_model(model) and hasattr(model, "encode_text"))
 
 
 def _vision_parts(vision_model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
@@ -384,7 +380,7 @@ def _vision_parts(vision_model: nn.Module) -> tuple[nn.Module, nn.Module | None]
 
 
 def _check_vision_compat(vision_model: nn.Module, clip_model: nn.Module | None) -> None:
-    if _is_open_clip(vision_model):
+    if is_open_clip_model(vision_model):
         if getattr(getattr(vision_model, "visual", vision_model), "proj", None) is None:
             raise ValueError("vision_model is an open_clip tower without a projection (proj is None)")
         return
@@ -413,7 +409,7 @@ def clip_image_embeddings(
     ``CLIPModel``: ``get_image_features``; ``CLIPVisionModelWithProjection``: ``image_embeds``;
     bare ``CLIPVisionModel``: ``clip_model.visual_projection(pooler_output)``.
     """
-    if _is_open_clip(vision_model):  # CLIP.encode_image, or a bare VisionTransformer's projected output
+    if is_open_clip_model(vision_model):  # CLIP.encode_image, or a bare VisionTransformer's projected output
         return vision_model.encode_image(pixel_values) if hasattr(vision_model, "encode_image") else vision_model(pixel_values)
     if hasattr(vision_model, "get_image_features"):
         return _features(vision_model.get_image_features(pixel_values=pixel_values), "image_embeds")
