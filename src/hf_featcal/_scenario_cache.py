@@ -1,4 +1,4 @@
-"""On-disk caching of the built offline scenarios (`toy`, `toy_text`): models written atomically
+"""On-disk caching of the built offline scenarios (`toy`, `toy_text`, `toy_causal`): models written atomically
 next to a key describing how they were built, found again only when the key matches."""
 
 from __future__ import annotations
@@ -70,3 +70,11 @@ def save_build(
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_scenario_build(
+    path: str | os.PathLike, key: Mapping[str, Any], tokenizer: Any, base: Any, experts: Mapping[str, Any]
+) -> None:
+    """`save_build` of a text scenario: ``base/``, ``expert_<task>/`` and ``tokenizer/``."""
+    models = {"base": base, **{f"expert_{task}": expert for task, expert in experts.items()}}
+    save_build(path, key, models, lambda folder: tokenizer.save_pretrained(os.path.join(folder, "tokenizer")))

@@ -73,21 +73,22 @@ import random
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ._scenario_cache import matching_build, quiet_transformers, save_build
+from ._scenario_cache import matching_build, quiet_transformers, save_scenario_build
 from .toy_text import (
     EOS_TOKEN,
-    EXTRA_TASKS,
     PAD_TOKEN,
     PRETRAIN_TASKS,
     TASKS,
     UNK_TOKEN,
     VOCABULARY,
+    ScenarioBase,
+    ScenarioConfigBase,
     TextExample,
     pretrain_and_finetune,
     scenario_splits,
@@ -321,7 +322,7 @@ def evaluate_causal_exact_match(
 
 # --------------------------------------------------------------------------------------------- scenario
 @dataclass
-class CausalScenarioConfig:
+class CausalScenarioConfig(ScenarioConfigBase):
     """Sizes and training budgets of :func:`build_causal_scenario`.
 
     ``pretrain_tasks`` are the base's proxy tasks (full-length inputs); with
@@ -353,47 +354,18 @@ class CausalScenarioConfig:
     calibration_positions: str = "predicting"
 
     def __post_init__(self) -> None:
-        self.tasks = tuple(self.tasks)
-        self.pretrain_tasks = tuple(self.pretrain_tasks)
-        unknown = [t for t in self.tasks + self.pretrain_tasks if t not in PRETRAIN_TASKS + TASKS + EXTRA_TASKS]
-        if unknown:
-            raise ValueError(f"unknown tasks {unknown}; known: {PRETRAIN_TASKS + TASKS + EXTRA_TASKS}")
-        if not self.tasks:
-            raise ValueError("CausalScenarioConfig.tasks must name at least one task")
+        super().__post_init__()
         if self.calibration_positions not in CALIBRATION_POSITIONS:
             raise ValueError(
                 f"CausalScenarioConfig.calibration_positions must be one of {CALIBRATION_POSITIONS}, "
                 f"got {self.calibration_positions!r}"
             )
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (tuples as lists)."""
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
-
-
 @dataclass
-class CausalScenario:
-    """Everything of the toy causal-LM merging scenario.
-
-    ``train_data`` / ``test_data`` map each target task to its examples; ``calibration_batches``
-    maps each task to FeatCal batches drawn from its train split; ``pretrain_data`` holds the base's
-    pretraining mix per task. ``build_seconds`` is the wall time of building (or loading) it.
-    """
+class CausalScenario(ScenarioBase):
+    """Everything of the toy causal-LM merging scenario (see `ScenarioBase`)."""
 
     config: CausalScenarioConfig
-    tokenizer: Any
-    base: Any
-    experts: dict[str, Any]
-    train_data: dict[str, list[TextExample]]
-    test_data: dict[str, list[TextExample]]
-    calibration_batches: dict[str, list[dict[str, Tensor]]]
-    pretrain_data: dict[str, list[TextExample]] = field(default_factory=dict)
-    build_seconds: float = 0.0
-
-    @property
-    def tasks(self) -> tuple[str, ...]:
-        """The target tasks (one expert each)."""
-        return tuple(self.experts)
 
     def calibration_data(self, positions: str | None = None, num_samples: int | None = None) -> dict[str, list[dict[str, Tensor]]]:
         """Calibration batches per task, drawn as ``calibration_batches`` were, with other counted
@@ -489,11 +461,7 @@ def _cache_path(cache_dir: str | os.PathLike) -> str:
 def _save_cached(
     cache_dir: str | os.PathLike, config: CausalScenarioConfig, tokenizer: Any, base: Any, experts: Mapping[str, Any]
 ) -> None:
-    models = {"base": base, **{f"expert_{task}": expert for task, expert in experts.items()}}
-    save_build(
-        _cache_path(cache_dir), _cache_key(config), models,
-        lambda folder: tokenizer.save_pretrained(os.path.join(folder, "tokenizer")),
-    )
+    save_scenario_build(_cache_path(cache_dir), _cache_key(config), tokenizer, base, experts)
 
 
 def _load_cached(cache_dir: str | os.PathLike, config: CausalScenarioConfig) -> tuple[Any, dict[str, Any]] | None:
@@ -520,7 +488,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     from .calibrator import FeatCalCalibrator
     from .config import FeatCalConfig
-    from .merging import task_arithmetic
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--seed", type=int, default=0)
@@ -530,13 +497,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
     scenario = build_causal_scenario(seed=args.seed, cache_dir=args.cache_dir)
     print(f"built in {scenario.build_seconds:.1f} s (seed {args.seed})")
-    rows: dict[str, Any] = {"base": scenario.evaluate(scenario.base)}
-    for task, expert in scenario.experts.items():
-        rows[f"expert[{task}]"] = scenario.evaluate(expert)
-    rows["experts (own task)"] = {task: rows[f"expert[{task}]"][task] for task in scenario.tasks}
-    rows["experts (own task)"]["mean"] = sum(rows["experts (own task)"].values()) / len(scenario.tasks)
-    merged = task_arithmetic(scenario.base, scenario.experts, scaling_factor=0.3)
-    rows["TA 0.3"] = scenario.evaluate(merged)
+    rows, merged = scenario.score_rows()
     reports = {}
     for positions in CALIBRATION_POSITIONS if args.positions == "both" else (args.positions,):
         start = time.perf_counter()
@@ -550,11 +511,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"FeatCal ({positions} positions) in {time.perf_counter() - start:.1f} s")
         rows[f"TA 0.3 + FeatCal ({positions})"] = scenario.evaluate(calibrated)
         reports[positions] = calibrator.report
-    columns = list(scenario.tasks) + ["mean"]
-    print("| model | " + " | ".join(columns) + " |")
-    print("|---|" + "---:|" * len(columns))
-    for name, scores in rows.items():
-        print(f"| {name} | " + " | ".join(f"{scores[c]:.1f}" for c in columns) + " |")
+    scenario.print_scores(rows)
     for positions, report in reports.items():
         if report is not None:
             print(f"\ndrift ({positions} positions)\n" + report.summary_markdown())

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._scenario_cache import matching_build, quiet_transformers, save_build
+from ._scenario_cache import matching_build, quiet_transformers, save_scenario_build
 
 __all__ = [
     "DIGITS",
@@ -382,8 +382,29 @@ def evaluate_exact_match(
 
 
 # --------------------------------------------------------------------------------------------- scenario
+class ScenarioConfigBase:
+    """What the text scenario configs share (dataclasses with ``tasks`` and ``pretrain_tasks``):
+    task validation and a JSON-ready dict."""
+
+    tasks: tuple[str, ...]
+    pretrain_tasks: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        self.tasks = tuple(self.tasks)
+        self.pretrain_tasks = tuple(self.pretrain_tasks)
+        unknown = [t for t in self.tasks + self.pretrain_tasks if t not in PRETRAIN_TASKS + TASKS + EXTRA_TASKS]
+        if unknown:
+            raise ValueError(f"unknown tasks {unknown}; known: {PRETRAIN_TASKS + TASKS + EXTRA_TASKS}")
+        if not self.tasks:
+            raise ValueError(f"{type(self).__name__}.tasks must name at least one task")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (tuples as lists)."""
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+
+
 @dataclass
-class TextScenarioConfig:
+class TextScenarioConfig(ScenarioConfigBase):
     """Sizes and training budgets of :func:`build_text_scenario` (defaults: ~30 s on one CPU thread).
 
     ``pretrain_tasks`` are the base's proxy tasks (full-length inputs). With
@@ -414,30 +435,17 @@ class TextScenarioConfig:
     calibration_samples: int = 64
     calibration_batch_size: int = 16
 
-    def __post_init__(self) -> None:
-        self.tasks = tuple(self.tasks)
-        self.pretrain_tasks = tuple(self.pretrain_tasks)
-        unknown = [t for t in self.tasks + self.pretrain_tasks if t not in PRETRAIN_TASKS + TASKS + EXTRA_TASKS]
-        if unknown:
-            raise ValueError(f"unknown tasks {unknown}; known: {PRETRAIN_TASKS + TASKS + EXTRA_TASKS}")
-        if not self.tasks:
-            raise ValueError("TextScenarioConfig.tasks must name at least one task")
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (tuples as lists)."""
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
-
 
 @dataclass
-class TextScenario:
-    """Everything of the toy seq2seq merging scenario.
+class ScenarioBase:
+    """What a built text scenario holds.
 
     ``train_data`` / ``test_data`` map each target task to its examples; ``calibration_batches``
     maps each task to FeatCal batches drawn from its train split; ``pretrain_data`` holds the base's
     pretraining mix per task. ``build_seconds`` is the wall time of building (or loading) it.
     """
 
-    config: TextScenarioConfig
+    config: Any
     tokenizer: Any
     base: Any
     experts: dict[str, Any]
@@ -451,6 +459,39 @@ class TextScenario:
     def tasks(self) -> tuple[str, ...]:
         """The target tasks (one expert each)."""
         return tuple(self.experts)
+
+    def evaluate(self, model: Any, **kwargs: Any) -> dict[str, float]:
+        """Exact match of `model` on the test splits of all target tasks."""
+        raise NotImplementedError
+
+    def score_rows(self) -> tuple[dict[str, dict[str, float]], Any]:
+        """Exact match of the base, every expert, the experts on their own tasks and the Task
+        Arithmetic merge (0.3); also returns that merge."""
+        from .merging import task_arithmetic
+
+        rows: dict[str, dict[str, float]] = {"base": self.evaluate(self.base)}
+        for task, expert in self.experts.items():
+            rows[f"expert[{task}]"] = self.evaluate(expert)
+        rows["experts (own task)"] = {task: rows[f"expert[{task}]"][task] for task in self.tasks}
+        rows["experts (own task)"]["mean"] = sum(rows["experts (own task)"].values()) / len(self.tasks)
+        merged = task_arithmetic(self.base, self.experts, scaling_factor=0.3)
+        rows["TA 0.3"] = self.evaluate(merged)
+        return rows, merged
+
+    def print_scores(self, rows: Mapping[str, Mapping[str, float]]) -> None:
+        """Print `rows` as a markdown table: one column per target task, then the mean."""
+        columns = list(self.tasks) + ["mean"]
+        print("| model | " + " | ".join(columns) + " |")
+        print("|---|" + "---:|" * len(columns))
+        for name, scores in rows.items():
+            print(f"| {name} | " + " | ".join(f"{scores[c]:.1f}" for c in columns) + " |")
+
+
+@dataclass
+class TextScenario(ScenarioBase):
+    """Everything of the toy seq2seq merging scenario (see `ScenarioBase`)."""
+
+    config: TextScenarioConfig
 
     def calibration_datasets(self) -> dict[str, Any]:
         """Per task, a `datasets.Dataset` of the same examples as ``calibration_batches``."""
@@ -595,8 +636,7 @@ def _cache_path(cache_dir: str | os.PathLike) -> str:
 
 
 def _save_cached(cache_dir: str | os.PathLike, config: TextScenarioConfig, tokenizer: Any, base: Any, experts: Mapping[str, Any]) -> None:
-    models = {"base": base, **{f"expert_{task}": expert for task, expert in experts.items()}}
-    save_build(_cache_path(cache_dir), _cache_key(config), models, lambda folder: tokenizer.save_pretrained(os.path.join(folder, "tokenizer")))
+    save_scenario_build(_cache_path(cache_dir), _cache_key(config), tokenizer, base, experts)
 
 
 def _load_cached(cache_dir: str | os.PathLike, config: TextScenarioConfig) -> tuple[Any, dict[str, Any]] | None:
@@ -629,7 +669,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     import warnings
 
     from . import supported_model_types
-    from .merging import task_arithmetic
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--seed", type=int, default=0)
@@ -638,13 +677,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
     scenario = build_text_scenario(seed=args.seed, cache_dir=args.cache_dir)
     print(f"built in {scenario.build_seconds:.1f} s (seed {args.seed})")
-    rows: dict[str, Any] = {"base": scenario.evaluate(scenario.base)}
-    for task, expert in scenario.experts.items():
-        rows[f"expert[{task}]"] = scenario.evaluate(expert)
-    rows["experts (own task)"] = {task: rows[f"expert[{task}]"][task] for task in scenario.tasks}
-    rows["experts (own task)"]["mean"] = sum(rows["experts (own task)"].values()) / len(scenario.tasks)
-    merged = task_arithmetic(scenario.base, scenario.experts, scaling_factor=0.3)
-    rows["TA 0.3"] = scenario.evaluate(merged)
+    rows, merged = scenario.score_rows()
     report = None
     if "t5" in supported_model_types():
         from .calibrator import FeatCalCalibrator
@@ -661,11 +694,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"FeatCal in {time.perf_counter() - start:.1f} s")
         rows["TA 0.3 + FeatCal"] = scenario.evaluate(calibrated)
         report = calibrator.report
-    columns = list(scenario.tasks) + ["mean"]
-    print("| model | " + " | ".join(columns) + " |")
-    print("|---|" + "---:|" * len(columns))
-    for name, scores in rows.items():
-        print(f"| {name} | " + " | ".join(f"{scores[c]:.1f}" for c in columns) + " |")
+    scenario.print_scores(rows)
     if report is not None:
         print(report.summary_markdown())
     return rows
