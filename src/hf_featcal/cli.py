@@ -73,7 +73,8 @@ examples:
 
 A CLIPModel base with CLIPVisionModel experts merges the vision tower. The output folder holds the
 merged model (save_pretrained; the merge is recorded in config.json as hf_featcal_merge) and the
-base's processor / tokenizer when it has one.
+base's processor / tokenizer when it has one. open_clip bases and experts (hf-hub:/local-dir:
+references) give an open_clip folder (open_clip_model.safetensors + open_clip_config.json).
 """
 
 _CALIBRATE_EPILOG = """\
@@ -241,8 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     # ------------------------------------------------------------------ evaluate
     p = commands.add_parser(
-        "evaluate", help="score a model: CLIP zero-shot top-1 or FLAN-T5 GLUE",
-        description="Evaluate a CLIP model (zero-shot classification with the text tower of a CLIPModel) or a "
+        "evaluate", help="score a model: CLIP / open_clip zero-shot top-1 or FLAN-T5 GLUE",
+        description="Evaluate a CLIP model (zero-shot classification with the text tower of a CLIPModel; an "
+        "open_clip CLIP uses its own) or a "
         "FLAN-T5 model (GLUE by greedy generation) and print a table of per-task scores.",
         epilog=_EVALUATE_EPILOG, formatter_class=_FORMATTER,
     )
