@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 from datasets import Dataset
@@ -82,9 +84,30 @@ def test_calibrator_accepts_datasets(clip_setting, generator):
 
 
 def test_extra_batch_keys_are_ignored_by_the_model(clip_setting, generator):
+    """Keys the tower's forward does not take (labels, ids, text, a per-batch tensor) change nothing:
+    the batches are counted and cut by their pixel values, and the calibrated model and the drift
+    report are bit-identical to those from the same batches without the extra keys."""
     base, experts, merged, data = clip_setting
-    with_labels = {t: [{**b, "labels": torch.zeros(b["pixel_values"].shape[0])} for b in bs] for t, bs in data.items()}
-    FeatCalCalibrator(merged, base, experts, with_labels, show_progress=False).calibrate()
+    config = FeatCalConfig(num_samples_per_task=8)  # batches of 5, 5, 3: the second one is cut to 3
+    plain = copy.deepcopy(merged)
+    plain_calibrator = FeatCalCalibrator(plain, base, experts, data, config, show_progress=False)
+    plain_calibrator.calibrate()
+
+    def with_extras(batch):
+        n = batch["pixel_values"].shape[0]
+        return {"class_weights": torch.rand(10, generator=generator), **batch,
+                "labels": torch.randint(0, 10, (n,), generator=generator), "example_id": torch.arange(n),
+                "caption": ["a photo"] * n}
+
+    calibrator = FeatCalCalibrator(merged, base, experts, {t: [with_extras(b) for b in bs] for t, bs in data.items()},
+                                   config, show_progress=False)
+    assert calibrator.samples_per_task == plain_calibrator.samples_per_task == {"cars": 8, "dtd": 8}
+    cut = calibrator.batches["cars"][1]
+    assert torch.equal(cut["pixel_values"], data["cars"][1]["pixel_values"][:3]) and cut["labels"].shape == (3,)
+    calibrator.calibrate()
+    for (name, p), q in zip(merged.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+    assert calibrator.report.to_dict() == plain_calibrator.report.to_dict()
 
 
 def test_text_columns_beside_token_ids_are_dropped_by_the_default_collator():

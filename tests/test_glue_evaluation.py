@@ -12,10 +12,10 @@ import torch
 from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
-datasets = pytest.importorskip("datasets")
-evaluate = pytest.importorskip("evaluate")
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
+# core dependencies (install_requires / the test extra): a broken install fails here, it is never skipped
+import datasets
+import evaluate
+import transformers
 
 from hf_featcal.evaluation import glue as G  # noqa: E402
 from hf_featcal.evaluation import (  # noqa: E402

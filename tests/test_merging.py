@@ -143,10 +143,21 @@ def test_inputs_are_not_modified_and_result_is_new(vision_setting):
 
 
 def test_merged_model_runs_forward(vision_setting):
+    """The merged model computes what a fresh model holding θ⁰ + 0.3·Σ(θⁱ − θ⁰) computes (and not the base's output)."""
     base, experts = vision_setting
     merged = task_arithmetic(base, experts)
-    out = merged(pixel_values=torch.randn(2, 3, 16, 16))
+    base_sd = base.state_dict()
+    independent = CLIPVisionModel(vision_config()).eval()
+    independent.load_state_dict(
+        {k: v + 0.3 * sum(e.state_dict()[k] - v for e in experts.values()) if v.is_floating_point() else v for k, v in base_sd.items()}
+    )
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out, want, base_out = merged(pixel_values=pixels), independent(pixel_values=pixels), base(pixel_values=pixels)
     assert out.pooler_output.shape == (2, 32)
+    torch.testing.assert_close(out.last_hidden_state, want.last_hidden_state, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.pooler_output, want.pooler_output, rtol=1e-5, atol=1e-5)
+    assert float((out.pooler_output - base_out.pooler_output).abs().max()) > 1e-2
 
 
 # ------------------------------------------------------------------------------------------ record

@@ -23,7 +23,7 @@ from hf_featcal.toy import (
     load_digits_tasks,
 )
 
-pytest.importorskip("sklearn")
+import sklearn  # noqa: E402,F401  - the digits data come from scikit-learn (test extra): missing must fail, not skip
 
 # A small, fast variant for determinism checks (not an efficacy setting).
 SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -129,13 +129,21 @@ def test_models_are_clip_vision_models_with_task_heads(scenario):
 # ------------------------------------------------------------------------------------------ efficacy gap
 @pytest.mark.slow  # uses the module-scoped full scenario (built once, ~15-20 s)
 def test_experts_beat_base_and_task_arithmetic_on_their_own_tasks(accuracies):
+    """Thresholds sit well outside the spread over seeds 0–4 (`python benchmarks/scenario_spread.py
+    --scenarios digits`; another CPU rounds differently, which training turns into another model much
+    as another seed would). Measured: every expert ≥ 94.4 %, expert mean ≥ 95.4 %; on the plain
+    `digits` task (the base's own pretraining domain) the expert leads the base by only 3.4–7.1 points
+    and the merge by 1.2–8.0, on the three transformed tasks it leads the base by ≥ 20.7 and the merge
+    by ≥ 7.7; experts − merge ≥ 12.3 on the mean, merge − base ≥ 4.4, base mean ≤ 75.5 %."""
     base, experts, merged = accuracies["base"], accuracies["experts"], accuracies["merged"]
     for task in DIGITS_TASKS:
-        assert experts[task] >= 0.88, (task, experts[task])
-        assert experts[task] >= base[task] + 0.03, (task, experts[task], base[task])
-        assert experts[task] >= merged[task] + 0.02, (task, experts[task], merged[task])
-    assert mean(experts.values()) >= 0.92
-    assert mean(experts.values()) - mean(merged.values()) >= 0.10  # a clear merging loss
+        assert experts[task] >= 0.85, (task, experts[task])
+        assert experts[task] >= base[task], (task, experts[task], base[task])
+    for task in ("rotated", "inverted", "parity"):  # what the base was not pretrained on
+        assert experts[task] >= base[task] + 0.10, (task, experts[task], base[task])
+        assert experts[task] >= merged[task] + 0.03, (task, experts[task], merged[task])
+    assert mean(experts.values()) >= 0.90
+    assert mean(experts.values()) - mean(merged.values()) >= 0.06  # a clear merging loss
     assert mean(merged.values()) > mean(base.values())  # merging still helps over the base
     assert mean(base.values()) <= 0.85
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_featcal
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.data import prepare_batches
 from hf_featcal.merging import task_arithmetic
@@ -170,6 +169,10 @@ def test_mini_scenario_is_deterministic_and_caches(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- the scenario
+# Thresholds on this trained scenario sit well outside the spread over seeds 0–4 on one CPU
+# (`python benchmarks/scenario_spread.py --scenarios text`): every expert ≥ 99.0 on its own task,
+# expert mean − TA mean 42.4–52.0, base mean 46.5–53.1, FeatCal − TA +10.7 … +22.5, last-block drift
+# after/before ≤ 0.69 for every task.
 def test_experts_beat_task_arithmetic_merge(scenario, ta_merge, scores):
     assert scenario.tasks == TASKS
     config = scenario.base.config
@@ -208,8 +211,6 @@ def test_calibration_batches_come_from_train_split(scenario):
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::hf_featcal.FeatCalWarning")  # tiny vocabulary: block-0 Grams are rank-deficient
 def test_featcal_improves_task_arithmetic_merge(scenario, ta_merge, scores):
-    if "t5" not in hf_featcal.supported_model_types():
-        pytest.skip("T5 calibration is not supported by this hf_featcal build")
     merged = task_arithmetic(scenario.base, scenario.experts, scaling_factor=0.3).eval()
     calibrator = FeatCalCalibrator(
         merged, scenario.base, scenario.experts, scenario.calibration_batches, config=FeatCalConfig(), show_progress=False

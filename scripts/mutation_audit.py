@@ -1,0 +1,101 @@
+"""Mutation audit: does the suite notice a wrong FeatCal?
+
+Each mutation is one textual change to a copy of `src/` (the working tree's), a deliberately wrong
+implementation of one part of the method. For each, the chosen test files run against the mutated
+copy (through PYTHONPATH, the checkout is left alone) and the failing tests are listed; a mutation
+that no test catches is reported as SURVIVED and the script exits 1.
+
+    python scripts/mutation_audit.py                       # every mutation, the default test files
+    python scripts/mutation_audit.py rms_lambda_0 rms_centred --tests tests/test_t5.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: name → (file under src/hf_featcal, text, replacement); the text must occur exactly once
+MUTATIONS: dict[str, tuple[str, str, str]] = {
+    "no_norm_solve": (
+        "calibrator.py",
+        "        for (name, _), stats in norms.items():\n            module = block.get_submodule(name)",
+        "        for (name, _), stats in list(norms.items())[:0]:\n            module = block.get_submodule(name)",
+    ),
+    "rms_lambda_0": (
+        "calibrator.py",
+        'solve_scale_only_norm(stats.second_moment_sum, stats.gamma_target_sum, anchor_of(name, "weight"), lam, eps)',
+        'solve_scale_only_norm(stats.second_moment_sum, stats.gamma_target_sum, anchor_of(name, "weight"), 0.0, eps)',
+    ),
+    "rms_centred": (
+        "statistics.py",
+        "        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.norm_eps)",
+        "        x = x - x.mean(-1, keepdim=True)\n"
+        "        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.norm_eps)",
+    ),
+    "alpha_is_1": ("calibrator.py", "        alpha = self.config.teacher_alpha\n", "        alpha = 1.0\n"),
+    "alpha_is_0": ("calibrator.py", "        alpha = self.config.teacher_alpha\n", "        alpha = 0.0\n"),
+    "task_scale_1": ("statistics.py", "        s_i = task_scale(c_i, self.epsilon)\n", "        s_i = 1.0\n"),
+    "anchor_is_merged": ("calibrator.py", "            return anchor(merged, base, rho)\n",
+                         "            return anchor(merged, None, rho)\n"),
+    "pooled_weights_off": ("calibrator.py", "        if not weighted:\n            return weights\n",
+                           "        if True:\n            return weights\n"),
+    "pooled_weights_on_key_value": (
+        "calibrator.py",
+        "            weighted = pooled is not None and spec.name not in lm.key_value_modules\n",
+        "            weighted = pooled is not None\n",
+    ),
+}
+
+DEFAULT_TESTS = ["tests/test_reference_blockwise.py", "tests/test_t5.py", "tests/test_llm.py",
+                 "tests/test_encoders.py", "tests/test_reference_agreement.py"]
+
+
+def run_mutation(name: str, tests: list[str], workers: int) -> list[str]:
+    """The tests that fail with mutation `name` applied (an empty list: it survived)."""
+    filename, text, replacement = MUTATIONS[name]
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{name}-") as scratch:
+        shutil.copytree(os.path.join(ROOT, "src"), os.path.join(scratch, "src"),
+                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        path = os.path.join(scratch, "src", "hf_featcal", filename)
+        with open(path, encoding="utf-8") as handle:
+            source = handle.read()
+        if source.count(text) != 1:
+            raise SystemExit(f"{name}: the text to mutate occurs {source.count(text)} times in {filename} "
+                             "(the code changed: update MUTATIONS)")
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(source.replace(text, replacement))
+        env = dict(os.environ, PYTHONPATH=os.path.join(scratch, "src"))
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
+        if workers > 1:
+            command += ["-n", str(workers)]
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    return [line.split(" ")[1] for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mutations", nargs="*", help=f"default: all of {', '.join(MUTATIONS)}")
+    parser.add_argument("--tests", nargs="+", default=DEFAULT_TESTS)
+    parser.add_argument("-n", "--workers", type=int, default=2)
+    args = parser.parse_args()
+    unknown = sorted(set(args.mutations) - set(MUTATIONS))
+    if unknown:
+        parser.error(f"unknown mutations {unknown}; known: {', '.join(MUTATIONS)}")
+    survived = []
+    for name in args.mutations or list(MUTATIONS):
+        failed = run_mutation(name, args.tests, args.workers)
+        print(f"{name}: " + (f"caught by {len(failed)}: " + ", ".join(f.split('::', 1)[-1] for f in failed)
+                             if failed else "SURVIVED"), flush=True)
+        if not failed:
+            survived.append(name)
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
