@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-time set-up on a fresh machine: a virtual environment in .venv with PyTorch installed first (so
-# nothing pulls another build), then hf_featcal with its test, demo and open_clip extras.
+# nothing pulls another build), then hf_featcal with its test, demo, open_clip and lm_eval extras.
 #
 # open_clip_torch needs torchvision, which works only as a matched torch/torchvision pair:
 # torch 2.14.1 + torchvision 0.29.1 on x86_64, torch 2.9.1 + torchvision 0.24.1 on aarch64.
@@ -26,8 +26,8 @@ if [ "$WITH_OPEN_CLIP" = 1 ]; then
     else
         .venv/bin/python -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1"
     fi
-    .venv/bin/python -m pip install --quiet -e ".[test,demo,open_clip]"
+    .venv/bin/python -m pip install --quiet -e ".[test,demo,open_clip,lm_eval]"
 else
     .venv/bin/python -m pip install --quiet "torch==2.13.0"
-    .venv/bin/python -m pip install --quiet -e ".[test,demo]"
+    .venv/bin/python -m pip install --quiet -e ".[test,demo,lm_eval]"
 fi

@@ -95,7 +95,19 @@ def build_clip_setting(generator: torch.Generator, batch_sizes: tuple[int, ...] 
     return base, experts, merged, data
 
 
+def as_float64(base, experts, merged, data):
+    """The same setting in float64 (models and every floating batch tensor): comparisons between two
+    computations of one result (e.g. one process vs two) are then exact to ~1e-12, not to float32
+    round-off times the Grams' condition numbers, which depends on the CPU."""
+    def cast(batch):
+        return {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+
+    return (base.double(), {t: e.double() for t, e in experts.items()}, merged.double(),
+            {t: [cast(b) for b in batches] for t, batches in data.items()})
+
+
 __all__ = [
+    "as_float64",
     "CLIPModel",
     "CLIPVisionModel",
     "perturbed",

@@ -9,7 +9,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import build_clip_setting  # noqa: E402
+from conftest import as_float64, build_clip_setting  # noqa: E402
 
 from hf_featcal import FeatCalCalibrator, FeatCalConfig  # noqa: E402
 
@@ -23,7 +23,8 @@ def main(output: str, family: str = "clip") -> None:
         base, experts, merged, data = open_clip_setting(torch.Generator().manual_seed(0), batch_sizes=(4, 3, 5, 2, 4))
     else:
         base, experts, merged, data = build_clip_setting(torch.Generator().manual_seed(0), (4, 3, 5, 2, 4))
-    calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(), show_progress=False)
+    base, experts, merged, data = as_float64(base, experts, merged, data)
+    calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(compute_dtype="float64"), show_progress=False)
     calibrator.calibrate()
     calibrator.save_model(output)  # writes on the main process only
     rank = calibrator.state.process_index

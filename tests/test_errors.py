@@ -145,7 +145,7 @@ def test_bad_argument_types(clip_setting):
         FeatCalCalibrator(merged, base, {**experts, "cars": 3}, data)
     with pytest.raises(ValueError, match=r"`base_model`: cannot load a model config from '/nonexistent/base'"):
         FeatCalCalibrator(merged, "/nonexistent/base", experts, data)
-    with pytest.raises(ValueError, match=r"`device` must name a torch device"):
+    with pytest.raises(ValueError, match=r"`device`: .* is not a torch device"):
         FeatCalCalibrator(merged, base, experts, data, device="gpu0")
 
 

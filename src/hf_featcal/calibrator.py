@@ -8,6 +8,7 @@ the student stream through the calibrated block.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import tempfile
@@ -25,9 +26,10 @@ from tqdm.auto import tqdm
 
 from .architectures import LAYER_NORM, LINEAR, LayerMap, ModuleSpec, get_layer_map, model_config, supported_model_types
 from .architectures.auto import infer_layer_map
-from .checkpointing import CheckpointFolder, fingerprint
+from .checkpointing import CheckpointFolder, check_writable_folder, fingerprint
 from .config import FeatCalConfig, matches_module_pattern
 from .data import Batch, batch_size_of, prepare_batches
+from .devices import usable_device
 from .experts import ModelLike, ModelSource, make_source, module_device
 from .hooks import capture_module_inputs, eval_mode, restore_on_failure
 from .offload import ModelParameters
@@ -179,7 +181,11 @@ class FeatCalCalibrator:
         # the layer map may group statistics by what the batches select (e.g. LLM response tokens)
         self.layer_map.observe_batches(self.batches)
         self._plans = self._plan_blocks()
+        if checkpoint_dir is not None:
+            check_writable_folder(checkpoint_dir, "checkpoint_dir")
         self.checkpoint_dir = checkpoint_dir
+        # what shaped the batches and plans: a later change of these config fields is refused
+        self._planned_config = copy.deepcopy(config.to_dict())
         self._data_digest = None if checkpoint_dir is None else fingerprint(
             [(f"{task}.{i}.{key}", value) for task, batches in self.batches.items()
              for i, batch in enumerate(batches) for key, value in sorted(batch.items()) if isinstance(value, Tensor)]
@@ -191,6 +197,8 @@ class FeatCalCalibrator:
         if merge_info is None:  # recorded by hf_featcal.merging on the config, or on a config-less model
             merge_info = getattr(getattr(model, "config", None), "hf_featcal_merge", None) or getattr(model, "hf_featcal_merge", None)
         self.merge_info = merge_info
+        #: Saved with the model by `save_model` / `push_to_hub` (as `Trainer` saves its processing class).
+        self.processing_class = processing_class
         self._report: DriftReport | None = None
         self._calibrated = False
         #: Seconds spent per stage of the last `calibrate()` (entering stacks, block forwards,
@@ -212,6 +220,7 @@ class FeatCalCalibrator:
         """Run FeatCal and return the calibrated model (the merged model, updated in place)."""
         if self._calibrated:
             raise RuntimeError("calibrate() was already run on this calibrator; build a new one to calibrate again.")
+        self._check_config_unchanged()
         names = self._parameter_names()
         with restore_on_failure(self.model, names, self.parameters), eval_mode(self.model, *self._reference_models()), torch.no_grad():
             if not self.parameters.dispatched:  # a dispatched model keeps its placement: its hooks onload each block
@@ -221,19 +230,36 @@ class FeatCalCalibrator:
         self._calibrated = True
         return self.model
 
-    def save_model(self, output_dir: str | os.PathLike) -> None:
-        """Save the calibrated model with its model card, drift report and FeatCal config in one folder
-        (on the main process only)."""
+    def save_model(self, output_dir: str | os.PathLike, *, processing_class: Any = None) -> None:
+        """Save the calibrated model with its processing class, model card, drift report and FeatCal
+        config in one folder (on the main process only), so that the folder loads as it is with the Auto
+        classes, `pipeline(...)` and tools such as lm-evaluation-harness.
+
+        Args:
+            output_dir: the folder. It is written as a temporary sibling folder and renamed into place:
+                a failure part-way leaves the previous folder (or none), never a partial one. In an
+                existing folder the files of an earlier save (weights, shards, indexes, tokenizer, card:
+                `hf_featcal.saving.MODEL_FOLDER_PATTERNS`) are replaced, none left stale; other files stay.
+            processing_class: what to save beside the model (a tokenizer, image processor or
+                processor, or a list of them); default: the calibrator's `processing_class`. open_clip's
+                preprocessing is recorded in `open_clip_config.json` with the model.
+        """
+        from .saving import atomic_folder, save_model_files
+
         if not self._calibrated:
             raise RuntimeError("save_model() needs a calibrated model: call calibrate() first.")
         if not self.state.is_main_process:
             return
-        output_dir = os.fspath(output_dir)
-        self.layer_map.save_model(self.model, output_dir)
-        self.config.save_pretrained(output_dir)
-        if self._report is not None:
-            self._report.save(output_dir)
-        self.create_model_card().save(os.path.join(output_dir, "README.md"))
+        card = self.create_model_card()  # before anything is written: an unreadable source fails here
+        with atomic_folder(output_dir) as folder:
+            save_model_files(
+                self.model, folder, layer_map=self.layer_map,
+                processing_class=self.processing_class if processing_class is None else processing_class,
+            )
+            self.config.save_pretrained(folder)
+            if self._report is not None:
+                self._report.save(folder)
+            card.save(os.path.join(folder, "README.md"))
 
     def push_to_hub(
         self,
@@ -242,9 +268,13 @@ class FeatCalCalibrator:
         private: bool | None = None,
         token: str | None = None,
         commit_message: str = "Upload FeatCal-calibrated merged model",
+        processing_class: Any = None,
     ) -> Any:
-        """Upload the calibrated model, card, drift report and config to the hub in one commit."""
+        """Upload what `save_model` writes to the hub in one commit (weight files of an earlier upload
+        that this one does not write, e.g. stale shards, are deleted in the same commit)."""
         from huggingface_hub import HfApi
+
+        from .saving import STALE_WEIGHT_PATTERNS
 
         if not self._calibrated:
             raise RuntimeError("push_to_hub() needs a calibrated model: call calibrate() first.")
@@ -252,17 +282,30 @@ class FeatCalCalibrator:
             return None
         api = HfApi(token=token)
         api.create_repo(repo_id, private=private, exist_ok=True)
-        with tempfile.TemporaryDirectory() as folder:
-            self.save_model(folder)
-            return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message)
+        with tempfile.TemporaryDirectory() as staging:
+            folder = os.path.join(staging, "model")
+            self.save_model(folder, processing_class=processing_class)
+            return api.upload_folder(
+                repo_id=repo_id, folder_path=folder, commit_message=commit_message, delete_patterns=STALE_WEIGHT_PATTERNS
+            )
 
     def create_model_card(self) -> Any:
-        """The model card (a `huggingface_hub.ModelCard`) describing this calibration."""
+        """The model card (a `huggingface_hub.ModelCard`) describing this calibration, with hub metadata
+        for a merge (`base_model` = the merged models' hub ids, `base_model_relation: merge`,
+        `pipeline_tag`, `library_name`, the base's license)."""
+        from .report import describe_model, license_of, pipeline_tag_of
+
+        def describe(source: ModelSource) -> Any:
+            return describe_model(source.name, getattr(source, "model", None))
+
+        base = None if self.base is None else describe(self.base)
         return build_model_card(
             model_class=type(self.model).__name__,
             library_name=self.layer_map.library_name,
-            base_model=None if self.base is None else self.base.name,
-            experts={task: source.name or "in-memory model" for task, source in self.experts.items()},
+            pipeline_tag=pipeline_tag_of(self.model),
+            license=None if self.base is None else license_of(self.base.name, getattr(self.base, "model", None)),
+            base=base,
+            experts={task: describe(source) for task, source in self.experts.items()},
             samples_per_task=self.samples_per_task,
             featcal_config=self.config.to_dict(),
             report=self._report,
@@ -299,24 +342,54 @@ class FeatCalCalibrator:
                 f"{other_shapes[k]} vs {mine[k]} (and {len(wrong) - 1} more)."
             )
 
+    def _check_config_unchanged(self) -> None:
+        """The config may be edited between construction and `calibrate()`: check it again, refuse a
+        change of what shaped the batches, and plan the blocks again for the rest."""
+        self.config.validate()
+        now = self.config.to_dict()
+        if now == self._planned_config:
+            return
+        for name in ("num_samples_per_task", "batch_size", "seed"):
+            if now[name] != self._planned_config[name]:
+                raise ValueError(
+                    f"FeatCalConfig.{name} changed after the calibrator was built ({self._planned_config[name]!r} → "
+                    f"{now[name]!r}); it shapes the calibration batches: build a new FeatCalCalibrator."
+                )
+        self._compute_dtype = getattr(torch, self.config.compute_dtype)
+        self._plans = self._plan_blocks()
+        self._planned_config = copy.deepcopy(now)
+
     def _check_batches_enter_model(self) -> None:
+        """Every batch of every task, before any block is touched: the keys the layer map needs, tensors
+        (not arrays or lists) of consistent batch size, integer token ids inside the vocabulary, a
+        forward through the merged model's input path, and at least one weighted token per task."""
         tower = self.layer_map.tower(self.model)
         device = self._input_device(tower)
-        with eval_mode(self.model):
+        vocabulary = _vocabulary_size(self.model)
+        with eval_mode(self.model), torch.no_grad():
             for task, batches in self.batches.items():
+                weighted = 0.0
                 for index, batch in enumerate(batches):
+                    where = f"calibration_data[{task!r}] batch {index}"
                     try:
                         self.layer_map.check_batch(self.model, batch)
+                        _check_batch_tensors(batch, self.layer_map, self.model, vocabulary)
                     except ValueError as err:
-                        raise ValueError(f"calibration_data[{task!r}] batch {index}: {err}") from None
-                probe = {k: v[:1] if isinstance(v, Tensor) and v.dim() > 0 else v for k, v in batches[0].items()}
-                try:
-                    self.layer_map.enter_stack(tower, send_to_device(probe, device), 0, None)
-                except Exception as err:  # noqa: BLE001 - re-raised with the task named
+                        raise ValueError(f"{where}: {err}") from None
+                    try:
+                        state = self.layer_map.enter_stack(tower, send_to_device(batch, device), 0, None)
+                    except Exception as err:  # noqa: BLE001 - re-raised with the task and batch named
+                        raise ValueError(
+                            f"calibration_data[{task!r}]: the merged model cannot take its batches (batch {index}, "
+                            f"keys {sorted(batch)}): {type(err).__name__}: {err}"
+                        ) from err
+                    if state.weights is not None:
+                        weighted += float(state.weights.sum())
+                if weighted <= 0:
                     raise ValueError(
-                        f"calibration_data[{task!r}]: the merged model cannot take its batches "
-                        f"(keys {sorted(batches[0])}): {type(err).__name__}: {err}"
-                    ) from err
+                        f"calibration_data[{task!r}] has no weighted token: every position is padding (attention_mask 0) "
+                        "or excluded (labels -100 / loss_mask 0), so there is nothing to calibrate on."
+                    )
 
     def _plan_blocks(self) -> dict[tuple[int, int], _BlockPlan]:
         cfg, lm = self.config, self.layer_map
@@ -784,10 +857,7 @@ def _default_state() -> PartialState:
 
 def _resolve_device(accelerator: Accelerator | None, device: str | torch.device | None, state: Any) -> torch.device:
     if device is not None:
-        try:
-            return torch.device(device)
-        except (RuntimeError, TypeError) as err:
-            raise ValueError(f"`device` must name a torch device, got {device!r}: {err}") from None
+        return usable_device(device, "`device`")
     if accelerator is not None:
         if not isinstance(accelerator, Accelerator):
             raise TypeError(f"`accelerator` must be an accelerate.Accelerator, got {type(accelerator).__name__}.")
@@ -807,6 +877,58 @@ def _check_tasks(experts: Any, calibration_data: Any) -> list[str]:
     if no_expert:
         raise ValueError(f"tasks {no_expert} have data in `calibration_data` but no expert in `experts`.")
     return list(experts)
+
+
+_TOKEN_KEYS = ("input_ids", "decoder_input_ids")
+_MASK_KEYS = ("attention_mask", "token_type_ids", "decoder_attention_mask", "loss_mask", "labels")
+
+
+def _vocabulary_size(model: nn.Module) -> int | None:
+    """The number of rows of the model's input token embedding (None for models without one)."""
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        embedding = getter() if callable(getter) else None
+    except (NotImplementedError, AttributeError):
+        embedding = None
+    return embedding.num_embeddings if isinstance(embedding, nn.Embedding) else None
+
+
+def _check_batch_tensors(batch: Mapping[str, Any], layer_map: LayerMap, model: nn.Module, vocabulary: int | None) -> None:
+    """Cheap checks of one batch's model inputs (ValueError naming the key): tensors, one batch size,
+    integer token ids in [0, vocabulary), labels -100 or token ids where the model reads them as targets."""
+    main = layer_map.main_input_name
+    size = batch_size_of(batch, main)
+    keys = dict.fromkeys((*layer_map.input_names, *_TOKEN_KEYS, *_MASK_KEYS))
+    for key in keys:
+        if key not in batch or batch[key] is None or isinstance(batch[key], bool):
+            continue
+        value = batch[key]
+        if not isinstance(value, Tensor):
+            raise ValueError(
+                f"{key!r} is a {type(value).__module__}.{type(value).__qualname__}, expected a torch.Tensor "
+                "(convert it with torch.as_tensor)"
+            )
+        if value.dim() == 0 or value.shape[0] != size:
+            raise ValueError(f"{key!r} has shape {tuple(value.shape)}, but {main!r} holds {size} examples")
+    if main in _TOKEN_KEYS:
+        for key in ("attention_mask", "token_type_ids"):
+            mask = batch.get(key)  # a 2-D mask is per token (other ranks are custom attention masks)
+            if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape != batch[main].shape:
+                raise ValueError(f"{key!r} has shape {tuple(batch[key].shape)}, expected {main!r}'s {tuple(batch[main].shape)}")
+    targets = "labels" in layer_map.required_batch_keys(model)  # labels are token ids (teacher forcing)
+    for key in (*_TOKEN_KEYS, *(("labels",) if targets else ())):
+        value = batch.get(key)
+        if not isinstance(value, Tensor):
+            continue
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"{key!r} must hold integer token ids, got dtype {value.dtype}")
+        ids = value[value != -100] if key == "labels" else value
+        if ids.numel() and int(ids.min()) < 0:
+            raise ValueError(f"{key!r} holds the negative token id {int(ids.min())}" + (" (only -100 marks ignored labels)" if key == "labels" else ""))
+        if vocabulary is not None and ids.numel() and int(ids.max()) >= vocabulary:
+            raise ValueError(f"{key!r} holds the token id {int(ids.max())}, outside the model's vocabulary of {vocabulary}")
+    if main == "pixel_values" and isinstance(batch.get(main), Tensor) and not batch[main].is_floating_point():
+        raise ValueError(f"'pixel_values' must be floating point, got dtype {batch[main].dtype}")
 
 
 def _check_finite(value: Tensor, what: str) -> None:

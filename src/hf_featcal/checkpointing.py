@@ -1,8 +1,15 @@
 """Resume: after each block, persist what is needed to continue, tied to a fingerprint of the run.
 
-A checkpoint folder holds `state.json` (fingerprint, last finished block), one safetensors file of
-calibrated parameters per finished block, and per process the feature streams entering the next block
-(with the drift report and solve log so far). Only the newest streams are kept.
+A checkpoint folder holds `state.json` (format, fingerprint, last finished block), one safetensors
+file of calibrated parameters per finished block, and per process one safetensors file with the
+feature streams entering the next block; the streams' structure (and the drift report and solve
+log so far) is JSON in that file's metadata. Nothing is ever unpickled: a tampered folder can at
+worst be refused.
+
+Each block is committed atomically: its parameter and stream files are written under names of
+their own (via temporary names), then `state.json` is replaced in one `os.replace`, which is the
+commit; the previous block's streams are deleted only after it. An interruption at any point leaves
+either the old or the new state, both complete.
 """
 
 from __future__ import annotations
@@ -10,41 +17,89 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from .streams import StreamBatch
+
 STATE_NAME = "state.json"
+FORMAT = 2  # 1: pickled streams (streams-rank<r>.pt), never read
+
+try:  # a dependency of `datasets`; ~10x faster than the hashlib fallback
+    import xxhash
+
+    def _new_hasher() -> Any:
+        return xxhash.xxh3_128()
+except ImportError:  # pragma: no cover
+
+    def _new_hasher() -> Any:
+        return hashlib.blake2b(digest_size=16)
 
 
 def tensor_digest(hasher: Any, name: str, tensor: Tensor) -> None:
-    """Feed a cheap but discriminating summary of a tensor into `hasher`: name, shape, dtype, sums and
-    a strided sample of values (hashing every byte of a multi-GB model would cost more than a block)."""
+    """Feed a tensor's name, shape, dtype and every byte of its contents into `hasher`."""
     t = tensor.detach()
-    flat = t.reshape(-1)
-    sample = flat[:: max(1, flat.numel() // 64)][:64].double().cpu()
-    data = t.double()
     hasher.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
-    hasher.update(torch.stack([data.sum(), data.square().sum()]).cpu().numpy().tobytes() if t.numel() else b"")
-    hasher.update(sample.numpy().tobytes())
+    if t.numel() == 0:
+        return
+    if t.is_meta:
+        raise ValueError(f"cannot fingerprint {name!r}: it has no values (meta device)")
+    data = t.reshape(-1)
+    if data.device.type != "cpu":
+        data = data.cpu()
+    hasher.update(memoryview(data.contiguous().view(torch.uint8).numpy()))
+
+
+def file_digest(path: str, chunk: int = 1 << 24) -> str:
+    """A content hash of a file (read in chunks, never held whole)."""
+    hasher = _new_hasher()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            hasher.update(block)
+    return hasher.hexdigest()
 
 
 def fingerprint(parts: Iterable[tuple[str, Any]]) -> str:
-    """A hex digest of named parts: tensors (summarised), mappings of tensors, or JSON-able values."""
-    hasher = hashlib.sha256()
+    """A hex digest of named parts: tensors (hashed byte for byte), mappings of tensors, or JSON-able values."""
+    hasher = _new_hasher()
     for name, value in parts:
         if isinstance(value, Tensor):
             tensor_digest(hasher, name, value)
-        elif isinstance(value, Mapping) and all(isinstance(v, Tensor) for v in value.values()):
+        elif isinstance(value, Mapping) and value and all(isinstance(v, Tensor) for v in value.values()):
             for key in sorted(value):
                 tensor_digest(hasher, f"{name}.{key}", value[key])
         else:
             hasher.update(f"{name}={json.dumps(value, sort_keys=True, default=str)}".encode())
     return hasher.hexdigest()
+
+
+def check_writable_folder(path: str | os.PathLike, argument: str) -> str:
+    """Check, before any work, that folder `path` can be created and written (a probe file is written
+    and removed in it, or in its nearest existing parent; nothing is left behind). Raises ValueError
+    naming `argument`; returns the path as a string."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"`{argument}` must be a folder path (str or os.PathLike), got {type(path).__name__}.")
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"`{argument}` {path!r} is a file, not a folder.")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"`{argument}` {path!r} cannot be created: {existing!r} is a file.")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".hf_featcal-write-check-"):
+            pass
+    except OSError as err:
+        raise ValueError(f"`{argument}` {path!r} is not writable: {err.strerror or err}.") from None
+    return path
 
 
 @dataclass
@@ -64,49 +119,176 @@ class CheckpointFolder:
         self.path, self.digest, self.rank, self.is_main = os.fspath(path), digest, rank, is_main
         self.device = device
 
+    # ------------------------------------------------------------------ names
+    def _block_file(self, finished: int) -> str:
+        return os.path.join(self.path, f"block-{finished:05d}.safetensors")
+
+    def _streams_file(self, finished: int) -> str:
+        return os.path.join(self.path, f"streams-rank{self.rank}-block{finished:05d}.safetensors")
+
+    def _damaged(self, what: str, err: Exception | str) -> ValueError:
+        return ValueError(f"`checkpoint_dir` {self.path!r} is damaged ({what}: {err}); delete it to start over.")
+
+    # ------------------------------------------------------------------ read
     def load(self) -> ResumePoint | None:
-        """The resume point, None for a fresh folder; refuses a checkpoint of a different run."""
+        """The resume point, None for a fresh folder; refuses a checkpoint of a different run, of an
+        older format, or a damaged one (naming the file)."""
         state_path = os.path.join(self.path, STATE_NAME)
         if not os.path.isfile(state_path):
             return None
-        with open(state_path, encoding="utf-8") as handle:
-            state = json.load(handle)
+        try:
+            with open(state_path, encoding="utf-8") as handle:
+                state = json.load(handle)
+            if not isinstance(state, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as err:
+            raise self._damaged(STATE_NAME, err) from None
+        if state.get("format") != FORMAT:
+            raise ValueError(
+                f"`checkpoint_dir` {self.path!r} was written by an older hf_featcal (pickled streams, which are "
+                "never loaded); delete it to start over."
+            )
         if state.get("fingerprint") != self.digest:
             raise ValueError(
                 f"`checkpoint_dir` {self.path!r} holds a checkpoint of a different run (other models, data, "
                 "config or number of processes); use another folder or delete it to start over."
             )
-        finished = int(state["finished_blocks"])
+        finished = state.get("finished_blocks")
+        if isinstance(finished, bool) or not isinstance(finished, int) or finished < 1:
+            raise self._damaged(STATE_NAME, f"finished_blocks is {finished!r}")
         parameters: dict[str, Tensor] = {}
         for index in range(1, finished + 1):
-            parameters.update(load_file(os.path.join(self.path, f"block-{index:05d}.safetensors")))
-        streams = torch.load(os.path.join(self.path, f"streams-rank{self.rank}.pt"), map_location=self.device, weights_only=False)
-        if streams.get("finished_blocks") != finished:
-            raise ValueError(f"`checkpoint_dir` {self.path!r} is incomplete (streams of another block); delete it.")
-        return ResumePoint(finished, parameters, streams)
+            path = self._block_file(index)
+            try:
+                parameters.update(load_file(path))
+            except (OSError, SafetensorError) as err:
+                raise self._damaged(os.path.basename(path), err) from None
+        return ResumePoint(finished, parameters, self._load_streams(finished))
 
+    def _load_streams(self, finished: int) -> dict[str, Any]:
+        path = self._streams_file(finished)
+        name = os.path.basename(path)
+        try:
+            with safe_open(path, framework="pt") as handle:
+                metadata = handle.metadata() or {}
+                tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+            structure = json.loads(metadata["structure"])
+            return _decode(structure, tensors, {}, self.device)
+        except (OSError, SafetensorError, KeyError, ValueError, TypeError) as err:
+            raise self._damaged(name, f"{type(err).__name__}: {err}") from None
+
+    # ------------------------------------------------------------------ write
     def save(self, finished_blocks: int, parameters: dict[str, Tensor], streams: dict[str, Any], barrier: Any) -> None:
-        """Persist one more finished block: its parameters (main process), every process's streams,
-        then the state marker (main process, after all processes wrote their streams)."""
+        """Persist one more finished block: its parameters (main process) and every process's streams
+        under new names, then the commit (`state.json` replaced, main process, after every process
+        wrote), then the previous block's streams are removed."""
         os.makedirs(self.path, exist_ok=True)
         if self.is_main:
-            cpu = {k: v.detach().to("cpu").contiguous() for k, v in parameters.items()}
-            _atomic(os.path.join(self.path, f"block-{finished_blocks:05d}.safetensors"), lambda p: save_file(cpu, p))
-        streams = {**streams, "finished_blocks": finished_blocks}
-        _atomic(os.path.join(self.path, f"streams-rank{self.rank}.pt"), lambda p: torch.save(streams, p))
+            cpu = _unshared({k: v.detach().to("cpu").contiguous() for k, v in parameters.items()})
+            _atomic(self._block_file(finished_blocks), lambda p: save_file(cpu, p))
+        tensors: dict[str, Tensor] = {}
+        structure = _encode(streams, tensors, {}, {})
+        metadata = {"structure": json.dumps(structure), "finished_blocks": str(finished_blocks)}
+        tensors = _unshared(tensors)
+        _atomic(self._streams_file(finished_blocks), lambda p: save_file(tensors, p, metadata=metadata))
         barrier()
         if self.is_main:
-            state = {"fingerprint": self.digest, "finished_blocks": finished_blocks}
-            _atomic(os.path.join(self.path, STATE_NAME), lambda p: _write_json(state, p))
+            state = {"format": FORMAT, "fingerprint": self.digest, "finished_blocks": finished_blocks}
+            commit_state(os.path.join(self.path, STATE_NAME), state)
         barrier()
+        own = f"streams-rank{self.rank}-block"
+        keep = os.path.basename(self._streams_file(finished_blocks))
+        for name in os.listdir(self.path):
+            if name.startswith(own) and name != keep:
+                os.remove(os.path.join(self.path, name))
+
+
+def commit_state(path: str, state: dict) -> None:
+    """Replace `state.json` in one atomic step (the commit of a block)."""
+    _atomic(path, lambda p: _write_json(state, p))
 
 
 def _write_json(data: dict, path: str) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(data, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def _atomic(path: str, write: Any) -> None:
     tmp = path + ".tmp"
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _unshared(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The tensors with every one sharing storage with an earlier one copied (safetensors refuses shared storage)."""
+    seen: set[int] = set()
+    out = {}
+    for key, value in tensors.items():
+        value = value.contiguous()
+        pointer = value.untyped_storage().data_ptr() if value.numel() else 0
+        if pointer and pointer in seen:
+            value = value.clone()
+        seen.add(pointer)
+        out[key] = value
+    return out
+
+
+# ---------------------------------------------------------------------------- streams ↔ JSON + tensors
+# Stream batches, tuples, lists, str-keyed dicts, tensors and JSON scalars. Object identity is kept
+# (the calibrator relies on a merged-as-given batch *being* the student's batch until a block is solved).
+def _encode(obj: Any, tensors: dict[str, Tensor], tensor_ids: dict[int, str], batch_ids: dict[int, int]) -> Any:
+    if isinstance(obj, Tensor):
+        key = tensor_ids.get(id(obj))
+        if key is None:
+            key = tensor_ids[id(obj)] = str(len(tensors))
+            tensors[key] = obj.detach().to("cpu")
+        return {"$tensor": key, "cpu": obj.device.type == "cpu"}
+    if isinstance(obj, StreamBatch):
+        if id(obj) in batch_ids:
+            return {"$same_batch": batch_ids[id(obj)]}
+        batch_ids[id(obj)] = len(batch_ids)
+        fields = {f: getattr(obj, f) for f in ("hidden", "args", "kwargs", "weights", "extras")}
+        return {"$batch": batch_ids[id(obj)], **{k: _encode(v, tensors, tensor_ids, batch_ids) for k, v in fields.items()}}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, tuple):
+        return {"$tuple": [_encode(v, tensors, tensor_ids, batch_ids) for v in obj]}
+    if isinstance(obj, list):
+        return [_encode(v, tensors, tensor_ids, batch_ids) for v in obj]
+    if isinstance(obj, dict) and all(isinstance(k, str) for k in obj):
+        return {"$dict": {k: _encode(v, tensors, tensor_ids, batch_ids) for k, v in obj.items()}}
+    if isinstance(obj, torch.dtype):
+        return {"$dtype": str(obj).removeprefix("torch.")}
+    raise TypeError(f"cannot checkpoint a stream value of type {type(obj).__name__}")
+
+
+def _decode(obj: Any, tensors: dict[str, Tensor], batches: dict[int, StreamBatch], device: torch.device) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors, batches, device) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "$tensor" in obj:
+        tensor = tensors[obj["$tensor"]]
+        return tensor if obj["cpu"] else tensor.to(device)
+    if "$same_batch" in obj:
+        return batches[obj["$same_batch"]]
+    if "$batch" in obj:
+        fields = {k: _decode(obj[k], tensors, batches, device) for k in ("hidden", "args", "kwargs", "weights", "extras")}
+        batch = batches[obj["$batch"]] = StreamBatch(**fields)
+        return batch
+    if "$tuple" in obj:
+        return tuple(_decode(v, tensors, batches, device) for v in obj["$tuple"])
+    if "$dict" in obj:
+        return {k: _decode(v, tensors, batches, device) for k, v in obj["$dict"].items()}
+    if "$dtype" in obj:
+        dtype = getattr(torch, obj["$dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {obj['$dtype']!r}")
+        return dtype
+    raise ValueError(f"unknown entry {sorted(obj)}")

@@ -7,7 +7,7 @@
     hf-featcal demo      (offline, < 3 minutes on 2 CPU cores)
 
 Run ``hf-featcal <command> --help`` for every option. Errors in what was given (a bad recipe key, a
-missing path, a model that does not fit) print one line and exit with a non-zero status; ``--debug``
+missing path, a model that does not fit) print one line and exit with status 2; ``--debug``
 shows the traceback instead.
 """
 
@@ -332,6 +332,28 @@ def _check_source(value: str, option: str, kind: str = "model") -> str:
         raise CLIError(str(err)) from None
 
 
+def _check_device(device: str | None) -> None:
+    """Refuse a --device this machine cannot use (before anything is loaded)."""
+    if device is None:
+        return
+    from .devices import usable_device
+
+    try:
+        usable_device(device, "--device")
+    except ValueError as err:
+        raise CLIError(str(err)) from None
+
+
+def _check_output_dir(path: str, option: str = "--output-dir") -> None:
+    """Refuse an output folder that cannot be written (before merging or calibrating)."""
+    from .checkpointing import check_writable_folder
+
+    try:
+        check_writable_folder(path, option)
+    except ValueError as err:
+        raise CLIError(str(err).replace(f"`{option}`", option, 1)) from None
+
+
 def _featcal_config(args: argparse.Namespace) -> Any:
     from .recipes import RecipeError, parse_featcal
 
@@ -395,20 +417,20 @@ def _processing(family: str, candidates: Sequence[str | None]) -> dict[str, Any]
     raise CLIError(f"no {what} found (tried {[c for c in candidates if c]}); pass --processor. " + " | ".join(errors)[:500])
 
 
-def _maybe_save_processing(family: str | None, sources: Sequence[str | None], output_dir: str) -> bool:
-    from .recipes import load_processing, save_processing
+def _maybe_processing(family: str | None, sources: Sequence[str | None]) -> dict[str, Any] | None:
+    """The processing classes of the first source that has them (None if none has)."""
+    from .recipes import load_processing
 
     if family is None:
-        return False
+        return None
     for source in sources:
         if not source:
             continue
         try:
-            save_processing(load_processing(family, source), output_dir)
-            return True
+            return load_processing(family, source)
         except (OSError, ValueError, TypeError):
             continue
-    return False
+    return None
 
 
 class _ProgressBars:
@@ -480,17 +502,16 @@ def _cmd_merge(args: argparse.Namespace) -> int:
         if option == "--rescale":
             option = "--no-rescale"
         raise CLIError(f"{option}: {str(err).split(': ', 1)[-1]}") from None
+    _check_output_dir(args.output_dir)
     _log(f"Merging {len(experts)} experts into {args.base}: {spec.describe()} ...")
     start = time.perf_counter()
     merged = merge_models(base, experts, spec.method, **spec.params)
-    os.makedirs(args.output_dir, exist_ok=True)
-    if hasattr(merged, "save_pretrained"):
-        merged.save_pretrained(args.output_dir)
-    else:  # open_clip: its own format
-        from .architectures import get_layer_map
+    from .saving import atomic_folder, processing_to_save, save_model_files
 
-        get_layer_map(merged, "--base").save_model(merged, args.output_dir)
-    saved = _maybe_save_processing(model_family_of(merged), [base], args.output_dir)
+    processing = _maybe_processing(model_family_of(merged), [base])
+    with atomic_folder(args.output_dir, "--output-dir") as folder:  # as FeatCalCalibrator.save_model saves
+        save_model_files(merged, folder, processing_class=processing_to_save(processing))
+    saved = processing is not None
     print(f"Merged {type(merged).__name__} ({spec.describe()}; tasks: {', '.join(experts)}) "
           f"in {time.perf_counter() - start:.1f} s → {args.output_dir}"
           + ("" if saved else " (no processor/tokenizer found with the base)"))
@@ -513,6 +534,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     config = _featcal_config(args)
     if args.push_to_hub is not None and "/" not in args.push_to_hub:
         raise CLIError(f"--push-to-hub: expected a repo id such as me/my-model, got {args.push_to_hub!r}")
+    _check_device(args.device)
+    _check_output_dir(args.output_dir)
 
     with _ProgressBars(args.quiet):
         return _calibrate(args, model_source, base_source, experts, data, configs, config)
@@ -539,7 +562,6 @@ def _calibrate(
         parse_calibration,
         prepare_clip_calibration,
         prepare_flan_t5_calibration,
-        save_processing,
         upload_folder,
     )
 
@@ -581,9 +603,9 @@ def _calibrate(
     finally:
         ridge = finish()
     seconds = time.perf_counter() - start
-    os.makedirs(args.output_dir, exist_ok=True)
-    calibrator.save_model(args.output_dir)
-    save_processing(processing, args.output_dir)
+    from .saving import processing_to_save
+
+    calibrator.save_model(args.output_dir, processing_class=processing_to_save(processing))
     plot = None
     if calibrator.report is not None:
         plot = plot_drift(calibrator.report, os.path.join(args.output_dir, "featcal_drift.png"))
@@ -663,6 +685,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
     model_source = _check_source(args.model, "--model")
     clip_source = _check_source(args.clip_model, "--clip-model") if args.clip_model else None
+    _check_device(args.device)
     if args.family is not None:
         _evaluation_spec(args, args.family)  # check the arguments before loading anything
     _log(f"Loading {args.model} ...")
@@ -708,6 +731,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.push_to_hub is not None:
         overrides["push_to_hub"] = args.push_to_hub
     recipe = load_recipe(args.recipe, overrides)
+    if not args.check:
+        _check_device(args.device)
+        _check_output_dir(recipe.output_dir, "output_dir")
     print(f"Recipe {args.recipe}: {recipe.model_family}, base {recipe.base}, {len(recipe.experts)} experts "
           f"({', '.join(recipe.tasks)}), merge {recipe.merge.describe()}, output {recipe.output_dir}")
     if args.check:
@@ -829,8 +855,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hf-featcal``; returns the exit status (0 on success).
 
     User errors (invalid recipe or options, missing files, models that do not fit, hub failures)
-    print ``hf-featcal <command>: error: ...`` on stderr and return 2 (arguments / recipe) or 1
-    (while running); ``--debug`` re-raises them with the traceback.
+    print one line ``hf-featcal <command>: error: ...`` on stderr and return 2 (also when found
+    while running); ``--debug`` re-raises them with the traceback.
     """
     from .recipes import RecipeError
 
@@ -854,8 +880,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _user_errors() as err:
         if args.debug:
             raise
-        print(f"{name}: error: {type(err).__name__}: {err}\n(run with --debug for the traceback)", file=sys.stderr)
-        return 1
+        reason = " ".join(str(err).split())  # one line, whatever the message
+        print(f"{name}: error: {type(err).__name__}: {reason} (--debug shows the traceback)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

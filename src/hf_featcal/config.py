@@ -18,7 +18,8 @@ class FeatCalConfig:
     """Settings of a FeatCal calibration.
 
     Defaults follow the authors' released demo (the published reference numbers); the paper text's
-    values are noted in each field's help. Validated on construction; saved and loaded as JSON with
+    values are noted in each field's help. Validated on construction and on every later assignment
+    (an invalid value is refused and the old one kept); saved and loaded as JSON with
     `save_pretrained` / `from_pretrained`.
     """
 
@@ -100,12 +101,32 @@ class FeatCalConfig:
     )
 
     def __post_init__(self) -> None:
-        if isinstance(self.target_modules, tuple):
-            self.target_modules = list(self.target_modules)
-        if isinstance(self.exclude_modules, tuple):
-            self.exclude_modules = list(self.exclude_modules)
-        if isinstance(self.layers_to_transform, (tuple, range)):
-            self.layers_to_transform = list(self.layers_to_transform)
+        self._normalise()
+        self._validate()
+        object.__setattr__(self, "_validated", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # after construction, an assignment is validated like the constructor's arguments
+        if not self.__dict__.get("_validated") or name not in self.__dataclass_fields__:
+            object.__setattr__(self, name, value)
+            return
+        old = self.__dict__[name]
+        object.__setattr__(self, name, value)
+        try:
+            self._normalise()
+            self._validate()
+        except BaseException:
+            object.__setattr__(self, name, old)
+            raise
+
+    def _normalise(self) -> None:
+        for name in ("target_modules", "exclude_modules", "layers_to_transform"):
+            value = self.__dict__[name]
+            if isinstance(value, tuple) or (name == "layers_to_transform" and isinstance(value, range)):
+                object.__setattr__(self, name, list(value))
+
+    def validate(self) -> None:
+        """Check every field again (raises ValueError naming the field), e.g. after a list was edited in place."""
         self._validate()
 
     def _validate(self) -> None:
@@ -153,7 +174,8 @@ class FeatCalConfig:
                 )
         layers = self.layers_to_transform
         if isinstance(layers, int) and not isinstance(layers, bool):
-            self.layers_to_transform = layers = [layers]
+            layers = [layers]
+            object.__setattr__(self, "layers_to_transform", layers)
         if layers is not None and not (
             isinstance(layers, list)
             and layers
@@ -206,8 +228,15 @@ class FeatCalConfig:
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, CONFIG_NAME)
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
+        try:
+            with open(path, encoding="utf-8") as handle:
+                data = json.load(handle)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no FeatCal config there (expected {CONFIG_NAME}).") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: not a valid JSON FeatCal config: {err}.") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a FeatCal config must be a JSON object of fields, got {type(data).__name__}.")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -16,15 +16,23 @@ except ImportError:  # pragma: no cover
 
 Batch = dict[str, Any]
 
+#: Consecutive empty batches after which an iterable is refused (it may never yield an example).
+MAX_CONSECUTIVE_EMPTY_BATCHES = 1000
+
 _IMAGE_COLUMNS = ("image", "img", "images")
 _TEXT_COLUMNS = ("text", "sentence", "input_text")
 
 
 def batch_size_of(batch: Mapping[str, Any], main_input_name: str) -> int:
     """Number of examples in a batch: the leading dimension of its main input."""
-    value = batch.get(main_input_name)
-    if not isinstance(value, Tensor) or value.dim() == 0:
+    if main_input_name not in batch:
         raise ValueError(f"the batch has no tensor '{main_input_name}' (keys: {sorted(batch)})")
+    value = batch[main_input_name]
+    if not isinstance(value, Tensor):
+        kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+        raise ValueError(f"the batch's '{main_input_name}' is a {kind}, expected a torch.Tensor (convert it with torch.as_tensor)")
+    if value.dim() == 0:
+        raise ValueError(f"the batch's '{main_input_name}' is a 0-dimensional tensor, expected one example per row")
     return int(value.shape[0])
 
 
@@ -57,8 +65,16 @@ def prepare_batches(
             f"calibration_data[{task!r}] must be a datasets.Dataset or an iterable of batches "
             f"(dicts of tensors), got {type(data).__name__}."
         )
+    if num_samples is None and not _has_length(data):
+        # every batch is kept in memory: an endless stream would never finish
+        raise ValueError(
+            f"calibration_data[{task!r}] is a {type(data).__name__} without a length, and "
+            "FeatCalConfig.num_samples_per_task is None: set num_samples_per_task to bound how much is read, "
+            "or pass a list of batches."
+        )
     batches: list[Batch] = []
     used = 0
+    empty_run = 0
     for index, batch in enumerate(data):
         if not isinstance(batch, Mapping):
             raise TypeError(
@@ -70,7 +86,14 @@ def prepare_batches(
         except ValueError as err:
             raise ValueError(f"calibration_data[{task!r}] item {index}: {err}") from None
         if size == 0:
+            empty_run += 1
+            if empty_run >= MAX_CONSECUTIVE_EMPTY_BATCHES:
+                raise ValueError(
+                    f"calibration_data[{task!r}] yielded {empty_run} empty batches in a row (items "
+                    f"{index - empty_run + 1}-{index}, none with an example): give batches with examples."
+                )
             continue
+        empty_run = 0
         if num_samples is not None and used + size > num_samples:
             batches.append(cut_batch(batch, size, num_samples - used))
             used = num_samples
@@ -80,6 +103,14 @@ def prepare_batches(
         if num_samples is not None and used >= num_samples:
             break
     return batches
+
+
+def _has_length(data: Any) -> bool:
+    try:
+        len(data)
+    except TypeError:
+        return False
+    return True
 
 
 def _batches_from_dataset(

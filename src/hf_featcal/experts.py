@@ -43,6 +43,7 @@ def load_model(source: ModelLike, argument: str, base: ModelLike | None = None) 
     checkpoint = library_checkpoint(path, argument)
     if checkpoint is not None:
         return _load_library_model(checkpoint, argument)
+    check_local_path(path, argument)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - re-raised with the argument named
@@ -188,7 +189,7 @@ class CheckpointSource(ModelSource):
             except Exception as err:  # noqa: BLE001
                 raise ValueError(f"`{argument}`: cannot load a model config from {name!r}: {err}") from err
         self.config = config
-        self._files = safetensors_files(folder) if files is None else files
+        self._files = safetensors_files(folder, argument) if files is None else files
         self._key_map: dict[str, str] | None = None
 
     # -- keys
@@ -221,19 +222,21 @@ class CheckpointSource(ModelSource):
         )
 
     def _read(self, key: str) -> torch.Tensor:
-        with safe_open(self._files[key], framework="pt") as handle:
+        with open_safetensors(self._files[key], self.argument) as handle:
             return handle.get_tensor(key)
 
     def tower_shapes(self, layer_map: Any, reference: nn.Module) -> dict[str, tuple[int, ...]]:
         shapes = {}
         for name, key in self._keys(layer_map, reference).items():
-            with safe_open(self._files[key], framework="pt") as handle:
+            with open_safetensors(self._files[key], self.argument) as handle:
                 shapes[name] = tuple(handle.get_slice(key).get_shape())
         return shapes
 
     def digest(self, layer_map: Any, reference: nn.Module) -> Any:
+        from .checkpointing import file_digest
+
         files = sorted(set(self._files.values()))
-        return [(os.path.basename(f), os.path.getsize(f), os.path.getmtime(f)) for f in files]
+        return [(os.path.basename(f), file_digest(f)) for f in files]
 
     # -- blocks and entry
     def block(self, layer_map: Any, reference: nn.Module, stack: int, index: int, device: torch.device) -> nn.Module:
@@ -299,7 +302,7 @@ class LoraAdapter:
         if not os.path.isfile(path):
             raise ValueError(f"`{argument}`: {folder!r} has no adapter_model.safetensors.")
         self._path = path
-        with safe_open(path, framework="pt") as handle:
+        with open_safetensors(path, argument) as handle:
             keys = list(handle.keys())
         suffix = ".lora_A.weight"
         # module path as the adapter names it (relative to the model it was trained on)
@@ -322,7 +325,9 @@ class LoraAdapter:
         return delta.T if self.config.get("fan_in_fan_out") else delta
 
     def digest(self) -> Any:
-        return [(os.path.basename(self._path), os.path.getsize(self._path), os.path.getmtime(self._path))]
+        from .checkpointing import file_digest
+
+        return [(os.path.basename(self._path), file_digest(self._path))]
 
 
 class LoraSource(ModelSource):
@@ -404,10 +409,11 @@ def make_source(
         if checkpoint.files:
             return CheckpointSource(None, argument, name, checkpoint.describe(), checkpoint.files)
         return InMemorySource(_load_library_model(checkpoint, argument), argument, name)
+    check_local_path(name, argument)
     folder = name if os.path.isdir(name) else hub_snapshot(name)
     if folder is not None and os.path.isfile(os.path.join(folder, "adapter_config.json")):
         return LoraSource(folder, argument, name, base)
-    if folder is not None and safetensors_files(folder):
+    if folder is not None and safetensors_files(folder, argument):
         return CheckpointSource(folder, argument, name)
     return InMemorySource(load_model(source, argument), argument, name)
 
@@ -424,18 +430,100 @@ def hub_snapshot(repo_id: str) -> str | None:
         return None
 
 
-def safetensors_files(folder: str) -> dict[str, str]:
-    """Checkpoint key → safetensors file, from an index (sharded) or the single file."""
-    index = os.path.join(folder, "model.safetensors.index.json")
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+
+def config_field(folder: str, key: str) -> Any:
+    """The value of `key` in the folder's config.json; None when there is no such file or field, or the
+    file is not a JSON object (callers that need the config itself report that)."""
+    config = os.path.join(folder, "config.json")
+    if not os.path.isfile(config):
+        return None
+    try:
+        with open(config, encoding="utf-8") as handle:
+            return json.load(handle).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def weights_file(folder: str) -> tuple[str | None, bool]:
+    """The weights file transformers' `from_pretrained` reads in a checkpoint folder, and whether it is
+    a shard index: `transformers_weights` named in config.json, else `model.safetensors`, else
+    `model.safetensors.index.json` (so a single file wins over a stale index left by an earlier sharded
+    save). (None, False) when there is none."""
+    explicit = config_field(folder, "transformers_weights")  # the config loader reports a broken config.json
+    if isinstance(explicit, str) and explicit:
+        path = os.path.join(folder, explicit)
+        base = os.path.abspath(folder)
+        if os.path.commonpath([base, os.path.abspath(path)]) != base:
+            raise ValueError(f"config.json names weights outside the model folder: transformers_weights={explicit!r}")
+        if explicit.endswith(".safetensors.index.json"):
+            return path, True
+        return (path, False) if explicit.endswith(".safetensors") else (None, False)
+    single = os.path.join(folder, SAFE_WEIGHTS_NAME)
+    if os.path.isfile(single):
+        return single, False
+    index = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as handle:
-            weight_map = json.load(handle)["weight_map"]
-        return {key: os.path.join(folder, file) for key, file in weight_map.items()}
-    single = os.path.join(folder, "model.safetensors")
-    if not os.path.isfile(single):
+        return index, True
+    return None, False
+
+
+@contextlib.contextmanager
+def open_safetensors(path: str, argument: str | None = None) -> Iterator[Any]:
+    """`safe_open(path)`, with a damaged or missing file reported as a ValueError naming it (and the argument)."""
+    from safetensors import SafetensorError
+
+    where = f"`{argument}`: " if argument else ""
+    try:
+        handle = safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{where}cannot read the safetensors file {path!r}: {err}") from None
+    with handle:
+        yield handle
+
+
+def safetensors_files(folder: str, argument: str | None = None) -> dict[str, str]:
+    """Checkpoint key → safetensors file of a checkpoint folder, from the file `weights_file` picks
+    (the one transformers would load): a shard index or the single file. The one place both the
+    calibration readers and the mergers decide which weights a folder holds."""
+    where = f"`{argument}`: " if argument else ""
+    try:
+        path, sharded = weights_file(folder)
+    except ValueError as err:
+        raise ValueError(f"{where}{err}") from None
+    if path is None:
         return {}
-    with safe_open(single, framework="pt") as handle:
-        return {key: single for key in handle.keys()}
+    if not sharded:
+        with open_safetensors(path, argument) as handle:
+            return {key: path for key in handle.keys()}
+    try:
+        with open(path, encoding="utf-8") as handle:
+            weight_map = json.load(handle)["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not a mapping")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{where}cannot read the shard index {path!r}: {type(err).__name__}: {err}") from None
+    files = {key: os.path.join(os.path.dirname(path), file) for key, file in weight_map.items()}
+    missing = sorted({f for f in files.values() if not os.path.isfile(f)})
+    if missing:
+        raise ValueError(f"{where}the shard index {path!r} lists files that do not exist: {missing[:3]}")
+    return files
+
+
+def _looks_local(name: str) -> bool:
+    """Whether `name` is meant as a local path rather than a hub id ('name' or 'org/name') or a
+    library reference with a scheme ('hf-hub:org/name', 'local-dir:/path')."""
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]+:", name):
+        return False
+    return os.path.isabs(os.path.expanduser(name)) or name.startswith(".") or name.count("/") > 1 or "\\" in name
+
+
+def check_local_path(name: str, argument: str) -> None:
+    """Refuse a path meant as a local folder that does not exist (instead of a hub error about repo ids)."""
+    if not os.path.exists(name) and _looks_local(name):
+        raise ValueError(f"`{argument}`: cannot load a model config from {name!r}: no such local folder.")
 
 
 def _qualified_name(root: nn.Module, module: nn.Module) -> str:

@@ -110,28 +110,44 @@ def eval_mode(*modules: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def restore_on_failure(model: nn.Module, parameter_names: Iterable[str], parameters: Any = None) -> Iterator[None]:
-    """If the body raises, put `model` back exactly as it was: the named parameters' values (kept as
-    a CPU copy while the body runs) and the device and dtype of every parameter and buffer.
-    `parameters` (a `ModelParameters`) reads and writes values also where accelerate offloaded them."""
+    """If the body raises, put `model` back exactly as it was: every parameter and buffer, also those
+    outside the blocks, as the same tensor objects in the same modules, with their values, devices and
+    dtypes (a CPU copy of each is kept while the body runs), whatever the body did — e.g. a move to
+    the meta device, which replaces the tensor objects. Tensors accelerate had offloaded (on the meta
+    device before the body) keep their hooks' placement; of those, the named parameters' values are
+    restored through `parameters` (a `ModelParameters`), which reaches the offloaded copy."""
     if parameters is None:
         from .offload import ModelParameters
 
         parameters = ModelParameters(model)
-    tensors = dict(model.named_parameters())
-    tensors.update(dict(model.named_buffers()))
-    placement = {name: (t.device, t.dtype) for name, t in tensors.items()}
-    snapshot = {name: parameters.read(name).to("cpu", copy=True) for name in parameter_names}
+    # (module, "_parameters" / "_buffers", attribute) → the tensor object there now
+    slots = [
+        (module, kind, attr, tensor)
+        for module in model.modules()
+        for kind in ("_parameters", "_buffers")
+        for attr, tensor in getattr(module, kind).items()
+        if tensor is not None and not tensor.is_meta
+    ]
+    saved = {id(t): (t.device, t.dtype, t.detach().to("cpu", copy=True)) for _, _, _, t in slots}
+    placement = {name: t.device for name, t in _named_tensors(model)}
+    offloaded = {
+        name: parameters.read(name).to("cpu", copy=True)
+        for name in parameter_names
+        if placement.get(name) == torch.device("meta")
+    }
     try:
         yield
     except BaseException:
         with torch.no_grad():
-            for name, module_tensor in _named_tensors(model):
-                device, dtype = placement[name]
-                if device.type == "meta" or module_tensor.is_meta:
-                    continue  # offloaded by accelerate: its hooks own the placement, the value is restored below
-                if module_tensor.device != device or module_tensor.dtype != dtype:
-                    module_tensor.data = module_tensor.data.to(device=device, dtype=dtype)
-            for name, value in snapshot.items():
+            for module, kind, attr, tensor in slots:
+                getattr(module, kind)[attr] = tensor
+            for tensor in {id(t): t for _, _, _, t in slots}.values():
+                device, dtype, value = saved[id(tensor)]
+                if tensor.is_meta or tensor.device != device or tensor.dtype != dtype or tensor.shape != value.shape:
+                    tensor.data = value.to(device=device, dtype=dtype)
+                else:
+                    tensor.copy_(value)
+            for name, value in offloaded.items():
                 parameters.write(name, value)
         raise
 

@@ -48,10 +48,17 @@ from numbers import Integral, Real
 from typing import Union
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from .experts import LoraAdapter, hub_snapshot, library_checkpoint, load_model, safetensors_files
+from .experts import (
+    LoraAdapter,
+    check_local_path,
+    hub_snapshot,
+    library_checkpoint,
+    load_model,
+    open_safetensors,
+    safetensors_files,
+)
 
 __all__ = [
     "task_arithmetic",
@@ -175,10 +182,11 @@ def _checkpoint_files(source: str | os.PathLike, argument: str) -> dict[str, str
     checkpoint = library_checkpoint(path, argument)
     if checkpoint is not None:
         return checkpoint.files
+    check_local_path(path, argument)
     if os.path.isdir(path):
-        return safetensors_files(path)
+        return safetensors_files(path, argument)
     folder = hub_snapshot(path)
-    return {} if folder is None else safetensors_files(folder)
+    return {} if folder is None else safetensors_files(folder, argument)
 
 
 class _Expert:
@@ -195,8 +203,15 @@ class _Expert:
         self.size = size
 
     def task_vector(self, base_key: str, base32: torch.Tensor) -> torch.Tensor:
-        """``theta_i - theta_0`` for ``base_key`` in float32 on the base tensor's device."""
+        """``theta_i - theta_0`` for ``base_key`` in float32 on the base tensor's device; refuses
+        non-finite values of the expert or the base (NaN/Inf would pass silently into the merge)."""
+        if not bool(torch.isfinite(base32).all()):
+            raise ValueError(f"`base_model` has non-finite values (NaN/Inf) in {base_key!r}; refusing to merge.")
         value = self._fetch(self.keys[base_key]).detach()
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(
+                f"expert {self.name!r} has non-finite values (NaN/Inf) in {self.keys[base_key]!r}; refusing to merge."
+            )
         return value.to(device=base32.device, dtype=torch.float32) - base32
 
 
@@ -246,12 +261,14 @@ def _open_expert(
 ) -> _Expert:
     """Match an expert's keys and shapes to the base's; tensors of a checkpoint are read lazily."""
     argument = f"experts[{name!r}]"
+    if not isinstance(source, nn.Module):
+        check_local_path(os.fspath(source), argument)
     adapter = None if isinstance(source, nn.Module) else _lora_adapter(source, argument)
     if adapter is not None:
         return _open_lora_expert(name, adapter, merged, base_state, canonical)
     files = {} if isinstance(source, nn.Module) else _checkpoint_files(source, argument)
     if files:
-        handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in sorted(set(files.values()))}
+        handles = {f: stack.enter_context(open_safetensors(f, argument)) for f in sorted(set(files.values()))}
         shapes: dict[str, tuple[int, ...]] = {}
         for key, file in files.items():
             info = handles[file].get_slice(key)

@@ -289,6 +289,8 @@ def load_recipe(path: str | os.PathLike, overrides: Mapping[str, Any] | None = N
     import yaml
 
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise RecipeError("", f"recipe file {path!r} is a folder, not a YAML file", None)
     if not os.path.isfile(path):
         raise RecipeError("", f"recipe file {path!r} does not exist", None)
     try:
@@ -296,6 +298,8 @@ def load_recipe(path: str | os.PathLike, overrides: Mapping[str, Any] | None = N
             data = yaml.safe_load(handle)
     except yaml.YAMLError as err:
         raise RecipeError("", f"not valid YAML: {err}", path) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise RecipeError("", f"cannot read the recipe file: {err}", path) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -829,13 +833,24 @@ def load_dataset_spec(spec: DatasetSpec, *, what: str = "dataset") -> Any:
     import datasets as hf_datasets
 
     if spec.is_local:
-        ds = hf_datasets.load_from_disk(spec.dataset)
+        try:
+            ds = hf_datasets.load_from_disk(spec.dataset)
+        except Exception as err:  # noqa: BLE001 - datasets fails on an empty split with a bare IndexError
+            raise ValueError(
+                f"{what}: cannot load the local dataset {spec.dataset!r} (saved with Dataset.save_to_disk?; "
+                f"an empty split cannot be loaded): {type(err).__name__}: {err}"
+            ) from None
         if isinstance(ds, hf_datasets.DatasetDict):
             if spec.split not in ds:
                 raise ValueError(f"{what}: the local DatasetDict {spec.dataset!r} has no split {spec.split!r} (it has {list(ds)})")
             ds = ds[spec.split]
+        if len(ds) == 0:
+            raise ValueError(f"{what}: the local dataset {spec.dataset!r} (split {spec.split!r}) has 0 rows")
         return ds
-    return hf_datasets.load_dataset(spec.dataset, spec.config, split=spec.split)
+    ds = hf_datasets.load_dataset(spec.dataset, spec.config, split=spec.split)
+    if len(ds) == 0:
+        raise ValueError(f"{what}: the dataset {spec.dataset!r} (split {spec.split!r}) has 0 rows")
+    return ds
 
 
 def _select(ds: Any, num: int | None, seed: int) -> Any:
@@ -935,16 +950,12 @@ def calibration_processing_class(family: str, processing: Mapping[str, Any]) -> 
 
 
 def save_processing(processing: Mapping[str, Any], output_dir: str) -> None:
-    """Save the processing classes next to a model (so the folder loads as a complete model). open_clip
-    keeps its preprocessing in `open_clip_config.json`, written with the model: nothing to save."""
-    if isinstance(processing.get("processor"), tuple):
-        return
-    if processing.get("processor") is not None:
-        processing["processor"].save_pretrained(output_dir)
-    elif processing.get("image") is not None:
-        processing["image"].save_pretrained(output_dir)
-    if processing.get("tokenizer") is not None:
-        processing["tokenizer"].save_pretrained(output_dir)
+    """Save the processing classes next to a model (so the folder loads as a complete model), the way
+    `FeatCalCalibrator.save_model` saves them (`hf_featcal.saving`). open_clip keeps its preprocessing in
+    `open_clip_config.json`, written with the model."""
+    from .saving import processing_to_save, save_processing_class
+
+    save_processing_class(processing_to_save(processing), output_dir)
 
 
 # ================================================================================= evaluation
@@ -1074,9 +1085,15 @@ def run_recipe(
     from .merging import merge_models
     from .plotting import plot_drift
 
+    from .checkpointing import check_writable_folder
+
     family = recipe.model_family
     timings: dict[str, float] = {}
     clock = time.perf_counter()
+    try:  # before anything is loaded or merged
+        check_writable_folder(recipe.output_dir, "output_dir")
+    except ValueError as err:
+        raise RecipeError("output_dir", str(err).split(" ", 1)[1], recipe.source) from None
 
     log(f"Loading the base model {recipe.base} ...")
     base = load_model(recipe.base, "base")
@@ -1151,10 +1168,10 @@ def run_recipe(
         )
         timings["evaluate_after"] = time.perf_counter() - clock
 
+    from .saving import processing_to_save
+
     out = recipe.output_dir
-    os.makedirs(out, exist_ok=True)
-    calibrator.save_model(out)
-    save_processing(processing, out)
+    calibrator.save_model(out, processing_class=processing_to_save(processing))
     plot_path = None
     if calibrator.report is not None:
         plot_path = plot_drift(calibrator.report, os.path.join(out, "featcal_drift.png"))
@@ -1208,4 +1225,7 @@ def upload_folder(folder: str, repo_id: str) -> Any:
 
     api = HfApi()
     api.create_repo(repo_id, exist_ok=True)
-    return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message="Upload FeatCal-calibrated merged model")
+    from .saving import STALE_WEIGHT_PATTERNS
+
+    return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message="Upload FeatCal-calibrated merged model",
+                             delete_patterns=STALE_WEIGHT_PATTERNS)  # weights of an earlier upload not rewritten now

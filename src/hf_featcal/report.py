@@ -10,6 +10,8 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .experts import config_field
+
 REPORT_NAME = "featcal_drift_report.json"
 
 
@@ -70,27 +72,171 @@ class DriftReport:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class CardModel:
+    """A model named on the card: its hub id (None when none is known) and how the card's text names it."""
+
+    hub_id: str | None
+    label: str
+
+
+def describe_model(name: str | None, model: Any = None) -> CardModel:
+    """What the card says about a base / expert given as `name` (hub id, open_clip ``hf-hub:`` /
+    ``local-dir:`` reference, local folder; None for an in-memory model, whose ``_name_or_path`` is
+    used). A local folder resolves to the hub id it came from when that is recorded: a snapshot in the
+    hub cache (``models--org--name/snapshots/...``) or a config whose ``_name_or_path`` is a hub id."""
+    if name is None and model is not None:
+        name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    if not name:
+        return CardModel(None, "an in-memory model (no hub id recorded)")
+    name = os.fspath(name)
+    if name.startswith("hf-hub:"):
+        return CardModel(name[len("hf-hub:"):], name[len("hf-hub:"):])
+    path = name[len("local-dir:"):] if name.startswith("local-dir:") else name
+    if os.path.isdir(path):
+        hub_id = _hub_id_of_folder(path)
+        folder = os.path.basename(os.path.normpath(path))
+        if hub_id is not None and _hub_cache_id(path) == hub_id:  # a snapshot of the repository itself
+            return CardModel(hub_id, hub_id)
+        if hub_id is not None:
+            return CardModel(hub_id, f"{hub_id} (local folder `{folder}`)")
+        return CardModel(None, f"local folder `{folder}` (no hub id recorded)")
+    if _is_hub_id(name):
+        return CardModel(name, name)
+    return CardModel(None, f"`{os.path.basename(os.path.normpath(path))}` (no hub id recorded)")
+
+
+def _is_hub_id(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if os.path.exists(name):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _hub_cache_id(folder: str) -> str | None:
+    """The repository of a snapshot folder in the hub cache (``models--{org}--{name}/snapshots/{revision}``)."""
+    parts = os.path.realpath(folder).split(os.sep)
+    for index, part in enumerate(parts[:-2]):
+        if part.startswith("models--") and parts[index + 1] == "snapshots":
+            return part[len("models--"):].replace("--", "/")
+    return None
+
+
+def _hub_id_of_folder(folder: str) -> str | None:
+    cached = _hub_cache_id(folder)
+    if cached is not None:
+        return cached
+    recorded = config_field(folder, "_name_or_path")
+    return recorded if isinstance(recorded, str) and _is_hub_id(recorded) else None
+
+
+def license_of(name: str | None, model: Any = None) -> dict[str, str]:
+    """`license` (and `license_name` / `license_link` for ``other``) from the card of the model `name`
+    refers to: a local folder's README.md, or a hub repository's card when it is in the local hub cache
+    (nothing is downloaded). Empty when there is no such card or it names no license."""
+    if name is None and model is not None:
+        name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    if not name:
+        return {}
+    name = os.fspath(name)
+    path = name[len("local-dir:"):] if name.startswith("local-dir:") else name
+    card_path = None
+    if os.path.isfile(os.path.join(path, "README.md")):
+        card_path = os.path.join(path, "README.md")
+    else:
+        hub_id = describe_model(name).hub_id
+        if hub_id is not None:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(hub_id, "README.md")
+            card_path = cached if isinstance(cached, str) else None
+    if card_path is None:
+        return {}
+    try:
+        data = ModelCard.load(card_path, ignore_metadata_errors=True).data
+    except Exception:  # noqa: BLE001 - an unreadable card carries no license
+        return {}
+    return {key: str(getattr(data, key)) for key in ("license", "license_name", "license_link") if getattr(data, key, None)}
+
+
+def pipeline_tag_of(model: Any) -> str | None:
+    """The hub's pipeline tag for `model`'s class, from transformers' own task mapping (the one
+    `Trainer` uses for its cards); a bare backbone is a feature extractor. open_clip: zero-shot image
+    classification with a text tower, image feature extraction without."""
+    from .architectures.openclip import is_open_clip_model
+
+    if is_open_clip_model(model):
+        return "zero-shot-image-classification" if hasattr(model, "encode_text") else "image-feature-extraction"
+    from transformers.modelcard import TASK_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    name = type(model).__name__
+    for task, mapping in TASK_MAPPING.items():
+        if name in _class_names(mapping):
+            return task
+    if name in _class_names(MODEL_MAPPING_NAMES):
+        return "image-feature-extraction" if getattr(model, "main_input_name", None) == "pixel_values" else "feature-extraction"
+    return None
+
+
+def _class_names(mapping: Any) -> set[str]:
+    names: set[str] = set()
+    for value in mapping.values():
+        names.update(value if isinstance(value, (list, tuple)) else [value])
+    return names
+
+
+def _without_inherited_ids(base: CardModel | None, experts: dict[str, CardModel]) -> dict[str, CardModel]:
+    """An expert whose hub id is the base's or another expert's is a copy changed in memory (its
+    ``_name_or_path`` says where it was loaded from, not what it is now): it has no hub id of its own."""
+    ids = [m.hub_id for m in experts.values()]
+    taken = {base.hub_id} if base is not None else set()
+    out = {}
+    for task, model in experts.items():
+        if model.hub_id is not None and (model.hub_id in taken or ids.count(model.hub_id) > 1):
+            model = CardModel(None, f"a model derived from {model.hub_id} in memory (no hub id of its own)")
+        out[task] = model
+    return out
+
+
 def build_model_card(
     *,
     model_class: str,
-    base_model: str | None,
+    base: CardModel | None,
+    experts: dict[str, CardModel],
     library_name: str = "transformers",
-    experts: dict[str, str],
+    pipeline_tag: str | None = None,
+    license: dict[str, str] | None = None,
     samples_per_task: dict[str, int],
     featcal_config: dict[str, Any],
     report: DriftReport | None,
     merge_info: dict[str, Any] | None,
 ) -> ModelCard:
-    """A model card (README.md with hub metadata) for a FeatCal-calibrated merged model."""
-    if base_model is not None and base_model.startswith("hf-hub:"):  # open_clip's reference → the repo id
-        base_model = base_model[len("hf-hub:"):]
+    """A model card (README.md with hub metadata) for a FeatCal-calibrated merged model.
+
+    Metadata as the hub expects for merges: `base_model` lists the hub ids of the merged models (the
+    base, then the experts; models without a hub id are named in the text only) with
+    `base_model_relation: merge`; `pipeline_tag`, `library_name`, the base's license, and the run under
+    `featcal`."""
+    experts = _without_inherited_ids(base, experts)
+    parents = list(dict.fromkeys(m.hub_id for m in [*([base] if base else []), *experts.values()] if m.hub_id))
     data = ModelCardData(
+        base_model=parents or None,
         library_name=library_name,
-        base_model=base_model,
-        tags=["hf_featcal", "featcal", "model-merging", "merge"],
+        pipeline_tag=pipeline_tag,
+        tags=["merge", "hf_featcal", "featcal", "model-merging"],
+        **(license or {}),
     )
+    if parents:
+        data.base_model_relation = "merge"
     data.featcal = {
-        "experts": experts,
+        "base_model": None if base is None else base.hub_id,
+        "experts": {task: model.hub_id for task, model in experts.items()},
         "tasks": list(experts),
         "samples_per_task": samples_per_task,
         "merge": merge_info,
@@ -99,7 +245,7 @@ def build_model_card(
     merge_text = (
         ", ".join(f"{k}={v}" for k, v in merge_info.items()) if merge_info else "not recorded"
     )
-    expert_lines = "\n".join(f"- `{task}`: {source}" for task, source in experts.items())
+    expert_lines = "\n".join(f"- `{task}`: {model.label}" for task, model in experts.items())
     sample_lines = ", ".join(f"{task}: {n}" for task, n in samples_per_task.items())
     config_lines = "\n".join(f"| {k} | {v} |" for k, v in featcal_config.items())
     drift = report.summary_markdown() if report is not None else "Not measured."
@@ -112,7 +258,7 @@ def build_model_card(
 A merged `{model_class}` whose block weights were recalibrated with FeatCal (feature calibration for
 post-merging models, arXiv 2605.13030) using `hf_featcal`. Same architecture and size as the merged model: no extra modules, no task routing.
 
-- **Base model:** {base_model or "none (anchor = merged weights)"}
+- **Base model:** {base.label if base is not None else "none (anchor = merged weights)"}
 - **Merge:** {merge_text}
 - **Calibration examples per task:** {sample_lines}
 
