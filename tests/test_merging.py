@@ -260,7 +260,13 @@ import hashlib  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import hf_featcal.merging as merging_module  # noqa: E402
-from hf_featcal.merging import MERGE_METHODS, dare_merging, merge_models, ties_merging  # noqa: E402
+from hf_featcal.merging import (  # noqa: E402
+    MERGE_METHODS,
+    dare_merging,
+    dare_ties_merging,
+    merge_models,
+    ties_merging,
+)
 
 
 def float_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -277,7 +283,7 @@ def expected_ties(base, experts, scaling, density, per_tensor, merge_func="mean"
         if per_tensor:
             out = {}
             for k, t in tau.items():
-                keep = int(density * t.numel())
+                keep = max(1, int(density * t.numel()))
                 flat = torch.zeros(t.numel())
                 if keep:
                     index = t.abs().flatten().topk(keep).indices
@@ -285,7 +291,7 @@ def expected_ties(base, experts, scaling, density, per_tensor, merge_func="mean"
                 out[k] = flat.view(t.shape)
         else:
             magnitudes = torch.cat([t.abs().flatten() for t in tau.values()])
-            keep = int(density * magnitudes.numel())
+            keep = max(1, int(density * magnitudes.numel()))
             threshold = magnitudes.sort(descending=True).values[keep - 1]
             out = {k: torch.where(t.abs() >= threshold, t, torch.zeros_like(t)) for k, t in tau.items()}
         trimmed.append(out)
@@ -467,8 +473,8 @@ def test_dare_matches_formula(vision_setting, drop_rate, rescale):
     merged = dare_merging(base, experts, scaling_factor=0.6, drop_rate=drop_rate, rescale=rescale, seed=7)
     assert_state_close(merged, expected_dare(base, experts, 0.6, drop_rate, rescale, 7), atol=1e-5)
     assert getattr(merged.config, MERGE_CONFIG_ATTRIBUTE) == {
-        "method": "dare", "scaling_factor": 0.6, "drop_rate": drop_rate, "rescale": rescale, "seed": 7,
-        "experts": ["task0", "task1", "task2"],
+        "method": "dare", "scaling_factor": 0.6, "drop_rate": drop_rate, "rescale": rescale,
+        "rescale_mode": "keep_rate", "seed": 7, "experts": ["task0", "task1", "task2"],
     }
 
 
@@ -515,7 +521,8 @@ def test_ties_and_dare_leave_inputs_alone(vision_setting):
     before_base = snapshot(base)
     before_experts = {t: snapshot(e) for t, e in experts.items()}
     for merged in (ties_merging(base, experts), ties_merging(base, experts, per_tensor_trim=True),
-                   dare_merging(base, experts)):
+                   dare_merging(base, experts), dare_merging(base, experts, rescale_mode="l1"),
+                   dare_ties_merging(base, experts)):
         assert merged is not base
         assert all(p.data_ptr() != q.data_ptr() for p, q in zip(merged.parameters(), base.parameters()))
         assert_same_state(base, before_base)
@@ -542,6 +549,8 @@ METHOD_CASES = [
     ("ties", {"scaling_factor": 0.5, "density": 0.3}),
     ("ties", {"scaling_factor": 0.5, "density": 0.3, "per_tensor_trim": True}),
     ("dare", {"scaling_factor": 0.5, "drop_rate": 0.6, "seed": 5}),
+    ("dare", {"scaling_factor": 0.5, "drop_rate": 0.6, "seed": 5, "rescale_mode": "l1"}),
+    ("dare_ties", {"scaling_factor": 0.5, "drop_rate": 0.6, "seed": 5, "rescale_mode": "l1"}),
 ]
 
 
@@ -627,7 +636,7 @@ def test_folder_expert_that_does_not_line_up_is_named(vision_setting, tmp_path):
 # ------------------------------------------------------------------------------------------ dispatcher
 def test_merge_models_dispatches(vision_setting):
     base, experts = vision_setting
-    assert set(MERGE_METHODS) >= {"average", "task_arithmetic", "ties", "dare"}
+    assert set(MERGE_METHODS) >= {"average", "task_arithmetic", "ties", "dare", "dare_ties"}
     assert_states_equal(merge_models(base, experts, "average"), simple_average(base, experts))
     assert_states_equal(merge_models(base, experts, "task_arithmetic", scaling_factor=0.2),
                         task_arithmetic(base, experts, 0.2))
@@ -635,6 +644,8 @@ def test_merge_models_dispatches(vision_setting):
                         ties_merging(base, experts, density=0.4, per_tensor_trim=True))
     assert_states_equal(merge_models(base, experts, "dare", drop_rate=0.3, seed=4),
                         dare_merging(base, experts, drop_rate=0.3, seed=4))
+    assert_states_equal(merge_models(base, experts, "dare_ties", drop_rate=0.3, seed=4, merge_func="mean"),
+                        dare_ties_merging(base, experts, drop_rate=0.3, seed=4, merge_func="mean"))
     # a recorded merge can be replayed through the dispatcher
     record = dict(getattr(merge_models(base, experts, "ties", density=0.4).config, MERGE_CONFIG_ATTRIBUTE))
     record.pop("experts")
@@ -661,6 +672,15 @@ def test_merge_models_dispatches(vision_setting):
     ("dare", {"seed": True}, "seed"),
     ("dare", {"rescale": "yes"}, "rescale"),
     ("task_arithmetic", {"scaling_factor": None}, "scaling_factor"),
+    ("dare", {"rescale_mode": "l2"}, "rescale_mode"),
+    ("dare", {"rescale_mode": None}, "rescale_mode"),
+    ("dare_ties", {"merge_func": "max"}, "merge_func"),
+    ("dare_ties", {"density": 0.5}, "density"),
+    ("dare_ties", {"drop_rate": 1.0}, "drop_rate"),
+    ("dare_ties", {"seed": 1.5}, "seed"),
+    ("dare_ties", {"rescale": 1}, "rescale"),
+    ("dare_ties", {"rescale_mode": "inverse"}, "rescale_mode"),
+    ("dare_ties", {"scaling_factor": float("inf")}, "scaling_factor"),
 ])
 def test_merge_models_rejects_bad_arguments(vision_setting, method, params, argument):
     base, experts = vision_setting
@@ -670,7 +690,7 @@ def test_merge_models_rejects_bad_arguments(vision_setting, method, params, argu
 
 def test_new_methods_reject_bad_inputs(vision_setting):
     base, experts = vision_setting
-    for function in (ties_merging, dare_merging):
+    for function in (ties_merging, dare_merging, dare_ties_merging):
         with pytest.raises(ValueError, match="experts"):
             function(base, {})
         with pytest.raises(ValueError, match="experts"):
@@ -679,3 +699,228 @@ def test_new_methods_reject_bad_inputs(vision_setting):
             function(base, {"bad": 3})
         with pytest.raises(ValueError, match="base_model"):
             function(3, experts)
+
+
+# ------------------------------------------------------------------------------------------ peers
+# The peers' published formulas (mergekit 0.1.5, FusionBench 0.2.33), written out here with plain
+# torch from their documented behaviour; nothing is imported from either library.
+def fusionbench_ties(base, experts, scaling, threshold, merge_func):
+    """FusionBench's TiesMergingAlgorithm: each task vector flattened over the state dict (keys
+    sorted); keep |tau| >= its (d - int(K*d))-th smallest magnitude (K = threshold / 100); elected
+    sign = sign of the sum, a zero sum taking the sign of the sum of all elected signs; disjoint
+    mean / sum of the entries with the elected sign."""
+    base_sd = float_state(base)
+    keys = sorted(base_sd)
+    flat_base = torch.cat([base_sd[k].flatten() for k in keys])
+    K = threshold / 100
+    rows = []
+    for expert in experts.values():
+        expert_sd = float_state(expert)
+        tau = torch.cat([(expert_sd[k] - base_sd[k]).flatten() for k in keys])
+        d = tau.numel()
+        kth = tau.abs().kthvalue(d - int(d * K)).values
+        rows.append(tau * (tau.abs() >= kth))
+    v = torch.stack(rows)
+    sign = torch.sign(v.sum(0))
+    sign[sign == 0] = torch.sign(sign.sum())
+    selected = v * torch.where(sign > 0, v > 0, v < 0)
+    merged = selected.sum(0)
+    if merge_func == "mean":
+        merged = merged / (selected != 0).sum(0).clamp(min=1)
+    flat = flat_base + scaling * merged
+    out, offset = {}, 0
+    for k in keys:
+        n = base_sd[k].numel()
+        out[k] = flat[offset:offset + n].view_as(base_sd[k])
+        offset += n
+    return out
+
+
+def mergekit_trim(tau, density):
+    """mergekit's `magnitude` sparsification: the max(1, int(density * numel)) largest |tau| kept."""
+    if density >= 1:
+        return tau
+    k = max(1, int(density * tau.numel()))
+    mask = torch.zeros(tau.numel())
+    mask[torch.argsort(tau.abs().reshape(-1), descending=True)[:k]] = 1
+    return tau * mask.view_as(tau)
+
+
+def mergekit_l1_drop(tau, keep):
+    """mergekit's `bernoulli` with rescale_norm=l1: masked * (||tau||_1 / ||masked||_1), unscaled
+    when either norm is below 1e-7."""
+    masked = tau * keep
+    before, after = tau.abs().sum(), masked.abs().sum()
+    if before < 1e-7 or after < 1e-7:
+        return masked
+    return masked * (before / after)
+
+
+def mergekit_consensus(deltas, scaling, normalize):
+    """mergekit's generalized task arithmetic with sign consensus ("sum"), weights 1:
+    majority = +1 where sum >= 0 else -1; mask = sign(delta) == majority; mixed = sum(delta * mask),
+    divided by the mask count (zero counts -> 1) when normalize; times lambda."""
+    majority = (deltas.sum(0) >= 0).float() * 2 - 1
+    mask = deltas.sign() == majority
+    mixed = (deltas * mask).sum(0)
+    if normalize:
+        divisor = mask.float().sum(0)
+        divisor[divisor == 0] = 1
+        mixed = mixed / divisor
+    return scaling * mixed
+
+
+def mergekit_ties(base, experts, scaling, density):
+    base_sd = float_state(base)
+    out = {}
+    for k, b in base_sd.items():
+        deltas = torch.stack([mergekit_trim(float_state(e)[k] - b, density) for e in experts.values()])
+        out[k] = b + mergekit_consensus(deltas, scaling, normalize=True)
+    return out
+
+
+def dropped(tau, keep, drop_rate, rescale_mode):
+    return mergekit_l1_drop(tau, keep) if rescale_mode == "l1" else tau * keep / (1 - drop_rate)
+
+
+def expected_dare_ties(base, experts, scaling, drop_rate, rescale_mode, seed, merge_func):
+    """mergekit's dare_ties (normalize false = sum; "mean" = normalize true) on the documented masks."""
+    base_sd = float_state(base)
+    out = {}
+    for k, b in base_sd.items():
+        deltas = torch.stack([
+            dropped(float_state(e)[k] - b, dare_keep_mask(seed, name, k, b.shape, drop_rate), drop_rate, rescale_mode)
+            for name, e in experts.items()
+        ])
+        out[k] = b + mergekit_consensus(deltas, scaling, normalize=merge_func == "mean")
+    return out
+
+
+def test_global_trim_keeps_one_entry_fewer_than_fusionbench(vision_setting):
+    base, experts = vision_setting
+    d = sum(v.numel() for v in float_state(base).values())
+    threshold = 20  # FusionBench's config default: density 0.2
+    kept = int(d * threshold / 100)
+    # one expert, lambda 1: the merged delta is the trimmed task vector
+    single = {"task0": experts["task0"]}
+    ours = ties_merging(base, single, scaling_factor=1.0, density=0.2)
+    changed = sum(int((ours.state_dict()[k].float() != b).sum()) for k, b in float_state(base).items())
+    assert changed == kept
+    peer = fusionbench_ties(base, single, 1.0, threshold, "mean")
+    changed_peer = sum(int((peer[k] != b).sum()) for k, b in float_state(base).items())
+    assert changed_peer == kept + 1
+    # keeping int(density * d) = kept + 1 entries here gives FusionBench's merge (three experts, mean and sum)
+    density = (kept + 1.5) / d
+    for merge_func in ("mean", "sum"):
+        assert_state_close(ties_merging(base, experts, 0.3, density, merge_func=merge_func),
+                           fusionbench_ties(base, experts, 0.3, threshold, merge_func))
+    same_density = ties_merging(base, experts, 0.3, 0.2)
+    peer = fusionbench_ties(base, experts, 0.3, threshold, "mean")
+    assert any(not torch.allclose(same_density.state_dict()[k], v, rtol=0, atol=1e-7) for k, v in peer.items())
+
+
+@pytest.mark.parametrize("density", [0.02, 0.3])
+def test_per_tensor_trim_matches_mergekit_ties(vision_setting, density):
+    base, experts = vision_setting
+    # at density 0.02 the 32-entry tensors have int(density * numel) = 0: mergekit keeps one entry
+    assert any(int(density * v.numel()) == 0 for v in float_state(base).values()) == (density == 0.02)
+    merged = ties_merging(base, experts, 0.7, density, per_tensor_trim=True)
+    assert_state_close(merged, mergekit_ties(base, experts, 0.7, density))
+
+
+def test_trim_keeps_at_least_one_entry_per_tensor_and_per_task_vector():
+    base = TwoTensors(n=4)
+    expert = with_task_vector(base, {"big.weight": [0.5, -4.0, 1.0, 2.0], "small.weight": [0.1, 0.2, -0.3, 0.05]})
+    base_sd = snapshot(base)
+    # per tensor: int(0.2 * 4) = 0, each tensor keeps its largest-magnitude entry
+    merged = ties_merging(base, {"e": expert}, scaling_factor=1.0, density=0.2, per_tensor_trim=True)
+    torch.testing.assert_close(merged.big.weight - base_sd["big.weight"], torch.tensor([[0.0, -4.0, 0.0, 0.0]]),
+                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(merged.small.weight - base_sd["small.weight"], torch.tensor([[0.0, 0.0, -0.3, 0.0]]),
+                               rtol=0, atol=1e-6)
+    # over the whole task vector: int(0.1 * 8) = 0, the single largest entry is kept
+    merged = ties_merging(base, {"e": expert}, scaling_factor=1.0, density=0.1)
+    torch.testing.assert_close(merged.big.weight - base_sd["big.weight"], torch.tensor([[0.0, -4.0, 0.0, 0.0]]),
+                               rtol=0, atol=1e-6)
+    assert torch.equal(merged.small.weight, base_sd["small.weight"])
+
+
+@pytest.mark.parametrize("drop_rate", [0.5, 0.9])
+def test_dare_l1_rescaling_matches_mergekit(vision_setting, drop_rate):
+    base, experts = vision_setting
+    merged = dare_merging(base, experts, scaling_factor=0.6, drop_rate=drop_rate, seed=7, rescale_mode="l1")
+    base_sd = float_state(base)
+    expected = {}
+    for k, b in base_sd.items():
+        total = sum(mergekit_l1_drop(float_state(e)[k] - b, dare_keep_mask(7, name, k, b.shape, drop_rate))
+                    for name, e in experts.items())
+        expected[k] = b + 0.6 * total
+    assert_state_close(merged, expected)
+    assert getattr(merged.config, MERGE_CONFIG_ATTRIBUTE)["rescale_mode"] == "l1"
+    # one expert, lambda 1: every tensor keeps the L1 norm of its task vector (unless all was dropped)
+    single = dare_merging(base, {"task0": experts["task0"]}, 1.0, drop_rate, seed=7, rescale_mode="l1")
+    for k, b in base_sd.items():
+        tau = float_state(experts["task0"])[k] - b
+        norm = (single.state_dict()[k] - b).abs().sum()
+        if dare_keep_mask(7, "task0", k, b.shape, drop_rate).any():
+            torch.testing.assert_close(norm, tau.abs().sum(), rtol=1e-5, atol=0)
+        else:
+            assert norm == 0
+    # differs from the keep-rate rescaling
+    keep_rate = dare_merging(base, experts, scaling_factor=0.6, drop_rate=drop_rate, seed=7)
+    key = "encoder.layers.0.mlp.fc1.weight"
+    assert not torch.allclose(keep_rate.state_dict()[key], merged.state_dict()[key], rtol=0, atol=1e-6)
+
+
+def test_dare_l1_rescaling_leaves_an_all_dropped_tensor_unscaled():
+    base = TwoTensors(n=2)
+    expert = with_task_vector(base, {"big.weight": [1.0, -2.0], "small.weight": [0.5, 0.25]})
+    seed = next(s for s in range(1000) if not dare_keep_mask(s, "e", "small.weight", (1, 2), 0.8).any()
+                and dare_keep_mask(s, "e", "big.weight", (1, 2), 0.8).sum() == 1)
+    merged = dare_merging(base, {"e": expert}, scaling_factor=1.0, drop_rate=0.8, seed=seed, rescale_mode="l1")
+    assert torch.equal(merged.small.weight, base.small.weight)  # all dropped: no 0/0
+    # the one kept entry of `big` carries the tensor's L1 norm, 3
+    delta = (merged.big.weight - base.big.weight).flatten()
+    kept = dare_keep_mask(seed, "e", "big.weight", (1, 2), 0.8).flatten()
+    torch.testing.assert_close(delta[kept].abs(), torch.tensor([3.0]), rtol=0, atol=1e-6)
+    assert bool(torch.isfinite(merged.big.weight).all())
+
+
+@pytest.mark.parametrize("merge_func", ["sum", "mean"])
+@pytest.mark.parametrize("rescale_mode", ["keep_rate", "l1"])
+def test_dare_ties_matches_mergekit_formula(vision_setting, rescale_mode, merge_func):
+    base, experts = vision_setting
+    merged = dare_ties_merging(base, experts, scaling_factor=0.6, drop_rate=0.7, seed=3,
+                               rescale_mode=rescale_mode, merge_func=merge_func)
+    assert_state_close(merged, expected_dare_ties(base, experts, 0.6, 0.7, rescale_mode, 3, merge_func))
+    assert getattr(merged.config, MERGE_CONFIG_ATTRIBUTE) == {
+        "method": "dare_ties", "scaling_factor": 0.6, "drop_rate": 0.7, "rescale": True,
+        "rescale_mode": rescale_mode, "seed": 3, "merge_func": merge_func, "experts": ["task0", "task1", "task2"],
+    }
+
+
+def test_dare_ties_uses_the_dare_masks_and_elects_signs(vision_setting):
+    base, experts = vision_setting
+    # one expert: no sign conflict, DARE-TIES (sum) is DARE with the same masks
+    single = {"task1": experts["task1"]}
+    assert_state_close(dare_ties_merging(base, single, 0.5, 0.6, seed=2),
+                       float_state(dare_merging(base, single, 0.5, 0.6, seed=2)))
+    # several: sign election makes it differ from DARE's plain sum
+    key = "encoder.layers.0.mlp.fc1.weight"
+    assert not torch.allclose(dare_ties_merging(base, experts, 0.5, 0.6, seed=2).state_dict()[key],
+                              dare_merging(base, experts, 0.5, 0.6, seed=2).state_dict()[key], rtol=0, atol=1e-6)
+    # no dropping: TIES without trimming, sum
+    assert_state_close(dare_ties_merging(base, experts, 0.5, 0.0, merge_func="sum"),
+                       expected_ties(base, experts, 0.5, 1.0, False, merge_func="sum"))
+
+
+def test_recipe_schema_accepts_the_new_method_and_option():
+    from hf_featcal.recipes import RecipeError, validate_merge_spec
+
+    spec = validate_merge_spec("dare_ties", {"drop_rate": 0.5, "rescale_mode": "l1", "merge_func": "mean", "seed": 1})
+    assert (spec.method, spec.params["rescale_mode"], spec.params["merge_func"]) == ("dare_ties", "l1", "mean")
+    assert validate_merge_spec("dare", {"rescale_mode": "keep_rate"}).params == {"rescale_mode": "keep_rate"}
+    with pytest.raises(RecipeError, match="merge.rescale_mode"):
+        validate_merge_spec("dare", {"rescale_mode": "l2"})
+    with pytest.raises(RecipeError, match="merge.density"):
+        validate_merge_spec("dare_ties", {"density": 0.2})

@@ -62,7 +62,8 @@ methods and their parameters:
   average           no parameters (the mean of the experts)
   task_arithmetic   --scaling-factor (λ, default 0.3)
   ties              --scaling-factor, --density (default 0.2), --per-tensor-trim, --merge-func mean|sum
-  dare              --scaling-factor, --drop-rate (default 0.9), --no-rescale, --seed
+  dare              --scaling-factor, --drop-rate (default 0.9), --no-rescale, --rescale-mode keep_rate|l1, --seed
+  dare_ties         the dare options and --merge-func sum|mean (default sum)
 
 examples:
   hf-featcal merge --base openai/clip-vit-base-patch32 \\
@@ -195,15 +196,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", required=True, help="base model: hub id or local folder")
     p.add_argument("--expert", dest="experts", type=_task_value, action="append", required=True, metavar="TASK=SOURCE",
                    help="an expert (hub id or local folder) for TASK; repeat for every expert")
-    p.add_argument("--method", default="task_arithmetic", choices=["average", "task_arithmetic", "ties", "dare"],
+    p.add_argument("--method", default="task_arithmetic", choices=["average", "task_arithmetic", "ties", "dare", "dare_ties"],
                    help="merge method (default: task_arithmetic)")
     p.add_argument("--scaling-factor", type=float, metavar="λ", help="task-vector scaling (task_arithmetic, ties, dare)")
     p.add_argument("--density", type=float, help="ties: fraction of task-vector entries kept, in (0, 1]")
     p.add_argument("--per-tensor-trim", action="store_true", default=None, help="ties: trim each tensor on its own")
-    p.add_argument("--merge-func", choices=["mean", "sum"], help="ties: disjoint mean (default) or sum")
+    p.add_argument("--merge-func", choices=["mean", "sum"],
+                   help="ties: disjoint mean (default) or sum; dare_ties: sum (default) or mean")
     p.add_argument("--drop-rate", type=float, help="dare: drop probability in [0, 1)")
     p.add_argument("--no-rescale", dest="rescale", action="store_false", default=None,
-                   help="dare: do not divide kept entries by 1 − drop rate")
+                   help="dare, dare_ties: do not rescale the kept entries")
+    p.add_argument("--rescale-mode", choices=["keep_rate", "l1"],
+                   help="dare: divide kept entries by 1 − drop rate (keep_rate, default) or keep each tensor's L1 norm")
     p.add_argument("--seed", type=int, help="dare: seed of the drop masks")
     p.add_argument("--output-dir", required=True, help="folder the merged model is saved to")
     _add_common(p)
@@ -492,7 +496,8 @@ def _cmd_merge(args: argparse.Namespace) -> int:
     experts = {t: _check_source(s, f"--expert {t}") for t, s in _pairs(args.experts, "--expert").items()}
     params = {
         name: getattr(args, name)
-        for name in ("scaling_factor", "density", "per_tensor_trim", "merge_func", "drop_rate", "rescale", "seed")
+        for name in ("scaling_factor", "density", "per_tensor_trim", "merge_func", "drop_rate", "rescale", "rescale_mode",
+                     "seed")
         if getattr(args, name) is not None
     }
     try:

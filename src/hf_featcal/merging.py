@@ -1,4 +1,4 @@
-"""Weight-space merging of task experts: Task Arithmetic, simple averaging, TIES-Merging, DARE.
+"""Weight-space merging of task experts: Task Arithmetic, simple averaging, TIES-Merging, DARE, DARE-TIES.
 
 Every function returns a *new* model; the base model and the experts are never modified.  With
 task vectors ``tau_i = theta_i - theta_0`` (computed in float32 per floating-point state-dict
@@ -11,7 +11,9 @@ tensor, the result cast back to the base tensor's dtype):
   the trimmed vectors), average the entries that agree with it ("disjoint mean"), then
   ``theta = theta_0 + lambda * merged``;
 * ``dare_merging`` (Yu et al. 2023): drop each entry of ``tau_i`` with probability ``p`` (seeded,
-  reproducible), rescale the rest by ``1 / (1 - p)``, then Task Arithmetic;
+  reproducible), rescale the rest by ``1 / (1 - p)`` (or, ``rescale_mode="l1"``, so that each
+  tensor keeps its L1 norm, as mergekit), then Task Arithmetic;
+* ``dare_ties_merging``: the DARE drop and rescale, then TIES' sign election and disjoint merge;
 * ``merge_models``: one entry point naming the method by string.
 
 Inputs.  The base and each expert may be an in-memory model or a local folder / hub id.  A base
@@ -65,6 +67,7 @@ __all__ = [
     "simple_average",
     "ties_merging",
     "dare_merging",
+    "dare_ties_merging",
     "merge_models",
     "find_key_prefix",
     "MERGE_CONFIG_ATTRIBUTE",
@@ -155,6 +158,18 @@ def _check_bool(value: object, name: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"`{name}` must be True or False, got {value!r}")
     return value
+
+
+def _check_choice(value: object, name: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"`{name}` must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+    return value
+
+
+def _check_seed(seed: object) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, Integral):
+        raise ValueError(f"`seed` must be an integer, got {seed!r}")
+    return int(seed)
 
 
 def _validate_experts(experts: Mapping[str, ModelLike]) -> None:
@@ -396,6 +411,36 @@ def _names(experts: Mapping[str, ModelLike]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------- TIES helpers
+def _kept_count(density: float, entries: int) -> int:
+    """Entries a magnitude trim keeps: ``int(density * entries)``, but at least one of a non-empty
+    tensor / task vector (as mergekit 0.1.5; a small tensor would otherwise lose its update entirely)."""
+    return max(1, int(density * entries)) if entries > 0 else 0
+
+
+def _trim_tensor(tau: torch.Tensor, density: float) -> torch.Tensor:
+    """``tau`` with all but its ``_kept_count(density, numel)`` largest-magnitude entries zeroed
+    (exactly that many: ``torch.topk`` picks among equal magnitudes at the boundary)."""
+    keep = _kept_count(density, tau.numel())
+    if keep >= tau.numel():
+        return tau
+    flat = tau.reshape(-1)
+    mask = torch.zeros_like(flat)
+    mask[flat.abs().topk(keep).indices] = 1.0
+    return (flat * mask).view_as(tau)
+
+
+def _elect_and_merge(stacked: torch.Tensor, merge_func: str) -> torch.Tensor:
+    """TIES steps 2-3 on ``stacked`` (experts along dim 0): sign of the sum per entry (a zero sum
+    elects ``+``), then the mean (or sum) of the nonzero entries of that sign."""
+    # PEFT's merge utilities (lazy import): the same sign election and disjoint mean
+    from peft.utils.merge_utils import calculate_majority_sign_mask, disjoint_merge
+
+    agree = calculate_majority_sign_mask(stacked, method="total")
+    if merge_func == "mean":
+        return disjoint_merge(stacked, agree)
+    return (stacked * agree).sum(dim=0)
+
+
 _HIGH_BINS = 1 << 15  # bit patterns of non-negative float32 values are < 2**31: top 16 bits < 2**15
 _LOW_BINS = 1 << 16
 
@@ -449,7 +494,7 @@ def _global_thresholds(density: float) -> tuple[dict[str, float], _PrepareFn]:
                     yield reader.task_vector(key, state[key].detach().float()).abs_()
 
             covered = sum(state[key].numel() for key in reader.keys)
-            k = int(density * (reader.size if reader.size is not None else covered))
+            k = _kept_count(density, reader.size if reader.size is not None else covered)
             # beyond the covered entries the task vector is zero: the k-th largest is then 0
             thresholds[reader.name] = 0.0 if k > covered else _kth_largest_magnitude(magnitudes, k)
 
@@ -462,6 +507,35 @@ def _dare_generator(seed: int, expert: str, key: str) -> torch.Generator:
     bytes (little-endian, top bit cleared) of ``sha256(f"{seed}:{expert}:{key}")``."""
     digest = hashlib.sha256(f"{seed}:{expert}:{key}".encode("utf-8")).digest()
     return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+#: ``rescale_mode`` values: divide by the keep rate ``1 - p`` (DARE paper, FusionBench), or match
+#: each tensor's L1 norm before the drop (mergekit).
+DARE_RESCALE_MODES = ("keep_rate", "l1")
+#: below this L1 norm (before or after the drop) a tensor is left unscaled, as mergekit (its eps)
+_L1_RESCALE_EPS = 1e-7
+
+
+def _dare_drop(
+    drop_rate: float, rescale: bool, rescale_mode: str, seed: int
+) -> Callable[[_Expert, str, torch.Tensor], torch.Tensor]:
+    """``drop(expert, key, tau)``: the seeded DARE drop of one tensor, then its rescaling."""
+
+    def drop(expert: _Expert, key: str, tau: torch.Tensor) -> torch.Tensor:
+        if drop_rate == 0:
+            return tau
+        keep = torch.rand(tau.shape, generator=_dare_generator(seed, expert.name, key)) >= drop_rate
+        dropped = tau * keep.to(tau.device)
+        if not rescale:
+            return dropped
+        if rescale_mode == "keep_rate":
+            return dropped / (1.0 - drop_rate)
+        before, after = tau.abs().sum(), dropped.abs().sum()
+        if before < _L1_RESCALE_EPS or after < _L1_RESCALE_EPS:  # e.g. everything dropped
+            return dropped
+        return dropped * (before / after)
+
+    return drop
 
 
 # ----------------------------------------------------------------------------------------- public API
@@ -532,20 +606,40 @@ def ties_merging(
 
     With task vectors ``tau_i = theta_i - theta_0`` (float32):
 
-    1. **Trim**: keep the ``k = int(density * d)`` entries of ``tau_i`` largest in magnitude, zero
-       the rest.  By default (``per_tensor_trim=False``, the paper's and FusionBench's choice) ``d``
-       counts the whole task vector: all floating-point tensors of expert ``i`` that map into the
-       base, taken together (tied tensors once); entries with ``|tau| >=`` the exact ``k``-th largest
-       magnitude are kept.  The threshold is found without concatenating the task vector (radix
-       select on the float32 bit patterns, two passes over the expert).  With
-       ``per_tensor_trim=True`` each tensor is trimmed on its own (``k = int(density * numel)``,
-       ``peft.utils.merge_utils.prune(..., "magnitude")``, as PEFT's ``ties``).
-    2. **Elect sign**: per entry, the sign of ``sum_i trimmed_i`` (a zero sum elects ``+``, as in
+    1. **Trim** each ``tau_i`` by magnitude; ``density >= 1`` keeps everything.
+
+       * ``per_tensor_trim=False`` (default, the paper's global trim): ``d`` is the number of
+         entries of expert ``i``'s whole task vector, i.e. of all its floating-point tensors that
+         map into the base, taken together, tied tensors counted once (for a LoRA expert: every
+         floating-point entry of the model the adapter was trained on, zero outside the adapted
+         weights).  With ``k = max(1, int(density * d))`` and ``t`` the exact ``k``-th largest
+         ``|tau_i|``, every entry with ``|tau_i| >= t`` is kept: exactly ``k`` entries, or more when
+         other entries have magnitude exactly ``t`` (all of them are kept).  ``t`` is found
+         without concatenating the task vector (radix select on the float32 bit patterns, two
+         passes over the expert).
+       * ``per_tensor_trim=True``: each tensor on its own, exactly ``k = max(1, int(density *
+         numel))`` entries kept (``torch.topk`` of ``|tau|``, which picks among equal magnitudes at
+         the boundary).  A tensor with ``int(density * numel) = 0`` thus keeps its largest entry
+         rather than losing its update (PEFT's ``prune(..., "magnitude")`` would keep none).
+    2. **Elect sign**: per entry, the sign of ``sum_i trimmed_i``; a zero sum elects ``+`` (as
        ``peft.utils.merge_utils.calculate_majority_sign_mask(..., "total")``).
     3. **Disjoint merge**: per entry, the mean of the trimmed entries whose sign equals the elected
-       one (zeros never count); ``merge_func="sum"`` takes their sum instead (FusionBench's yaml
-       default ``merge_func: sum``).
+       one (zeros never count); ``merge_func="sum"`` takes their sum instead.
     4. ``theta = theta_0 + scaling_factor * merged``.
+
+    How the peers differ (same ``tau_i``, one weight per expert):
+
+    * mergekit 0.1.5 (``merge_method: ties``) trims per tensor only, with the same count
+      ``max(1, int(density * numel))`` and exactly that many entries (ties at the boundary broken
+      by its sort, which may pick other entries than ``torch.topk``), the same sign rule and
+      disjoint mean (``normalize: true``); ``per_tensor_trim=True`` is the same merge (its
+      ``lambda`` defaults to 1).
+    * FusionBench 0.2.33 (``TiesMergingAlgorithm``) trims globally, over the flattened state dict
+      of all keys (sorted), so tied tensors are counted twice; it keeps ``|tau| >=`` the
+      ``(d - int(density * d))``-th smallest magnitude (``kthvalue``), i.e. ``int(density * d) + 1``
+      entries per expert, one more than here; ``threshold: 20`` in its config means
+      ``density = 0.2``; a zero sign sum takes the sign that wins over the whole vector instead
+      of ``+``; its config default is ``merge_func: sum``.
 
     Experts lacking a tensor of the base (but covering others) contribute nothing to it.
 
@@ -567,12 +661,9 @@ def ties_merging(
     scaling_factor = _check_scaling(scaling_factor)
     density = _check_fraction(density, "density", low_open=True, high_open=False)
     per_tensor_trim = _check_bool(per_tensor_trim, "per_tensor_trim")
-    if merge_func not in ("mean", "sum"):
-        raise ValueError(f"`merge_func` must be 'mean' or 'sum', got {merge_func!r}")
+    merge_func = _check_choice(merge_func, "merge_func", ("mean", "sum"))
     _validate_base(base_model)
     _validate_experts(experts)
-    # PEFT's merge utilities: per-tensor magnitude trim, sign election, disjoint mean (lazy import)
-    from peft.utils.merge_utils import calculate_majority_sign_mask, disjoint_merge, prune
 
     prepare: _PrepareFn | None = None
     thresholds: dict[str, float] = {}
@@ -581,15 +672,11 @@ def ties_merging(
 
     def trim(expert: _Expert, tau: torch.Tensor) -> torch.Tensor:
         if per_tensor_trim:
-            return tau if density >= 1 else prune(tau, density, method="magnitude")
+            return tau if density >= 1 else _trim_tensor(tau, density)
         return tau * (tau.abs() >= thresholds[expert.name])
 
     def delta(key: str, task_vectors: list[tuple[_Expert, torch.Tensor]]) -> torch.Tensor:
-        trimmed = torch.stack([trim(expert, tau) for expert, tau in task_vectors])
-        agree = calculate_majority_sign_mask(trimmed, method="total")
-        if merge_func == "mean":
-            return disjoint_merge(trimmed, agree)
-        return (trimmed * agree).sum(dim=0)
+        return _elect_and_merge(torch.stack([trim(expert, tau) for expert, tau in task_vectors]), merge_func)
 
     record = {
         "method": "ties",
@@ -602,6 +689,23 @@ def ties_merging(
     return _merge(base_model, experts, scaling_factor, record, delta, prepare)
 
 
+_DARE_RANDOMNESS_DOC = """\
+    Randomness is reproducible and independent of torch's global RNG (left untouched): the keep
+    mask of expert ``name`` for the base state-dict key ``key`` (the merged model's name of the
+    tensor) is ``torch.rand(shape, generator=g) >= p`` with a CPU generator ``g`` seeded by the first
+    8 bytes (little-endian, top bit cleared) of ``sha256(f"{seed}:{name}:{key}")``.  The result thus
+    does not depend on the experts' order, on their device, or on whether they are given as models
+    or as folders."""
+
+_DARE_RESCALE_DOC = """\
+    Rescaling (``rescale=True``) of a dropped tensor ``m * tau`` (``m`` the keep mask):
+    ``rescale_mode="keep_rate"`` (default; the DARE paper, FusionBench) divides it by ``1 - p``;
+    ``rescale_mode="l1"`` (mergekit 0.1.5's ``rescale: true``, the default of its ``dare_linear``
+    and ``dare_ties``) multiplies it by
+    ``||tau||_1 / ||m * tau||_1`` so that the tensor keeps its L1 norm, and leaves it unscaled
+    when either norm is below ``1e-7`` (e.g. when everything was dropped), as mergekit."""
+
+
 def dare_merging(
     base_model: ModelLike,
     experts: Mapping[str, ModelLike],
@@ -609,31 +713,32 @@ def dare_merging(
     drop_rate: float = 0.9,
     rescale: bool = True,
     seed: int = 0,
+    *,
+    rescale_mode: str = "keep_rate",
 ) -> nn.Module:
     """Merge ``experts`` into a copy of ``base_model`` with DARE (Yu et al. 2023) + Task Arithmetic.
 
     Each entry of each task vector ``tau_i = theta_i - theta_0`` is dropped with probability
-    ``p = drop_rate`` (Bernoulli), the kept ones are divided by ``1 - p`` when ``rescale``, then
-    ``theta = theta_0 + scaling_factor * sum_i dropped_i``.
+    ``p = drop_rate`` (Bernoulli), the kept ones are rescaled when ``rescale``, then
+    ``theta = theta_0 + scaling_factor * sum_i dropped_i``.  ``drop_rate=0`` is Task Arithmetic
+    exactly.
 
-    Randomness is reproducible and independent of torch's global RNG (left untouched): the keep
-    mask of expert ``name`` for the base state-dict key ``key`` (the merged model's name of the
-    tensor) is ``torch.rand(shape, generator=g) >= p`` with a CPU generator ``g`` seeded by the first
-    8 bytes (little-endian, top bit cleared) of ``sha256(f"{seed}:{name}:{key}")``.  The result thus
-    does not depend on the experts' order, on their device, or on whether they are given as models
-    or as folders.  ``drop_rate=0`` is Task Arithmetic exactly.
+{rescale}
+
+{randomness}
 
     Args:
         base_model: Pre-trained model, or its local folder / hub id.  Not modified.
         experts: Mapping task name -> fine-tuned model, or local folder / hub id (read lazily).
         scaling_factor: ``lambda`` (finite real number).
         drop_rate: Drop probability ``p`` in ``[0, 1)``.
-        rescale: Divide kept entries by ``1 - p`` (the DARE rescaling).
+        rescale: Rescale the kept entries (the DARE rescaling).
         seed: Integer seed.
+        rescale_mode: ``"keep_rate"`` (divide by ``1 - p``) or ``"l1"`` (keep each tensor's L1 norm).
 
     Returns:
-        A new model with ``config.hf_featcal_merge = {"method": "dare", "scaling_factor": ...,
-        "drop_rate": ..., "rescale": ..., "seed": ..., "experts": [...]}``.
+        A new model with ``config.hf_featcal_merge = {{"method": "dare", "scaling_factor": ...,
+        "drop_rate": ..., "rescale": ..., "rescale_mode": ..., "seed": ..., "experts": [...]}}``.
 
     Raises:
         ValueError: on an invalid argument (named in the message) or mismatched architectures.
@@ -641,18 +746,11 @@ def dare_merging(
     scaling_factor = _check_scaling(scaling_factor)
     drop_rate = _check_fraction(drop_rate, "drop_rate", low_open=False, high_open=True)
     rescale = _check_bool(rescale, "rescale")
-    if isinstance(seed, bool) or not isinstance(seed, Integral):
-        raise ValueError(f"`seed` must be an integer, got {seed!r}")
-    seed = int(seed)
+    rescale_mode = _check_choice(rescale_mode, "rescale_mode", DARE_RESCALE_MODES)
+    seed = _check_seed(seed)
     _validate_base(base_model)
     _validate_experts(experts)
-
-    def drop(expert: _Expert, key: str, tau: torch.Tensor) -> torch.Tensor:
-        if drop_rate == 0:
-            return tau
-        keep = torch.rand(tau.shape, generator=_dare_generator(seed, expert.name, key)) >= drop_rate
-        tau = tau * keep.to(tau.device)
-        return tau / (1.0 - drop_rate) if rescale else tau
+    drop = _dare_drop(drop_rate, rescale, rescale_mode, seed)
 
     def delta(key: str, task_vectors: list[tuple[_Expert, torch.Tensor]]) -> torch.Tensor:
         return _sum_delta(key, [(expert, drop(expert, key, tau)) for expert, tau in task_vectors])
@@ -662,10 +760,94 @@ def dare_merging(
         "scaling_factor": scaling_factor,
         "drop_rate": drop_rate,
         "rescale": rescale,
+        "rescale_mode": rescale_mode,
         "seed": seed,
         "experts": _names(experts),
     }
     return _merge(base_model, experts, scaling_factor, record, delta)
+
+
+def dare_ties_merging(
+    base_model: ModelLike,
+    experts: Mapping[str, ModelLike],
+    scaling_factor: float = 0.3,
+    drop_rate: float = 0.9,
+    rescale: bool = True,
+    seed: int = 0,
+    *,
+    rescale_mode: str = "keep_rate",
+    merge_func: str = "sum",
+) -> nn.Module:
+    """Merge ``experts`` into a copy of ``base_model`` with DARE-TIES: DARE's drop and rescale in
+    place of TIES' magnitude trim.
+
+    1. **Drop and rescale** each ``tau_i = theta_i - theta_0`` exactly as ``dare_merging`` does
+       (same masks for the same ``seed``, expert name and tensor).
+    2. **Elect sign** per entry: the sign of the sum of the dropped task vectors (a zero sum elects
+       ``+``), as ``ties_merging``.
+    3. **Disjoint merge**: per entry, the sum (``merge_func="sum"``, default) or the mean
+       (``"mean"``) of the dropped entries whose sign equals the elected one (zeros never count).
+    4. ``theta = theta_0 + scaling_factor * merged``.
+
+{rescale}
+
+    ``merge_func="sum"`` is the default because the rescaling already restores the experts'
+    magnitude and both peers sum: mergekit 0.1.5's ``dare_ties`` (``normalize: false``,
+    ``rescale: true`` = ``rescale_mode="l1"``, per-tensor masks; the same merge, up to its RNG)
+    and FusionBench 0.2.33's ``DareTiesMerging`` (``merge_func: sum``, ``1 / (1 - p)``), which in
+    addition trims the dropped vectors by magnitude (its ``threshold``, globally, as in its TIES)
+    before the sign election; that extra trim is not done here.
+
+{randomness}
+
+    Args:
+        base_model: Pre-trained model, or its local folder / hub id.  Not modified.
+        experts: Mapping task name -> fine-tuned model, or local folder / hub id (read lazily).
+        scaling_factor: ``lambda`` (finite real number).
+        drop_rate: Drop probability ``p`` in ``[0, 1)``.
+        rescale: Rescale the kept entries.
+        seed: Integer seed.
+        rescale_mode: ``"keep_rate"`` (divide by ``1 - p``) or ``"l1"`` (keep each tensor's L1 norm).
+        merge_func: ``"sum"`` or ``"mean"`` of the entries that agree with the elected sign.
+
+    Returns:
+        A new model with ``config.hf_featcal_merge = {{"method": "dare_ties", "scaling_factor": ...,
+        "drop_rate": ..., "rescale": ..., "rescale_mode": ..., "seed": ..., "merge_func": ...,
+        "experts": [...]}}``.
+
+    Raises:
+        ValueError: on an invalid argument (named in the message) or mismatched architectures.
+    """
+    scaling_factor = _check_scaling(scaling_factor)
+    drop_rate = _check_fraction(drop_rate, "drop_rate", low_open=False, high_open=True)
+    rescale = _check_bool(rescale, "rescale")
+    rescale_mode = _check_choice(rescale_mode, "rescale_mode", DARE_RESCALE_MODES)
+    seed = _check_seed(seed)
+    merge_func = _check_choice(merge_func, "merge_func", ("mean", "sum"))
+    _validate_base(base_model)
+    _validate_experts(experts)
+    drop = _dare_drop(drop_rate, rescale, rescale_mode, seed)
+
+    def delta(key: str, task_vectors: list[tuple[_Expert, torch.Tensor]]) -> torch.Tensor:
+        return _elect_and_merge(torch.stack([drop(expert, key, tau) for expert, tau in task_vectors]), merge_func)
+
+    record = {
+        "method": "dare_ties",
+        "scaling_factor": scaling_factor,
+        "drop_rate": drop_rate,
+        "rescale": rescale,
+        "rescale_mode": rescale_mode,
+        "seed": seed,
+        "merge_func": merge_func,
+        "experts": _names(experts),
+    }
+    return _merge(base_model, experts, scaling_factor, record, delta)
+
+
+for _function in (dare_merging, dare_ties_merging):  # the shared paragraphs (no docstrings under -OO)
+    if _function.__doc__:
+        _function.__doc__ = _function.__doc__.format(rescale=_DARE_RESCALE_DOC, randomness=_DARE_RANDOMNESS_DOC)
+del _function
 
 
 #: Method name -> merge function (``"simple_average"`` is an alias of ``"average"``, so the
@@ -676,6 +858,7 @@ MERGE_METHODS: dict[str, Callable[..., nn.Module]] = {
     "task_arithmetic": task_arithmetic,
     "ties": ties_merging,
     "dare": dare_merging,
+    "dare_ties": dare_ties_merging,
 }
 
 
@@ -687,8 +870,9 @@ def merge_models(base_model: ModelLike, experts: Mapping[str, ModelLike], method
         experts: Mapping task name -> fine-tuned model, or local folder / hub id.
         method: ``"average"`` (``simple_average``; alias ``"simple_average"``), ``"task_arithmetic"``
             (``scaling_factor``), ``"ties"`` (``ties_merging``: ``scaling_factor``, ``density``,
-            ``per_tensor_trim``, ``merge_func``) or ``"dare"`` (``dare_merging``: ``scaling_factor``,
-            ``drop_rate``, ``rescale``, ``seed``).
+            ``per_tensor_trim``, ``merge_func``), ``"dare"`` (``dare_merging``: ``scaling_factor``,
+            ``drop_rate``, ``rescale``, ``seed``, ``rescale_mode``) or ``"dare_ties"``
+            (``dare_ties_merging``: those of ``"dare"`` and ``merge_func``).
         **params: The method's parameters (defaults as in its function).
 
     Returns:

@@ -14,14 +14,15 @@ Schema (``?`` marks optional keys; defaults in brackets)::
     experts:                                          # task -> hub id or local folder
       <task>: <hub id or path>
     merge:
-      method: average | task_arithmetic | ties | dare
-      scaling_factor?: <real>                         # task_arithmetic, ties, dare
+      method: average | task_arithmetic | ties | dare | dare_ties
+      scaling_factor?: <real>                         # task_arithmetic, ties, dare, dare_ties
       density?: <(0, 1]>                              # ties
       per_tensor_trim?: <bool>                        # ties
-      merge_func?: mean | sum                         # ties
-      drop_rate?: <[0, 1)>                            # dare
-      rescale?: <bool>                                # dare
-      seed?: <int>                                    # dare
+      merge_func?: mean | sum                         # ties, dare_ties
+      drop_rate?: <[0, 1)>                            # dare, dare_ties
+      rescale?: <bool>                                # dare, dare_ties
+      rescale_mode?: keep_rate | l1                   # dare, dare_ties
+      seed?: <int>                                    # dare, dare_ties
     featcal?:                                         # any FeatCalConfig field [defaults]
       lambda_ratio: 0.05
       ...
@@ -508,6 +509,12 @@ def _merge_func(v: _Validator, value: Any, path: str) -> str:
     return value
 
 
+def _rescale_mode(v: _Validator, value: Any, path: str) -> str:
+    if value not in ("keep_rate", "l1"):
+        raise v.error(path, f"must be 'keep_rate' or 'l1', got {_show(value)}")
+    return value
+
+
 def _int_param(v: _Validator, value: Any, path: str) -> int:
     return v.integer(value, path)  # type: ignore[return-value]
 
@@ -516,7 +523,10 @@ _MERGE_PARAMS: dict[str, dict[str, Callable[[_Validator, Any, str], Any]]] = {
     "average": {},
     "task_arithmetic": {"scaling_factor": _real},
     "ties": {"scaling_factor": _real, "density": _density, "per_tensor_trim": _boolean, "merge_func": _merge_func},
-    "dare": {"scaling_factor": _real, "drop_rate": _drop_rate, "rescale": _boolean, "seed": _int_param},
+    "dare": {"scaling_factor": _real, "drop_rate": _drop_rate, "rescale": _boolean, "seed": _int_param,
+             "rescale_mode": _rescale_mode},
+    "dare_ties": {"scaling_factor": _real, "drop_rate": _drop_rate, "rescale": _boolean, "seed": _int_param,
+                  "rescale_mode": _rescale_mode, "merge_func": _merge_func},
 }
 
 #: Merge methods of recipes and the parameters each takes (see `hf_featcal.merging.merge_models`).
