@@ -1,0 +1,135 @@
+"""RegMean (Jin et al., ICLR 2023, "Dataless Knowledge Fusion by Merging Weights of Language
+Models"): each Linear inside the blocks is merged in closed form from every expert's input Gram,
+
+    Wᵀ = (Σᵢ G̃ᵢ)⁻¹ Σᵢ G̃ᵢ Wᵢᵀ,   G̃ᵢ = r·Gᵢ + (1 − r)·diag(Gᵢ),   Gᵢ = Σ_tokens w·x xᵀ,
+
+where x is the Linear's input in expert i's own forward on task i's calibration data, w the token
+weight (0 for padding; the layer map's rule, as for FeatCal) and r the reduction of the off-diagonal
+entries. Every other parameter (biases, norms, embeddings, heads) is the plain average of the experts.
+
+It shares FeatCal's machinery: the layer map walks each expert's own stream block by block, its
+capture helpers record the Linear inputs, and the solve is the library's symmetric solve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .architectures import LINEAR, get_layer_map
+from .data import prepare_batches
+from .hooks import capture_module_inputs, eval_mode
+from .merging import simple_average
+from .solver import symmetric_solve
+
+
+def _check_arguments(base_model: Any, experts: Any, calibration_data: Any, reduction: Any) -> None:
+    if not isinstance(base_model, nn.Module):
+        raise TypeError(f"`base_model` must be a torch module (the skeleton of the merge), got {type(base_model).__name__}.")
+    if not isinstance(experts, Mapping) or not experts:
+        raise ValueError("`experts` must be a non-empty mapping of task name → expert model.")
+    for task, expert in experts.items():
+        if not isinstance(expert, nn.Module):
+            raise TypeError(
+                f"experts[{task!r}] must be an in-memory model for RegMean (its own forward gives its Grams), "
+                f"got {type(expert).__name__}."
+            )
+    if not isinstance(calibration_data, Mapping):
+        raise TypeError("`calibration_data` must map each task to a datasets.Dataset or an iterable of batches.")
+    missing = sorted(set(experts) - set(calibration_data))
+    if missing:
+        raise ValueError(f"`calibration_data` has no data for the tasks {missing}.")
+    if isinstance(reduction, bool) or not isinstance(reduction, (int, float)) or not 0.0 <= float(reduction) <= 1.0:
+        raise ValueError(f"`reduction` must be a number in [0, 1], got {reduction!r}.")
+
+
+def expert_grams(
+    expert: nn.Module, batches: list[Mapping[str, Any]], *, dtype: torch.dtype = torch.float64
+) -> dict[tuple[int, int, str], Tensor]:
+    """Σ w·x xᵀ of the input of every Linear spec inside the blocks of `expert`, over its own forward
+    on `batches`; keyed by (stack, block, spec name)."""
+    layer_map = get_layer_map(expert, "experts")
+    layer_map.observe_batches({"task": list(batches)})
+    tower = layer_map.tower(expert)
+    grams: dict[tuple[int, int, str], Tensor] = {}
+    with torch.no_grad(), eval_mode(expert):
+        previous: list[Any] = [None] * len(batches)
+        for si, stack in enumerate(layer_map.stacks(tower)):
+            states = [layer_map.enter_stack(tower, b, si, previous[k]) for k, b in enumerate(batches)]
+            for bi, block in enumerate(stack.blocks):
+                specs = [s for s in layer_map.block_modules(block) if s.kind == LINEAR]
+                captures = sorted({s.capture for s in specs})
+                for k, state in enumerate(states):
+                    with layer_map.capture_context(block), capture_module_inputs(block, captures) as store:
+                        after = layer_map.run_block(block, bi, state)
+                    for spec in specs:
+                        x = store[spec.capture].to(dtype)
+                        w = layer_map.input_weights(spec.name, state).to(device=x.device, dtype=dtype)
+                        x = x.reshape(-1, x.shape[-1])
+                        gram = (x * w.reshape(-1, 1)).T @ x
+                        key = (si, bi, spec.name)
+                        grams[key] = gram if key not in grams else grams[key] + gram
+                    states[k] = after
+            previous = states
+    return grams
+
+
+def regmean_merging(
+    base_model: nn.Module,
+    experts: Mapping[str, nn.Module],
+    calibration_data: Mapping[str, Any],
+    *,
+    reduction: float = 0.9,
+    num_samples_per_task: int | None = 256,
+    batch_size: int = 16,
+    processing_class: Any = None,
+    seed: int = 42,
+) -> nn.Module:
+    """Merge `experts` with RegMean; returns a new model of `base_model`'s class.
+
+    Args:
+        base_model: the skeleton (its class and config); with RegMean no weight of it is used.
+        experts: task → in-memory expert model (the same architecture as `base_model`).
+        calibration_data: task → a `datasets.Dataset` or an iterable of batches, as for FeatCal.
+        reduction: r, the factor on the Grams' off-diagonal entries (1 keeps them; RegMean's default 0.9).
+        num_samples_per_task, batch_size, processing_class, seed: how calibration data is batched
+            (as in `FeatCalConfig` / `FeatCalCalibrator`).
+    """
+    _check_arguments(base_model, experts, calibration_data, reduction)
+    layer_map = get_layer_map(base_model, "base_model")
+    batches = {
+        task: prepare_batches(task, calibration_data[task], main_input_name=layer_map.main_input_name,
+                              num_samples=num_samples_per_task, batch_size=batch_size, seed=seed,
+                              processing_class=processing_class)
+        for task in experts
+    }
+    merged = simple_average(base_model, experts)
+    grams = {task: expert_grams(expert, batches[task]) for task, expert in experts.items()}
+    towers = {task: layer_map.tower(expert) for task, expert in experts.items()}
+    merged_tower = layer_map.tower(merged)
+    with torch.no_grad():
+        for si, stack in enumerate(layer_map.stacks(merged_tower)):
+            expert_stacks = {t: layer_map.stacks(towers[t])[si] for t in experts}
+            for bi, block in enumerate(stack.blocks):
+                for spec in (s for s in layer_map.block_modules(block) if s.kind == LINEAR):
+                    lhs, rhs = None, None
+                    for task in experts:
+                        g = grams[task][(si, bi, spec.name)]
+                        g = reduction * g + (1.0 - reduction) * torch.diag(g.diagonal())
+                        weight = spec.value(expert_stacks[task].blocks[bi]).to(g.dtype)
+                        lhs = g if lhs is None else lhs + g
+                        rhs = g @ weight.T if rhs is None else rhs + g @ weight.T
+                    solution, _ = symmetric_solve(lhs, rhs)
+                    if not bool(torch.isfinite(solution).all()):
+                        raise FloatingPointError(f"RegMean: non-finite solution for block {bi} of {stack.name}, {spec.name}.")
+                    module = block.get_submodule(spec.owner)
+                    target = getattr(module, spec.weight_attr)
+                    rows = slice(None) if spec.rows is None else slice(*spec.rows)
+                    target.data[rows] = solution.T.to(dtype=target.dtype, device=target.device)
+    config = getattr(merged, "config", None)
+    if config is not None:
+        config.hf_featcal_merge = {"method": "regmean", "reduction": float(reduction), "experts": list(experts)}
+    return merged
