@@ -12,7 +12,7 @@ from typing import Any
 
 from .report import DriftReport
 
-__all__ = ["plot_drift"]
+__all__ = ["plot_comparison", "plot_drift"]
 
 
 def plot_drift(
@@ -88,6 +88,41 @@ def plot_drift(
     path = os.fspath(path)
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
+    figure.savefig(path, dpi=dpi)
+    return path
+
+
+def plot_comparison(result: Any, path: str | os.PathLike, *, dpi: int = 120) -> str:
+    """Bar chart of a `compare.ComparisonResult`: the mean score of every merge, one bar per
+    post-merging step, with the experts' mean as the ceiling line. Failed rows get no bar."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    merges = [r for r in result.rows() if r != "experts" and "+" not in r]
+    merges += [r.split("+", 1)[0] for r in result.rows() if "+" in r and r.split("+", 1)[0] not in merges]
+    steps = ["none"] + sorted({r.split("+", 1)[1] for r in result.rows() if "+" in r})
+    figure = Figure(figsize=(max(6.0, 1.3 * len(merges) + 2), 4.2), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    width = 0.8 / len(steps)
+    cycle = _colours(len(steps))
+    for k, step in enumerate(steps):
+        xs, heights = [], []
+        for i, merge in enumerate(merges):
+            row = merge if step == "none" else f"{merge}+{step}"
+            if row in result.scores:
+                xs.append(i + (k - (len(steps) - 1) / 2) * width)
+                heights.append(result.scores[row]["mean"])
+        axes.bar(xs, heights, width=width, color=cycle[k % len(cycle)], label=step)
+    if "experts" in result.scores:
+        axes.axhline(result.scores["experts"]["mean"], color="black", linestyle="--", linewidth=1, label="experts")
+    axes.set_xticks(range(len(merges)), merges, rotation=20)
+    axes.set_ylabel("mean score over tasks")
+    axes.set_title("merge × post-merging")
+    axes.grid(True, axis="y", alpha=0.3)
+    axes.legend(fontsize="small")
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     figure.savefig(path, dpi=dpi)
     return path
 

@@ -1,0 +1,219 @@
+"""Which merge, and which post-merging step, is best for these experts? One grid, one table.
+
+`compare_post_merging` runs every merge method once (average, Task Arithmetic, TIES, DARE, DARE-TIES,
+RegMean), then every post-merging step on it (none, FeatCal, and FeatCal module-granular where this
+build offers it), scores each result with the caller's `evaluate`, and returns one table per task and
+mean, with the experts' own scores as the ceiling and each run's last-block drift. A combination that
+fails is recorded with its error and the grid goes on. `ComparisonResult.save` writes the table
+(Markdown), a JSON file and a bar chart PNG.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+#: merge method → its parameters (the defaults of the paper settings)
+DEFAULT_MERGES: dict[str, dict[str, Any]] = {
+    "average": {},
+    "task_arithmetic": {"scaling_factor": 0.3},
+    "ties": {"scaling_factor": 0.3, "density": 0.2},
+    "dare": {"scaling_factor": 0.3, "drop_rate": 0.9},
+    "dare_ties": {"scaling_factor": 0.3, "drop_rate": 0.9},
+    "regmean": {"reduction": 0.9},
+}
+
+
+def post_merging_steps() -> tuple[str, ...]:
+    """The post-merging steps this build offers: "none", "featcal" and, when `FeatCalConfig` has a
+    `granularity` field, "featcal_module"."""
+    from .config import FeatCalConfig
+
+    names = {f.name for f in dataclasses.fields(FeatCalConfig)}
+    return ("none", "featcal", "featcal_module") if "granularity" in names else ("none", "featcal")
+
+
+@dataclass
+class ComparisonResult:
+    """Scores (task → value, plus "mean") per row: "experts" (each expert on its own task), then
+    "<merge>" and "<merge>+<step>"; the last-block drift per task of every run FeatCal measured (the
+    merge as given, from FeatCal's "before"); the error of every row that failed; seconds per row."""
+
+    tasks: list[str]
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
+    drift: dict[str, dict[str, float]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def rows(self) -> list[str]:
+        return [*self.scores, *(r for r in self.errors if r not in self.scores)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_markdown(self) -> str:
+        """The table: one row per result, one column per task, then the mean and the mean drift."""
+        header = ["", *self.tasks, "mean", "last-block drift"]
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for row in self.rows():
+            if row in self.errors:
+                lines.append(f"| {row} | failed: {self.errors[row]} |" + " |" * (len(header) - 2))
+                continue
+            values = [f"{self.scores[row][t]:.1f}" for t in self.tasks] + [f"{self.scores[row]['mean']:.1f}"]
+            drift = self.drift.get(row)
+            values.append(f"{sum(drift.values()) / len(drift):.3g}" if drift else "")
+            lines.append(f"| {row} | " + " | ".join(values) + " |")
+        return "\n".join(lines) + "\n"
+
+    def save(self, output_dir: str | os.PathLike) -> dict[str, str]:
+        """Write comparison.md, comparison.json and comparison.png into `output_dir`; returns their paths."""
+        from .plotting import plot_comparison
+
+        os.makedirs(output_dir, exist_ok=True)
+        paths = {kind: os.path.join(output_dir, f"comparison.{kind}") for kind in ("md", "json", "png")}
+        with open(paths["md"], "w", encoding="utf-8") as handle:
+            handle.write(self.to_markdown())
+        with open(paths["json"], "w", encoding="utf-8") as handle:
+            json.dump(self.to_dict(), handle, indent=2)
+            handle.write("\n")
+        plot_comparison(self, paths["png"])
+        return paths
+
+
+def _merge(method: str, params: Mapping[str, Any], base: nn.Module, experts: Mapping[str, Any],
+           calibration_data: Mapping[str, Any], featcal_config: Any, processing_class: Any) -> nn.Module:
+    if method == "regmean":
+        from .regmean import regmean_merging
+
+        return regmean_merging(base, experts, calibration_data, num_samples_per_task=featcal_config.num_samples_per_task,
+                               batch_size=featcal_config.batch_size, seed=featcal_config.seed,
+                               processing_class=processing_class, **params)
+    from .merging import merge_models
+
+    return merge_models(base, experts, method, **params)
+
+
+def compare_post_merging(
+    base: nn.Module,
+    experts: Mapping[str, nn.Module],
+    calibration_data: Mapping[str, Any],
+    evaluate: Callable[[nn.Module], Mapping[str, float]],
+    *,
+    merges: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
+    post_merging: Sequence[str] | None = None,
+    featcal_config: Any = None,
+    processing_class: Any = None,
+    log: Callable[[str], None] | None = None,
+) -> ComparisonResult:
+    """Run the grid merges × post-merging steps and score every result.
+
+    Args:
+        base, experts: the pre-trained model and task → fine-tuned expert (in memory).
+        calibration_data: task → calibration data, as for `FeatCalCalibrator` (also RegMean's data).
+        evaluate: model → {task: score} (higher is better; a "mean" key, if any, is ignored and
+            recomputed as the plain mean over the tasks).
+        merges: method names (with `DEFAULT_MERGES` parameters) or method → parameters.
+        post_merging: steps from `post_merging_steps()`; default all of them.
+        featcal_config: the `FeatCalConfig` of the FeatCal runs (default: the paper's defaults).
+        processing_class: passed to FeatCal and RegMean for `datasets.Dataset` calibration data.
+        log: called with one line per finished row (e.g. `print`).
+    """
+    from .calibrator import FeatCalCalibrator
+    from .config import FeatCalConfig
+
+    config = featcal_config if featcal_config is not None else FeatCalConfig()
+    if merges is None:
+        merges = DEFAULT_MERGES
+    if not isinstance(merges, Mapping):
+        unknown = [m for m in merges if m not in DEFAULT_MERGES]
+        if unknown:
+            raise ValueError(f"`merges`: unknown methods {unknown}; known: {sorted(DEFAULT_MERGES)}.")
+        merges = {m: DEFAULT_MERGES[m] for m in merges}
+    offered = post_merging_steps()
+    steps = tuple(offered if post_merging is None else post_merging)
+    unknown = [s for s in steps if s not in offered]
+    if unknown:
+        raise ValueError(f"`post_merging`: unknown steps {unknown}; this build offers {list(offered)}.")
+    tasks = list(experts)
+    result = ComparisonResult(tasks=tasks)
+
+    def score(model: nn.Module) -> dict[str, float]:
+        values = evaluate(model)
+        missing = [t for t in tasks if t not in values]
+        if missing:
+            raise ValueError(f"`evaluate` returned no score for the tasks {missing}.")
+        out = {t: float(values[t]) for t in tasks}
+        out["mean"] = sum(out.values()) / len(tasks)
+        return out
+
+    def finish(row: str, start: float) -> None:
+        result.seconds[row] = round(time.perf_counter() - start, 2)
+        if log is not None:
+            shown = f"mean {result.scores[row]['mean']:.2f}" if row in result.scores else f"failed ({result.errors[row]})"
+            log(f"{row}: {shown} [{result.seconds[row]:.1f} s]")
+
+    start = time.perf_counter()
+    result.scores["experts"] = {t: float(evaluate(expert)[t]) for t, expert in experts.items()}
+    result.scores["experts"]["mean"] = sum(result.scores["experts"].values()) / len(tasks)
+    finish("experts", start)
+    for method, params in merges.items():
+        start = time.perf_counter()
+        try:
+            merged = _merge(method, params, base, experts, calibration_data, config, processing_class)
+        except Exception as err:  # noqa: BLE001 - a failing combination is reported, the grid goes on
+            for step in steps:
+                result.errors[method if step == "none" else f"{method}+{step}"] = f"merge: {type(err).__name__}: {err}"
+            finish(method if "none" in steps else f"{method}+{steps[0]}", start)
+            continue
+        if "none" in steps:
+            try:
+                result.scores[method] = score(merged)
+            except Exception as err:  # noqa: BLE001
+                result.errors[method] = f"{type(err).__name__}: {err}"
+            finish(method, start)
+        for step in (s for s in steps if s != "none"):
+            row, start = f"{method}+{step}", time.perf_counter()
+            step_config = dataclasses.replace(config, granularity="module") if step == "featcal_module" else config
+            try:
+                calibrator = FeatCalCalibrator(copy.deepcopy(merged), base, experts, calibration_data, step_config,
+                                               processing_class=processing_class, show_progress=False)
+                calibrated = calibrator.calibrate()
+                result.scores[row] = score(calibrated)
+                if calibrator.report is not None:
+                    tasks_drift = calibrator.report.tasks
+                    result.drift[row] = {t: d["after"][-1] for t, d in tasks_drift.items()}
+                    result.drift.setdefault(method, {t: d["before"][-1] for t, d in tasks_drift.items()})
+            except Exception as err:  # noqa: BLE001
+                result.errors[row] = f"{type(err).__name__}: {err}"
+            finish(row, start)
+    return result
+
+
+def compare_demo(output_dir: str | os.PathLike, *, seed: int = 0, cache_dir: str | os.PathLike | None = None,
+                 samples_per_task: int = 64, log: Callable[[str], None] | None = print) -> ComparisonResult:
+    """The grid on the offline demo scenario (tiny CLIP vision encoder, four digit tasks); writes the
+    table, JSON and chart into `output_dir`. Scores are test accuracy in %."""
+    import warnings
+
+    from .calibrator import FeatCalWarning
+    from .config import FeatCalConfig
+    from .scenarios.digits import build_digits_scenario
+
+    scenario = build_digits_scenario(seed=seed, cache_dir=cache_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FeatCalWarning)  # tiny models: rank-deficient Grams are expected
+        result = compare_post_merging(
+            scenario.base, scenario.experts, scenario.calibration,
+            lambda model: {t: 100.0 * v for t, v in scenario.evaluate(model).items()},
+            featcal_config=FeatCalConfig(num_samples_per_task=samples_per_task), log=log,
+        )
+    result.save(output_dir)
+    return result

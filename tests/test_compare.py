@@ -1,0 +1,81 @@
+"""`compare_post_merging`: every row is the score of the model that row names (recomputed here by
+calling the merge and FeatCal directly), each merge is computed once, a failing combination is
+reported without stopping the grid, and the files are written."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import hf_featcal.merging as merging
+from conftest import build_clip_setting
+from hf_featcal import FeatCalCalibrator, FeatCalConfig
+from hf_featcal.compare import compare_post_merging, post_merging_steps
+from hf_featcal.regmean import regmean_merging
+
+
+@pytest.fixture
+def setting(generator):
+    base, experts, _, data = build_clip_setting(generator)
+    probes = {t: torch.randn(3, 3, 8, 8, generator=generator) for t in experts}
+
+    def evaluate(model):  # closer to each expert's features on its own probes = higher
+        with torch.no_grad():
+            return {t: -float((model(pixel_values=x).pooler_output - experts[t](pixel_values=x).pooler_output).norm())
+                    for t, x in probes.items()}
+
+    return base, experts, data, evaluate
+
+
+def test_rows_are_the_scores_of_the_models_they_name(setting, monkeypatch):
+    base, experts, data, evaluate = setting
+    calls = []
+    original = merging.merge_models
+    monkeypatch.setattr(merging, "merge_models", lambda *a, **k: calls.append(a[2]) or original(*a, **k))
+    config = FeatCalConfig(num_samples_per_task=8)
+    result = compare_post_merging(base, experts, data, evaluate, merges=["task_arithmetic", "ties", "regmean"],
+                                  post_merging=["none", "featcal"], featcal_config=config)
+    assert calls == ["task_arithmetic", "ties"]  # each merge once, reused by every post-merging step
+    assert result.errors == {}
+    assert list(result.scores) == ["experts", "task_arithmetic", "task_arithmetic+featcal", "ties", "ties+featcal",
+                                   "regmean", "regmean+featcal"]
+    assert result.scores["experts"]["mean"] == 0.0  # each expert is its own target
+    for method, params in (("task_arithmetic", {"scaling_factor": 0.3}), ("ties", {"scaling_factor": 0.3, "density": 0.2})):
+        merged = original(base, experts, method, **params)
+        direct = evaluate(merged)
+        assert result.scores[method] == pytest.approx({**direct, "mean": sum(direct.values()) / 2}, rel=1e-6)
+        calibrator = FeatCalCalibrator(copy.deepcopy(merged), base, experts, data, config, show_progress=False)
+        after = evaluate(calibrator.calibrate())
+        assert result.scores[f"{method}+featcal"] == pytest.approx({**after, "mean": sum(after.values()) / 2}, rel=1e-6)
+        assert result.drift[f"{method}+featcal"] == pytest.approx({t: d["after"][-1] for t, d in calibrator.report.tasks.items()})
+        assert result.drift[method] == pytest.approx({t: d["before"][-1] for t, d in calibrator.report.tasks.items()})
+    direct = evaluate(regmean_merging(base, experts, data, num_samples_per_task=8))
+    assert result.scores["regmean"] == pytest.approx({**direct, "mean": sum(direct.values()) / 2}, rel=1e-6)
+    assert result.scores["task_arithmetic+featcal"]["mean"] > result.scores["task_arithmetic"]["mean"]
+
+
+def test_a_failing_combination_is_reported_and_the_grid_goes_on(setting, tmp_path):
+    base, experts, data, evaluate = setting
+    result = compare_post_merging(base, experts, data, evaluate,
+                                  merges={"ties": {"density": 5.0}, "average": {}}, post_merging=["none", "featcal"],
+                                  featcal_config=FeatCalConfig(num_samples_per_task=8))
+    assert set(result.errors) == {"ties", "ties+featcal"} and "density" in result.errors["ties"]
+    assert {"average", "average+featcal"} <= set(result.scores)
+    table = result.to_markdown()
+    assert "| ties | failed: merge: ValueError" in table and "| average+featcal |" in table
+    paths = result.save(tmp_path / "out")
+    assert json.loads(open(paths["json"]).read()) == json.loads(json.dumps(result.to_dict()))
+    assert open(paths["md"]).read() == table
+    assert open(paths["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_methods_and_steps_are_named(setting):
+    base, experts, data, evaluate = setting
+    with pytest.raises(ValueError, match=r"`merges`: unknown methods \['slerp'\]"):
+        compare_post_merging(base, experts, data, evaluate, merges=["slerp"])
+    with pytest.raises(ValueError, match=r"`post_merging`: unknown steps \['surgery'\]"):
+        compare_post_merging(base, experts, data, evaluate, post_merging=["surgery"])
+    assert post_merging_steps()[:2] == ("none", "featcal")
