@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 import warnings
 
@@ -20,6 +22,9 @@ import torch
 
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.merging import task_arithmetic
+
+# the text scenarios are test fixtures: they live in tests/scenarios/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
 
 
 def _mean(values) -> float:
@@ -37,7 +42,7 @@ def _featcal(merged, base, experts, data, config):
 
 
 def digits(seed: int) -> dict:
-    from hf_featcal.toy import build_digits_scenario
+    from hf_featcal.scenarios.digits import build_digits_scenario
 
     s = build_digits_scenario(seed=seed)
     merged = s.task_arithmetic(0.3)
@@ -60,13 +65,13 @@ def _text_like(s) -> dict:
 
 
 def text(seed: int) -> dict:
-    from hf_featcal.toy_text import build_text_scenario
+    from scenarios.text import build_text_scenario
 
     return _text_like(build_text_scenario(seed=seed))
 
 
 def causal(seed: int) -> dict:
-    from hf_featcal.toy_causal import build_causal_scenario
+    from scenarios.causal import build_causal_scenario
 
     return _text_like(build_causal_scenario(seed=seed))
 

@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalWarning
-from hf_featcal.toy import build_digits_scenario
+from hf_featcal.scenarios.digits import build_digits_scenario
 
 
 def _row(name: str, scores: dict[str, float], tasks: list[str]) -> str:

@@ -23,12 +23,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: name → (file under src/hf_featcal, text, replacement); the text must occur exactly once
 MUTATIONS: dict[str, tuple[str, str, str]] = {
     "no_norm_solve": (
-        "calibrator.py",
-        "        for (name, _), stats in norms.items():\n            module = block.get_submodule(name)",
-        "        for (name, _), stats in list(norms.items())[:0]:\n            module = block.get_submodule(name)",
+        "pipeline/solve.py",
+        "    for (name, _), stats in norms.items():\n        module = block.get_submodule(name)",
+        "    for (name, _), stats in list(norms.items())[:0]:\n        module = block.get_submodule(name)",
     ),
     "rms_lambda_0": (
-        "calibrator.py",
+        "pipeline/solve.py",
         'solve_scale_only_norm(stats.second_moment_sum, stats.gamma_target_sum, anchor_of(name, "weight"), lam, eps)',
         'solve_scale_only_norm(stats.second_moment_sum, stats.gamma_target_sum, anchor_of(name, "weight"), 0.0, eps)',
     ),
@@ -38,17 +38,17 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        x = x - x.mean(-1, keepdim=True)\n"
         "        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.norm_eps)",
     ),
-    "alpha_is_1": ("calibrator.py", "        alpha = self.config.teacher_alpha\n", "        alpha = 1.0\n"),
-    "alpha_is_0": ("calibrator.py", "        alpha = self.config.teacher_alpha\n", "        alpha = 0.0\n"),
+    "alpha_is_1": ("pipeline/accumulate.py", "    alpha = ctx.config.teacher_alpha\n", "    alpha = 1.0\n"),
+    "alpha_is_0": ("pipeline/accumulate.py", "    alpha = ctx.config.teacher_alpha\n", "    alpha = 0.0\n"),
     "task_scale_1": ("statistics.py", "        s_i = task_scale(c_i, self.epsilon)\n", "        s_i = 1.0\n"),
-    "anchor_is_merged": ("calibrator.py", "            return anchor(merged, base, rho)\n",
-                         "            return anchor(merged, None, rho)\n"),
-    "pooled_weights_off": ("calibrator.py", "        if not weighted:\n            return weights\n",
-                           "        if True:\n            return weights\n"),
+    "anchor_is_merged": ("pipeline/solve.py", "        return anchor(merged, base, rho)\n",
+                         "        return anchor(merged, None, rho)\n"),
+    "pooled_weights_off": ("pipeline/accumulate.py", "    if not weighted:\n        return weights\n",
+                           "    if True:\n        return weights\n"),
     "pooled_weights_on_key_value": (
-        "calibrator.py",
-        "            weighted = pooled is not None and spec.name not in lm.key_value_modules\n",
-        "            weighted = pooled is not None\n",
+        "pipeline/plan.py",
+        "        weighted = pooled is not None and spec.name not in lm.key_value_modules\n",
+        "        weighted = pooled is not None\n",
     ),
 }
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
-from hf_featcal.toy import build_digits_scenario
+from hf_featcal.scenarios.digits import build_digits_scenario
 
 
 @pytest.fixture(scope="module")

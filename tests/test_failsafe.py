@@ -12,7 +12,7 @@ import pickle
 import pytest
 import torch
 
-import hf_featcal.calibrator as calibrator_module
+import hf_featcal.pipeline.solve as solve_stage
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, checkpointing
 from hf_featcal.checkpointing import STATE_NAME
 
@@ -64,8 +64,8 @@ class _Fault:
 _POINTS = {
     "block forward": (lambda c: c.layer_map, "run_block"),
     "expert block load": (lambda c: c.experts["dtd"], "block"),
-    "linear solve": (lambda c: calibrator_module, "solve_linear_weights"),
-    "layer-norm solve": (lambda c: calibrator_module, "solve_layer_norm"),
+    "linear solve": (lambda c: solve_stage, "solve_linear_weights"),
+    "layer-norm solve": (lambda c: solve_stage, "solve_layer_norm"),
     "parameter write": (lambda c: c.parameters, "write"),
     "checkpoint file write": (lambda c: checkpointing, "save_file"),
     "checkpoint rename": (lambda c: checkpointing.os, "replace"),

@@ -8,7 +8,7 @@ import torch
 
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.merging import task_arithmetic
-from hf_featcal.toy_causal import (
+from scenarios.causal import (
     CAUSAL_VOCABULARY,
     SEPARATOR,
     CausalScenarioConfig,
@@ -19,7 +19,7 @@ from hf_featcal.toy_causal import (
     encode_causal,
     evaluate_causal_exact_match,
 )
-from hf_featcal.toy_text import TASKS, VOCABULARY, generate_task_examples, make_task_example
+from scenarios.text import TASKS, VOCABULARY, generate_task_examples, make_task_example
 
 torch.set_num_threads(1)
 

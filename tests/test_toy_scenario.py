@@ -1,4 +1,4 @@
-"""The offline multi-task digits scenario (`hf_featcal.toy`): data, determinism, caching, efficacy gap.
+"""The offline multi-task digits scenario (`hf_featcal.scenarios.digits`): data, determinism, caching, efficacy gap.
 
 The full default scenario is built once per module (~15-20 s on 2 CPU cores) into a temporary cache;
 the determinism/subset checks use a smaller variant (~1-2 s per build).
@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import CLIPVisionModel
 
-from hf_featcal.toy import (
+from hf_featcal.scenarios.digits import (
     DIGITS_TASKS,
     DigitsScenarioSettings,
     accuracy,

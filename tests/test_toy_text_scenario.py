@@ -8,7 +8,7 @@ import torch
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.data import prepare_batches
 from hf_featcal.merging import task_arithmetic
-from hf_featcal.toy_text import (
+from scenarios.text import (
     DIGITS,
     EXTRA_TASKS,
     NUMBER_WORDS,

@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset
 
 from hf_featcal import FeatCalCalibrator
-from hf_featcal.toy import accuracy, build_digits_scenario
+from hf_featcal.scenarios.digits import accuracy, build_digits_scenario
 from hf_featcal.tuning import DEFAULT_GRID, TuningResult, train_holdout_split, tune_featcal
 
 torch.set_num_threads(1)

@@ -22,7 +22,9 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .recipes import MODEL_FAMILIES
+# Heavy libraries (torch, transformers, datasets) and the modules that import them load inside the
+# commands that need them, so that `hf-featcal --help` starts at once.
+from .architectures.families import FamilyUsageError, ModelFamily, detect_family, family_names, get_family
 
 __all__ = ["build_parser", "main"]
 
@@ -234,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="train", help="calibration split (default: train)")
     p.add_argument("--num-examples", type=_positive_int, default=256, help="calibration examples per task (default 256)")
     p.add_argument("--image-column", help="CLIP: the image column (default: image / img)")
-    p.add_argument("--family", choices=MODEL_FAMILIES, help="model family (default: from the model)")
+    p.add_argument("--family", choices=family_names(), help="model family (default: from the model)")
     p.add_argument("--processor", help="processor / tokenizer folder or hub id (default: the model folder, else the base)")
     _add_featcal_options(p)
     p.add_argument("--device", help="device for calibration, e.g. cuda or cpu (default: accelerate's)")
@@ -254,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="model to evaluate: local folder or hub id")
     p.add_argument("--task", dest="tasks", action="append", required=True, metavar="TASK", help="a task; repeat for several")
-    p.add_argument("--family", choices=MODEL_FAMILIES, help="model family (default: from the model)")
+    p.add_argument("--family", choices=family_names(), help="model family (default: from the model)")
     p.add_argument("--data", type=_task_value, action="append", default=[], metavar="TASK=DATASET",
                    help="evaluation dataset of TASK: hub id or save_to_disk folder (default: the task's built-in dataset)")
     p.add_argument("--data-config", type=_task_value, action="append", default=[], metavar="TASK=NAME",
@@ -388,50 +390,46 @@ def _featcal_config(args: argparse.Namespace) -> Any:
         raise CLIError(f"{err} (from --featcal-config or the FeatCal options)") from None
 
 
-def _family(model: Any, given: str | None, option: str = "--model") -> str:
-    from .recipes import model_family_of
-
-    found = model_family_of(model)
+def _family(model: Any, given: str | None, option: str = "--model") -> ModelFamily:
+    found = detect_family(model)
     if given is not None:
-        if found is not None and found != given:
-            raise CLIError(f"--family {given} does not match {option}, a {found!r} model ({type(model).__name__})")
-        return given
+        if found is not None and found.name != given:
+            raise CLIError(f"--family {given} does not match {option}, a {found.name!r} model ({type(model).__name__})")
+        return get_family(given)
     if found is None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
+        names = [family.article_name for family in (get_family(n) for n in family_names())]
+        kinds = ", ".join(names[:-1]) + " nor " + names[-1] if len(names) > 1 else names[0]
         raise CLIError(
-            f"{option}: model_type {model_type!r} is neither a CLIP, an open_clip nor a T5 model; supported families: "
-            "clip, flan_t5, open_clip"
+            f"{option}: model_type {model_type!r} is neither {kinds} model; supported families: "
+            + ", ".join(family_names())
         )
     return found
 
 
-def _processing(family: str, candidates: Sequence[str | None]) -> dict[str, Any]:
+def _processing(family: ModelFamily, candidates: Sequence[str | None]) -> dict[str, Any]:
     """Processing classes from the first candidate folder / hub id that has them."""
-    from .recipes import load_processing
-
     errors = []
     for source in candidates:
         if not source:
             continue
         try:
-            return load_processing(family, source)
+            return family.load_processing(source)
         except (OSError, ValueError, TypeError) as err:
             errors.append(f"{source}: {err}")
-    what = {"clip": "CLIPImageProcessor", "open_clip": "open_clip config"}.get(family, "tokenizer")
+    what = family.processing_name
     raise CLIError(f"no {what} found (tried {[c for c in candidates if c]}); pass --processor. " + " | ".join(errors)[:500])
 
 
-def _maybe_processing(family: str | None, sources: Sequence[str | None]) -> dict[str, Any] | None:
+def _maybe_processing(family: ModelFamily | None, sources: Sequence[str | None]) -> dict[str, Any] | None:
     """The processing classes of the first source that has them (None if none has)."""
-    from .recipes import load_processing
-
     if family is None:
         return None
     for source in sources:
         if not source:
             continue
         try:
-            return load_processing(family, source)
+            return family.load_processing(source)
         except (OSError, ValueError, TypeError):
             continue
     return None
@@ -490,7 +488,7 @@ def _quiet_warnings() -> Any:
 # ==================================================================================== commands
 def _cmd_merge(args: argparse.Namespace) -> int:
     from .merging import merge_models
-    from .recipes import RecipeError, model_family_of, validate_merge_spec
+    from .recipes import RecipeError, validate_merge_spec
 
     base = _check_source(args.base, "--base")
     experts = {t: _check_source(s, f"--expert {t}") for t, s in _pairs(args.experts, "--expert").items()}
@@ -511,11 +509,13 @@ def _cmd_merge(args: argparse.Namespace) -> int:
     _log(f"Merging {len(experts)} experts into {args.base}: {spec.describe()} ...")
     start = time.perf_counter()
     merged = merge_models(base, experts, spec.method, **spec.params)
-    from .saving import atomic_folder, processing_to_save, save_model_files
+    from .saving import atomic_folder, save_model_files
 
-    processing = _maybe_processing(model_family_of(merged), [base])
+    family = detect_family(merged)
+    processing = _maybe_processing(family, [base])
+    to_save = family.processing_to_save(processing) if family is not None else []
     with atomic_folder(args.output_dir, "--output-dir") as folder:  # as FeatCalCalibrator.save_model saves
-        save_model_files(merged, folder, processing_class=processing_to_save(processing))
+        save_model_files(merged, folder, processing_class=to_save)
     saved = processing is not None
     print(f"Merged {type(merged).__name__} ({spec.describe()}; tasks: {', '.join(experts)}) "
           f"in {time.perf_counter() - start:.1f} s → {args.output_dir}"
@@ -560,15 +560,7 @@ def _calibrate(
     from .calibrator import FeatCalCalibrator
     from .experts import load_model
     from .plotting import plot_drift
-    from .recipes import (
-        IMAGE_FAMILIES,
-        RecipeError,
-        calibration_processing_class,
-        parse_calibration,
-        prepare_clip_calibration,
-        prepare_flan_t5_calibration,
-        upload_folder,
-    )
+    from .recipes import RecipeError, parse_calibration, prepare_calibration, upload_folder
 
     _log(f"Loading the merged model {args.model} ...")
     model = load_model(model_source, "--model")
@@ -579,25 +571,23 @@ def _calibrate(
         if args.data_default_config:
             default["config"] = args.data_default_config
     if args.image_column:
-        if family not in IMAGE_FAMILIES:
+        if "image_column" not in family.calibration_data_keys:
             raise CLIError("--image-column is only for CLIP / open_clip models")
         default["image_column"] = args.image_column
     tasks_section = {t: {"dataset": d, **({"config": configs[t]} if t in configs else {})} for t, d in data.items()}
     try:
-        specs = parse_calibration(None, {"default": default, "tasks": tasks_section}, family, list(experts), args.num_examples)
+        specs = parse_calibration(None, {"default": default, "tasks": tasks_section}, family.name, list(experts),
+                                  args.num_examples)
     except RecipeError as err:
         raise CLIError(f"calibration data: {err}") from None
 
     processing = _processing(family, [args.processor, model_source, base_source])
     _log("Loading the calibration data ...")
-    if family in IMAGE_FAMILIES:
-        calibration = {t: prepare_clip_calibration(t, s, config.seed) for t, s in specs.items()}
-    else:
-        calibration = {t: prepare_flan_t5_calibration(t, s, processing["tokenizer"], config.seed) for t, s in specs.items()}
+    calibration = {t: prepare_calibration(family.name, t, s, processing, config.seed) for t, s in specs.items()}
     config = dataclasses.replace(config, num_samples_per_task=None)
     calibrator = FeatCalCalibrator(
         model, base_source, experts, calibration, config,
-        processing_class=calibration_processing_class(family, processing),
+        processing_class=family.calibration_processing_class(processing),
         device=args.device, show_progress=not args.quiet,
     )
     _log(f"Calibrating with FeatCal on {calibrator.device} ...")
@@ -608,9 +598,7 @@ def _calibrate(
     finally:
         ridge = finish()
     seconds = time.perf_counter() - start
-    from .saving import processing_to_save
-
-    calibrator.save_model(args.output_dir, processing_class=processing_to_save(processing))
+    calibrator.save_model(args.output_dir, processing_class=family.processing_to_save(processing))
     plot = None
     if calibrator.report is not None:
         plot = plot_drift(calibrator.report, os.path.join(args.output_dir, "featcal_drift.png"))
@@ -627,8 +615,8 @@ def _calibrate(
     return 0
 
 
-def _evaluation_spec(args: argparse.Namespace, family: str) -> Any:
-    from .recipes import IMAGE_FAMILIES, DatasetSpec, EvaluationSpec, RecipeError
+def _evaluation_spec(args: argparse.Namespace, family: ModelFamily) -> Any:
+    from .recipes import DatasetSpec, EvaluationSpec, RecipeError
 
     v = _validator()
     data = _pairs(args.data, "--data")
@@ -644,42 +632,20 @@ def _evaluation_spec(args: argparse.Namespace, family: str) -> Any:
         for task in mapping:
             if task not in tasks:
                 raise CLIError(f"{option} {task}=...: {task!r} is not among the --task values {tasks}")
-    if family == "flan_t5" and (class_names or templates or args.clip_model):
-        raise CLIError("--class-names, --template and --clip-model are only for CLIP models")
-    if family == "open_clip" and args.clip_model:
-        raise CLIError("--clip-model is only for transformers CLIP models (an open_clip model uses its own text tower)")
+    family.check_evaluate_options(class_names=class_names, templates=templates, clip_model=args.clip_model)
     specs: dict[str, DatasetSpec] = {}
     for task in tasks:
-        if family in IMAGE_FAMILIES:
-            from .evaluation.clip_templates import CLIP_CLASS_NAMES, CLIP_DATASETS, CLIP_TASK_ALIASES
-
-            name = task if task in CLIP_CLASS_NAMES else CLIP_TASK_ALIASES.get(task)
-            if name is None and task not in class_names:
-                raise CLIError(f"--task {task}: not a built-in CLIP task {list(CLIP_DATASETS)}; give --class-names {task}=A,B,...")
-            if task in data:
-                dataset, config = data[task], configs.get(task)
-            elif name is not None:
-                dataset, config = CLIP_DATASETS[name]
-                config = configs.get(task, config)
-            else:
-                raise CLIError(f"--task {task}: a custom task needs --data {task}=DATASET")
-            split = args.split or "test"
-        else:
-            from .evaluation.glue import GLUE_DEFAULT_SPLITS, GLUE_TASKS
-
-            if task not in GLUE_TASKS:
-                raise CLIError(f"--task {task}: not a GLUE task {list(GLUE_TASKS)}")
-            dataset, config = data.get(task, "nyu-mll/glue"), configs.get(task, task)
-            split = args.split or GLUE_DEFAULT_SPLITS[task]
+        dataset, config, glue_task = family.evaluation_source(task, data, configs, class_names)
+        split = args.split or family.default_evaluation_split(task)
         try:
             local = v.local_path(dataset, f"--data {task}", "dataset")
         except RecipeError as err:
             raise CLIError(str(err)) from None
         specs[task] = DatasetSpec(dataset=local or dataset, config=config, split=split, num_examples=None,
-                                  is_local=local is not None, glue_task=task if family == "flan_t5" else None)
+                                  is_local=local is not None, glue_task=glue_task)
     return EvaluationSpec(
         tasks=tasks, datasets=specs, max_samples=args.max_samples,
-        batch_size=args.batch_size or (64 if family in IMAGE_FAMILIES else 32),
+        batch_size=args.batch_size or family.default_evaluation_batch_size,
         class_names=class_names, templates=templates, clip_model=args.clip_model,
     )
 
@@ -692,30 +658,22 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     clip_source = _check_source(args.clip_model, "--clip-model") if args.clip_model else None
     _check_device(args.device)
     if args.family is not None:
-        _evaluation_spec(args, args.family)  # check the arguments before loading anything
+        _evaluation_spec(args, get_family(args.family))  # check the arguments before loading anything
     _log(f"Loading {args.model} ...")
     model = load_model(model_source, "--model")
     family = _family(model, args.family)
     spec = _evaluation_spec(args, family)
-    clip_model = None
-    if family == "clip":
-        if clip_source is not None:
-            clip_model = load_model(clip_source, "--clip-model")
-        elif not hasattr(model, "get_text_features"):
-            raise CLIError(f"--model is a {type(model).__name__} (no text tower): pass --clip-model, the base CLIPModel")
-    if family == "open_clip" and not hasattr(model, "encode_text"):
-        raise CLIError(f"--model is an open_clip {type(model).__name__} without a text tower: evaluate the full CLIP")
+    clip_model = family.command_text_model(model, clip_source, load_model)
     processing = _processing(family, [args.processor, model_source, clip_source])
-    if family == "clip" and processing.get("processor") is None:
-        raise CLIError("CLIP zero-shot evaluation needs a tokenizer with the image processor (a CLIPProcessor); pass --processor")
+    family.check_evaluation_processing(processing)
     device = args.device
     if device is None:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     start = time.perf_counter()
-    scores, details = evaluate_model(family, model, spec, processing=processing, clip_model=clip_model, device=device)
-    metric = "zero-shot top-1 accuracy" if family != "flan_t5" else "GLUE headline score (accuracy; Spearman for stsb)"
+    scores, details = evaluate_model(family.name, model, spec, processing=processing, clip_model=clip_model, device=device)
+    metric = family.evaluation_label
     splits = ", ".join(sorted({spec.datasets[t].split or "" for t in spec.tasks}))
     print(f"{metric} (%), split {splits}" + (f", random subsets of at most {spec.max_samples} examples per task" if spec.max_samples else "") + "\n")
     print(scores_table({os.path.basename(os.path.normpath(args.model)) or args.model: scores}, spec.tasks))
@@ -758,7 +716,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if result.table is not None:
         assert recipe.evaluation is not None
         splits = ", ".join(sorted({recipe.evaluation.datasets[t].split or "" for t in recipe.evaluation.tasks}))
-        metric = "zero-shot top-1 accuracy" if recipe.model_family == "clip" else "GLUE headline score"
+        metric = recipe.family.score_label
         limit = recipe.evaluation.max_samples
         subset = f", random subsets of at most {limit} examples per task" if limit else ""
         print(f"\n{metric} (%), split {splits}{subset}\n")
@@ -782,7 +740,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .calibrator import FeatCalCalibrator
     from .config import FeatCalConfig
     from .plotting import plot_drift
-    from .toy import build_digits_scenario
+    from .scenarios.digits import build_digits_scenario
 
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     cache_dir = os.path.expanduser(args.cache_dir)
@@ -834,7 +792,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"  {task:<9} {cells}")
     if ridge:
         print(f"\n{ridge} module groups had input directions without data (their solution there is set by the ridge).")
-    from ._scenario_cache import quiet_transformers
+    from .scenarios.base import quiet_transformers
 
     with quiet_transformers():
         calibrator.save_model(args.output_dir)
@@ -863,18 +821,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print one line ``hf-featcal <command>: error: ...`` on stderr and return 2 (also when found
     while running); ``--debug`` re-raises them with the traceback.
     """
-    from .recipes import RecipeError
-
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # --help / --version / usage errors
         return int(exit_.code) if isinstance(exit_.code, int) else (0 if exit_.code is None else 2)
+    from .recipes import RecipeError  # after parsing: --help loads no recipe machinery
     command: Callable[[argparse.Namespace], int] = args.func
     name = f"{PROG} {args.command}"
     try:
         return command(args)
-    except (CLIError, RecipeError) as err:
+    except (CLIError, RecipeError, FamilyUsageError) as err:
         if args.debug:
             raise
         print(f"{name}: error: {err}", file=sys.stderr)

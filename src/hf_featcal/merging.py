@@ -45,21 +45,22 @@ import hashlib
 import inspect
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from numbers import Integral, Real
 from typing import Union
 
 import torch
 from torch import nn
 
-from .experts import (
+from .model_io import (
+    LazyTensors,
     LoraAdapter,
-    check_local_path,
-    hub_snapshot,
-    library_checkpoint,
+    family_layer_map,
+    find_key_prefix,
     load_model,
-    open_safetensors,
-    safetensors_files,
+    lora_module_paths,
+    match_keys,
+    resolve_checkpoint,
 )
 
 __all__ = [
@@ -84,53 +85,6 @@ ModelLike = Union[nn.Module, str, os.PathLike]
 def _float_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """Floating-point entries of ``module.state_dict()`` (integer buffers are never merged)."""
     return {k: v for k, v in module.state_dict().items() if torch.is_floating_point(v)}
-
-
-def find_key_prefix(base_keys: set[str] | Mapping[str, object], expert_keys: set[str] | Mapping[str, object]) -> str | None:
-    """Return the prefix ``p`` such that ``p + k`` is a base key for every expert key ``k``.
-
-    ``""`` is returned when the key sets line up directly.  Candidate prefixes are derived from
-    base keys that end with an expert key (e.g. ``"vision_model."`` for a ``CLIPModel`` base and
-    ``CLIPVisionModel`` experts); the shortest prefix that maps *all* expert keys wins.  Returns
-    ``None`` when no prefix maps every expert key.
-    """
-    base = set(base_keys)
-    expert = set(expert_keys)
-    if not expert:
-        return None
-    if expert <= base:
-        return ""
-    probe = min(expert)  # any key works; min() keeps the choice deterministic
-    candidates = sorted(
-        {b[: len(b) - len(probe)] for b in base if b.endswith(probe) and len(b) > len(probe)},
-        key=lambda p: (len(p), p),
-    )
-    for prefix in candidates:
-        if all(prefix + k in base for k in expert):
-            return prefix
-    return None
-
-
-def _match_keys(base_keys: set[str], expert_keys: Iterable[str]) -> dict[str, str] | None:
-    """Expert key -> base key, or None.  First ``find_key_prefix`` on the keys as they are, then
-    with a leading dotted prefix that *all* expert keys share stripped (shortest first), e.g. the
-    ``vision_model.`` of a transformers-4.x ``CLIPVisionModel`` checkpoint."""
-    keys = sorted(expert_keys)
-    if not keys:
-        return None
-    parts = [k.split(".") for k in keys]
-    common: list[str] = []
-    for column in zip(*(p[:-1] for p in parts)):  # never strip a whole key
-        if len(set(column)) != 1:
-            break
-        common.append(column[0])
-    for depth in range(len(common) + 1):
-        strip = "".join(c + "." for c in common[:depth])
-        stripped = {k[len(strip):]: k for k in keys}
-        prefix = find_key_prefix(base_keys, stripped)
-        if prefix is not None:
-            return {original: prefix + short for short, original in stripped.items()}
-    return None
 
 
 # ----------------------------------------------------------------------------------------- validation
@@ -190,20 +144,6 @@ def _validate_experts(experts: Mapping[str, ModelLike]) -> None:
 
 
 # ----------------------------------------------------------------------------------------- sources
-def _checkpoint_files(source: str | os.PathLike, argument: str) -> dict[str, str]:
-    """Checkpoint key -> safetensors file of a local folder or hub id, or of a model library's own
-    checkpoint (open_clip's `local-dir:` / `hf-hub:`) ({} when it has none)."""
-    path = os.fspath(source)
-    checkpoint = library_checkpoint(path, argument)
-    if checkpoint is not None:
-        return checkpoint.files
-    check_local_path(path, argument)
-    if os.path.isdir(path):
-        return safetensors_files(path, argument)
-    folder = hub_snapshot(path)
-    return {} if folder is None else safetensors_files(folder, argument)
-
-
 class _Expert:
     """One expert's floating-point tensors, addressed by (canonical) base key."""
 
@@ -230,38 +170,26 @@ class _Expert:
         return value.to(device=base32.device, dtype=torch.float32) - base32
 
 
-def _lora_adapter(source: str | os.PathLike, argument: str) -> LoraAdapter | None:
-    """The PEFT LoRA adapter at a local folder or hub id, or None if it is not one."""
-    path = os.fspath(source)
-    folder = path if os.path.isdir(path) else hub_snapshot(path)
-    if folder is None or not os.path.isfile(os.path.join(folder, "adapter_config.json")):
-        return None
-    return LoraAdapter(folder, argument)
-
-
 def _open_lora_expert(
     name: str, adapter: LoraAdapter, merged: nn.Module, base_state: dict[str, torch.Tensor], canonical: dict[str, str]
 ) -> _Expert:
     """A LoRA expert covers the weights it adapts; its task vector there is the adapter's delta."""
     # the adapter names modules relative to the model class it was trained on (e.g. a CLIPVisionModel
-    # inside a CLIPModel base)
-    trained_on = (adapter.config.get("auto_mapping") or {}).get("base_model_class")
-    prefix = ""
-    if trained_on and type(merged).__name__ != trained_on:
-        inner = next((n for n, m in merged.named_modules() if n and type(m).__name__ == trained_on), None)
-        prefix = f"{inner}." if inner else ""
-    original = {key: base_state[key].detach().clone() for key in (prefix + m + ".weight" for m in adapter.modules) if key in base_state}
-    missing = [m for m in adapter.modules if prefix + m + ".weight" not in base_state]
+    # inside a CLIPModel base, or a *ForCausalLM around a *Model base): model_io places them
+    root, paths = lora_module_paths(adapter, merged, family_layer_map(merged))
+    by_module = {module: path + ".weight" for module, path in paths.items()}
+    missing = [m for m, key in by_module.items() if key not in base_state]
     if missing:
         raise ValueError(f"expert {name!r}: the LoRA adapter adapts modules the base model lacks: {missing[:3]}")
-    keys = {canonical[prefix + m + ".weight"]: m for m in adapter.modules}
-    by_module = {m: prefix + m + ".weight" for m in adapter.modules}
+    original = {key: base_state[key].detach().clone() for key in by_module.values()}
+    keys = {canonical[key]: module for module, key in by_module.items()}
 
     def fetch(module: str) -> torch.Tensor:  # base weight + (B·A)·scaling
         base = original[by_module[module]]
         return base.float() + adapter.delta(module).to(base.device)
 
-    model_keys = {canonical[k] for k in base_state if k.startswith(prefix)}  # the model the adapter was trained on
+    inside = root + "." if root else ""
+    model_keys = {canonical[k] for k in base_state if k.startswith(inside)}  # the model the adapter adapts
     return _Expert(name, keys, fetch, size=sum(base_state[k].numel() for k in model_keys))
 
 
@@ -276,23 +204,13 @@ def _open_expert(
 ) -> _Expert:
     """Match an expert's keys and shapes to the base's; tensors of a checkpoint are read lazily."""
     argument = f"experts[{name!r}]"
-    if not isinstance(source, nn.Module):
-        check_local_path(os.fspath(source), argument)
-    adapter = None if isinstance(source, nn.Module) else _lora_adapter(source, argument)
-    if adapter is not None:
-        return _open_lora_expert(name, adapter, merged, base_state, canonical)
-    files = {} if isinstance(source, nn.Module) else _checkpoint_files(source, argument)
-    if files:
-        handles = {f: stack.enter_context(open_safetensors(f, argument)) for f in sorted(set(files.values()))}
-        shapes: dict[str, tuple[int, ...]] = {}
-        for key, file in files.items():
-            info = handles[file].get_slice(key)
-            if info.get_dtype().startswith(("F", "BF")):  # F16/BF16/F32/F64/F8_*: floating point
-                shapes[key] = tuple(info.get_shape())
-
-        def fetch(key: str) -> torch.Tensor:
-            return handles[files[key]].get_tensor(key)
-
+    checkpoint = None if isinstance(source, nn.Module) else resolve_checkpoint(source, argument)
+    if checkpoint is not None and checkpoint.adapter is not None:
+        return _open_lora_expert(name, LoraAdapter(checkpoint.adapter, argument), merged, base_state, canonical)
+    if checkpoint is not None and checkpoint.lazy:
+        tensors = stack.enter_context(LazyTensors(checkpoint.files, argument))  # files open until the merge ends
+        shapes = {key: tensors.shape(key) for key in tensors.keys() if tensors.is_floating(key)}
+        fetch = tensors.read
         label = f"checkpoint {os.fspath(source)!r}"
     else:
         model = source if isinstance(source, nn.Module) else load_model(source, argument)
@@ -301,7 +219,7 @@ def _open_expert(
         fetch = state.__getitem__
         label = type(model).__name__
 
-    mapping = _match_keys(set(base_state), shapes)
+    mapping = match_keys(set(base_state), shapes)
     if mapping is None:
         missing = sorted(k for k in shapes if k not in base_state)[:5]
         raise ValueError(

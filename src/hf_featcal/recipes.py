@@ -86,6 +86,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .architectures.families import ModelFamily, detect_family, family_names, get_family, image_family_names, iter_families
 from .config import FeatCalConfig
 
 __all__ = [
@@ -107,6 +108,7 @@ __all__ = [
     "parse_calibration",
     "parse_featcal",
     "parse_recipe",
+    "prepare_calibration",
     "prepare_clip_calibration",
     "prepare_flan_t5_calibration",
     "run_recipe",
@@ -116,10 +118,10 @@ __all__ = [
     "validate_merge_spec",
 ]
 
-#: Supported model families.
-MODEL_FAMILIES: tuple[str, ...] = ("clip", "flan_t5", "open_clip")
+#: Supported model families (`hf_featcal.architectures.families`).
+MODEL_FAMILIES: tuple[str, ...] = family_names()
 #: Families calibrated on images and evaluated by zero-shot classification.
-IMAGE_FAMILIES: tuple[str, ...] = ("clip", "open_clip")
+IMAGE_FAMILIES: tuple[str, ...] = image_family_names()
 
 _TOP_LEVEL_KEYS = (
     "model_family",
@@ -222,6 +224,11 @@ class Recipe:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)  # the recipe as given
 
     @property
+    def family(self) -> ModelFamily:
+        """The `ModelFamily` of ``model_family``."""
+        return get_family(self.model_family)
+
+    @property
     def tasks(self) -> list[str]:
         """Expert task names, in recipe order."""
         return list(self.experts)
@@ -230,6 +237,8 @@ class Recipe:
         """The recipe fully resolved (absolute local paths, every per-task dataset spelled out): it
         validates to the same recipe from any working directory."""
 
+        family = self.family
+
         def data(spec: DatasetSpec, calibration: bool) -> dict[str, Any]:
             out: dict[str, Any] = {"dataset": spec.dataset}
             if spec.config is not None:
@@ -237,14 +246,7 @@ class Recipe:
             out["split"] = spec.split
             if calibration:
                 out["num_examples"] = spec.num_examples
-            if self.model_family in IMAGE_FAMILIES:
-                if spec.image_column:
-                    out["image_column"] = spec.image_column
-                if spec.label_column and not calibration:
-                    out["label_column"] = spec.label_column
-            elif calibration:
-                out.update(glue_task=spec.glue_task, max_input_length=spec.max_input_length,
-                           max_target_length=spec.max_target_length)
+            out.update(family.dataset_to_dict(spec, calibration))
             return out
 
         featcal = {k: v for k, v in self.featcal.to_dict().items() if k != "num_samples_per_task"}
@@ -266,10 +268,7 @@ class Recipe:
                 "batch_size": ev.batch_size,
                 "datasets": {t: data(s, False) for t, s in ev.datasets.items()},
             }
-            if self.model_family in IMAGE_FAMILIES:
-                evaluation.update(class_names=dict(ev.class_names), templates=dict(ev.templates))
-                if ev.clip_model is not None:
-                    evaluation["clip_model"] = ev.clip_model
+            evaluation.update(family.evaluation_to_dict(ev))
             result["evaluation"] = evaluation
         result["output_dir"] = os.path.abspath(self.output_dir)
         result["push_to_hub"] = self.push_to_hub
@@ -337,8 +336,8 @@ def parse_recipe(
     v.keys(data, "", _TOP_LEVEL_KEYS, _REQUIRED_KEYS)
 
     family = data["model_family"]
-    if family not in MODEL_FAMILIES:
-        raise v.error("model_family", f"must be one of {list(MODEL_FAMILIES)}, got {family!r}")
+    if family not in family_names():
+        raise v.error("model_family", f"must be one of {list(family_names())}, got {family!r}")
     base = v.source(data["base"], "base", kind="model")
     experts_raw = data["experts"]
     if not isinstance(experts_raw, Mapping) or not experts_raw:
@@ -581,11 +580,6 @@ def parse_featcal(v: _Validator | None, section: Any, path: str = "featcal") -> 
 
 # ---------------------------------------------------------------------------- calibration
 _COMMON_DATA_KEYS = ("dataset", "config", "split", "num_examples")
-_FAMILY_DATA_KEYS = {
-    "clip": ("image_column",),
-    "flan_t5": ("glue_task", "max_input_length", "max_target_length"),
-    "open_clip": ("image_column",),
-}
 
 
 def parse_calibration(
@@ -598,7 +592,7 @@ def parse_calibration(
     """Per-task calibration `DatasetSpec`s from a recipe's ``calibration`` section."""
     v = v or _Validator(None, os.getcwd())
     v.keys(section, "calibration", ("default", "tasks"))
-    allowed = _COMMON_DATA_KEYS + _FAMILY_DATA_KEYS[family]
+    allowed = _COMMON_DATA_KEYS + get_family(family).calibration_data_keys
     default = section.get("default") or {}
     _check_entry_keys(v, default, "calibration.default", allowed, family)
     per_task = section.get("tasks") or {}
@@ -628,7 +622,7 @@ def _check_entry_keys(v: _Validator, entry: Any, path: str, allowed: tuple[str, 
     if not isinstance(entry, Mapping):
         raise v.error(path, f"must be a dataset (hub id or path) or a mapping, got {_show(entry)}")
     for key in entry:
-        owners = [f for f, keys in _FAMILY_DATA_KEYS.items() if key in keys]
+        owners = [f.name for f in iter_families() if key in f.calibration_data_keys]
         if owners and key not in allowed:
             shown = " / ".join(repr(f) for f in owners)
             raise v.error(f"{path}.{key}", f"only for model_family {shown} (this recipe is {family!r})")
@@ -658,7 +652,7 @@ def _dataset_spec(
     dataset = sub(entry["dataset"])
     local = v.local_path(dataset, key("dataset"), "dataset")
     config = v.string(sub(entry.get("config")), key("config"), optional=True)
-    split = v.string(sub(entry.get("split", default_split)), key("split"), optional=family == "flan_t5")
+    split = v.string(sub(entry.get("split", default_split)), key("split"), optional=get_family(family).split_optional)
     num = entry.get("num_examples", default_num)
     num = v.integer(num, key("num_examples"), minimum=1, optional=True)
     if local is not None and split is not None:
@@ -672,22 +666,7 @@ def _dataset_spec(
         num_examples=num,
         is_local=local is not None,
     )
-    if family in IMAGE_FAMILIES:
-        spec.image_column = v.string(entry.get("image_column"), key("image_column"), optional=True)
-    else:
-        from .evaluation.glue import GLUE_TASKS
-
-        glue_task = sub(entry.get("glue_task", task))
-        if glue_task not in GLUE_TASKS:
-            name = key("glue_task") if "glue_task" in keys else fallback
-            raise v.error(
-                name,
-                f"FLAN-T5 recipes use the GLUE prompt formats: task {glue_task!r} is not a GLUE task "
-                f"{list(GLUE_TASKS)} (set glue_task to one)",
-            )
-        spec.glue_task = glue_task
-        spec.max_input_length = v.integer(entry.get("max_input_length", 512), key("max_input_length"), 1, optional=True)
-        spec.max_target_length = v.integer(entry.get("max_target_length", 32), key("max_target_length"), 1, optional=True)
+    get_family(family).complete_dataset_spec(v, task, spec, entry, key, sub, keys, fallback)
     return spec
 
 
@@ -706,12 +685,7 @@ def _local_splits(path: str) -> list[str] | None:
 
 # ----------------------------------------------------------------------------- evaluation
 _EVALUATION_KEYS = ("tasks", "split", "max_samples", "batch_size", "datasets", "class_names", "templates", "clip_model")
-_CLIP_ONLY_EVALUATION_KEYS = ("class_names", "templates", "clip_model")
-_EVALUATION_DATA_KEYS = {
-    "clip": ("dataset", "config", "split", "image_column", "label_column"),
-    "flan_t5": ("dataset", "config", "split"),
-    "open_clip": ("dataset", "config", "split", "image_column", "label_column"),
-}
+_FAMILY_EVALUATION_KEYS = ("class_names", "templates", "clip_model")
 
 
 def _parse_evaluation(
@@ -722,10 +696,10 @@ def _parse_evaluation(
     if not isinstance(section, Mapping):
         raise v.error("evaluation", f"must be a mapping or false, got {_show(section)}")
     v.keys(section, "evaluation", _EVALUATION_KEYS)
-    for key in _CLIP_ONLY_EVALUATION_KEYS:
-        # open_clip models embed prompts with their own text tower: no separate clip_model
-        if key in section and (family == "flan_t5" or (family == "open_clip" and key == "clip_model")):
-            owners = "'clip'" if key == "clip_model" else "'clip' / 'open_clip'"
+    model_family = get_family(family)
+    for key in _FAMILY_EVALUATION_KEYS:
+        if key in section and key not in model_family.evaluation_keys:
+            owners = " / ".join(repr(f.name) for f in iter_families() if key in f.evaluation_keys)
             raise v.error(f"evaluation.{key}", f"only for model_family {owners} (this recipe is {family!r})")
     eval_tasks = v.string_list(section["tasks"], "evaluation.tasks") if "tasks" in section else list(tasks)
     for i, task in enumerate(eval_tasks):
@@ -766,24 +740,18 @@ def _parse_evaluation(
         if entry is None:
             entry, keys = {"dataset": cal.dataset, "config": cal.config}, {}
         else:
-            v.keys(entry, path, _EVALUATION_DATA_KEYS[family], ("dataset",))
+            v.keys(entry, path, model_family.evaluation_data_keys, ("dataset",))
             entry, keys = dict(entry), {k: f"{path}.{k}" for k in entry}
         if "split" not in entry:
             if isinstance(split, Mapping) and task in split:
                 entry["split"], keys["split"] = split[task], f"evaluation.split.{task}"
             elif isinstance(split, str):
                 entry["split"], keys["split"] = split, "evaluation.split"
-            elif family in IMAGE_FAMILIES:
-                entry["split"] = "test"
             else:
-                from .evaluation.glue import GLUE_DEFAULT_SPLITS
-
-                entry["split"] = GLUE_DEFAULT_SPLITS[cal.glue_task or task]
-        if family == "flan_t5":
-            entry["glue_task"] = cal.glue_task
+                entry["split"] = model_family.default_evaluation_split(cal.glue_task or task)
+        model_family.inherit_from_calibration(entry, cal)
         spec = _dataset_spec(v, task, entry, keys, path, family, default_split=None, default_num=None)
-        if family in IMAGE_FAMILIES:
-            spec.label_column = v.string(entry.get("label_column"), f"{path}.label_column", optional=True)
+        model_family.finish_evaluation_spec(v, spec, entry, path)
         specs[task] = spec
         if spec.dataset == cal.dataset and spec.config == cal.config:
             if spec.is_local and _local_splits(spec.dataset) is None:
@@ -798,30 +766,10 @@ def _parse_evaluation(
                     f"task {task!r} would be evaluated on its calibration split {cal.split!r}; use a held-out split",
                 )
 
-    if family in IMAGE_FAMILIES:
-        from .evaluation.clip_templates import CLIP_CLASS_NAMES, CLIP_TASK_ALIASES
-
-        for task in eval_tasks:
-            known = task in CLIP_CLASS_NAMES or task in CLIP_TASK_ALIASES
-            if not known and task not in class_names:
-                raise v.error(
-                    f"evaluation.class_names.{task}",
-                    f"required: {task!r} is not a built-in CLIP task {sorted(CLIP_CLASS_NAMES)}, so its "
-                    "zero-shot class names (in label order) must be given",
-                )
-        for task, names in class_names.items():
-            if len(names) < 2:
-                raise v.error(f"evaluation.class_names.{task}", f"needs at least 2 class names, got {len(names)}")
-        for task, values in templates.items():
-            for i, template in enumerate(values):
-                if "{c}" not in template:
-                    raise v.error(
-                        f"evaluation.templates.{task}[{i}]",
-                        f"must contain the class-name placeholder '{{c}}', got {template!r}",
-                    )
+    model_family.check_evaluation(v, eval_tasks, class_names, templates)
 
     max_samples = v.integer(section.get("max_samples"), "evaluation.max_samples", 1, optional=True)
-    batch_size = v.integer(section.get("batch_size", 64 if family in IMAGE_FAMILIES else 32), "evaluation.batch_size", 1)
+    batch_size = v.integer(section.get("batch_size", model_family.default_evaluation_batch_size), "evaluation.batch_size", 1)
     clip_model = section.get("clip_model")
     if clip_model is not None:
         clip_model = v.source(clip_model, "evaluation.clip_model", kind="model")
@@ -869,55 +817,30 @@ def _select(ds: Any, num: int | None, seed: int) -> Any:
     return ds.shuffle(seed=seed).select(range(num))
 
 
-_IMAGE_COLUMNS = ("image", "img", "images")
+def prepare_calibration(family: str, task: str, spec: DatasetSpec, processing: Mapping[str, Any] | None, seed: int) -> Any:
+    """One task's calibration ``Dataset``: loaded, shuffled with `seed`, cut to ``spec.num_examples``
+    and prepared the way the family's calibrator input needs (`ModelFamily.prepare_calibration`)."""
+    ds = _select(load_dataset_spec(spec, what=f"calibration.tasks.{task}"), spec.num_examples, seed)
+    return get_family(family).prepare_calibration(task, ds, spec, processing)
 
 
 def prepare_clip_calibration(task: str, spec: DatasetSpec, seed: int) -> Any:
     """One CLIP task's calibration ``Dataset``: loaded, shuffled with `seed`, cut to
     ``spec.num_examples`` and reduced to one ``image`` column (processed per batch by the calibrator)."""
-    ds = _select(load_dataset_spec(spec, what=f"calibration.tasks.{task}"), spec.num_examples, seed)
-    column = spec.image_column or next((c for c in _IMAGE_COLUMNS if c in ds.column_names), None)
-    if "pixel_values" in ds.column_names and spec.image_column is None:
-        return ds.select_columns(["pixel_values"])
-    if column is None or column not in ds.column_names:
-        raise ValueError(
-            f"calibration.tasks.{task}: the dataset has no image column "
-            f"{spec.image_column or list(_IMAGE_COLUMNS)!r} (columns: {ds.column_names}); set image_column"
-        )
-    ds = ds.select_columns([column])
-    return ds.rename_column(column, "image") if column != "image" else ds
+    return prepare_calibration("clip", task, spec, None, seed)
 
 
 def prepare_flan_t5_calibration(task: str, spec: DatasetSpec, tokenizer: Any, seed: int) -> Any:
     """One FLAN-T5 task's calibration ``Dataset``: shuffled, cut, in the GLUE prompt format and
     tokenised (``input_ids``, ``attention_mask``, ``labels``)."""
-    from .evaluation.glue import preprocess_glue_dataset
-
-    ds = _select(load_dataset_spec(spec, what=f"calibration.tasks.{task}"), spec.num_examples, seed)
-    ds = preprocess_glue_dataset(
-        spec.glue_task or task,
-        ds,
-        tokenizer,
-        max_input_length=spec.max_input_length,
-        max_target_length=spec.max_target_length,
-    )
-    return ds.select_columns(["input_ids", "attention_mask", "labels"])
+    return prepare_calibration("flan_t5", task, spec, {"tokenizer": tokenizer}, seed)
 
 
 def model_family_of(model_or_config: Any) -> str | None:
-    """``"clip"`` / ``"flan_t5"`` from a model's (or config's) ``model_type``, ``"open_clip"`` for an
-    open_clip model; None if neither."""
-    from .architectures.openclip import is_open_clip_model
-
-    if is_open_clip_model(model_or_config):
-        return "open_clip"
-    config = getattr(model_or_config, "config", model_or_config)
-    model_type = getattr(config, "model_type", None)
-    if model_type in ("clip", "clip_vision_model"):
-        return "clip"
-    if model_type == "t5":
-        return "flan_t5"
-    return None
+    """The name of the family (`hf_featcal.architectures.families`) of a model or config: ``"clip"`` /
+    ``"flan_t5"`` from its ``model_type``, ``"open_clip"`` for an open_clip model; None if none."""
+    family = detect_family(model_or_config)
+    return None if family is None else family.name
 
 
 def check_family(model: Any, family: str, argument: str) -> None:
@@ -929,34 +852,17 @@ def check_family(model: Any, family: str, argument: str) -> None:
 
 
 def load_processing(family: str, source: str) -> dict[str, Any]:
-    """The processing classes saved with `source`: for CLIP the image processor (``"image"``) and,
-    when there is a tokenizer, a ``CLIPProcessor`` (``"processor"``); for FLAN-T5 the tokenizer; for
-    open_clip the checkpoint's preprocess transform (``"image"``) and ``(tokenizer, preprocess)``."""
-    out: dict[str, Any] = {}
-    if family == "open_clip":
-        from .architectures.openclip import load_open_clip_processing
-
-        tokenizer, preprocess = load_open_clip_processing(source)
-        return {"image": preprocess, "processor": (tokenizer, preprocess)}
-    if family == "clip":
-        from transformers import CLIPImageProcessor, CLIPProcessor
-
-        out["image"] = CLIPImageProcessor.from_pretrained(source, trust_remote_code=False)
-        try:
-            out["processor"] = CLIPProcessor.from_pretrained(source, trust_remote_code=False)
-        except (OSError, ValueError, TypeError):
-            out["processor"] = None
-    else:
-        from transformers import AutoTokenizer
-
-        out["tokenizer"] = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
-    return out
+    """The processing classes saved with `source` (`ModelFamily.load_processing`): for CLIP the image
+    processor (``"image"``) and, when there is a tokenizer, a ``CLIPProcessor`` (``"processor"``); for
+    FLAN-T5 the tokenizer; for open_clip the checkpoint's preprocess transform (``"image"``) and
+    ``(tokenizer, preprocess)``."""
+    return get_family(family).load_processing(source)
 
 
 def calibration_processing_class(family: str, processing: Mapping[str, Any]) -> Any:
     """What the calibrator applies to raw rows: the image processor / transform (CLIP, open_clip) or
     the tokenizer (FLAN-T5)."""
-    return processing["image"] if family in IMAGE_FAMILIES else processing["tokenizer"]
+    return get_family(family).calibration_processing_class(processing)
 
 
 def save_processing(processing: Mapping[str, Any], output_dir: str) -> None:
@@ -969,18 +875,6 @@ def save_processing(processing: Mapping[str, Any], output_dir: str) -> None:
 
 
 # ================================================================================= evaluation
-def _clip_eval_columns(ds: Any, spec: DatasetSpec, task: str) -> Any:
-    """Rename a CLIP evaluation dataset's image / label columns to ``image`` / ``label``."""
-    for given, wanted in ((spec.image_column, "image"), (spec.label_column, "label")):
-        if given and given != wanted:
-            if given not in ds.column_names:
-                raise ValueError(f"evaluation.datasets.{task}: no column {given!r} (columns: {ds.column_names})")
-            if wanted in ds.column_names:
-                ds = ds.remove_columns([wanted])
-            ds = ds.rename_column(given, wanted)
-    return ds
-
-
 def evaluate_model(
     family: str,
     model: Any,
@@ -991,6 +885,7 @@ def evaluate_model(
     device: Any = None,
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Score `model` on every task of `spec`; returns (task → headline score in [0, 1], details)."""
+    model_family = get_family(family)
     scores: dict[str, float] = {}
     details: dict[str, Any] = {}
     for task in spec.tasks:
@@ -999,48 +894,9 @@ def evaluate_model(
         if spec.max_samples is not None and len(ds) > spec.max_samples:
             # a seeded random subset: evaluation splits are often sorted by label
             ds = ds.shuffle(seed=EVALUATION_SUBSET_SEED).select(range(spec.max_samples))
-        if family in IMAGE_FAMILIES:
-            from .evaluation.clip_zeroshot import evaluate_clip_zeroshot
-
-            processor = processing.get("processor")
-            if processor is None:
-                raise ValueError(
-                    "CLIP zero-shot evaluation needs a CLIPProcessor (tokenizer + image processor) saved "
-                    "with the base / clip_model; none was found"
-                )
-            ds = _clip_eval_columns(ds, data_spec, task)
-            kwargs: dict[str, Any] = {}
-            if task in spec.class_names:
-                kwargs["class_names"] = {task: spec.class_names[task]}
-            if task in spec.templates:
-                kwargs["templates"] = {task: spec.templates[task]}
-            result = evaluate_clip_zeroshot(
-                model,
-                clip_model,
-                processor,
-                [task],
-                datasets={task: ds},
-                batch_size=spec.batch_size,
-                device=device,
-                split=data_spec.split,
-                **kwargs,
-            )
-            scores[task] = float(result[task])
-        else:
-            from .evaluation.glue import evaluate_glue
-
-            glue_task = data_spec.glue_task or task
-            result = evaluate_glue(
-                model,
-                processing["tokenizer"],
-                [glue_task],
-                datasets={glue_task: ds},
-                batch_size=spec.batch_size,
-                device=device,
-                split=data_spec.split,
-            )
-            scores[task] = float(result[glue_task])
-        details[task] = result.to_dict()
+        scores[task], details[task] = model_family.evaluate_task(
+            model, task, ds, data_spec, spec, processing=processing, clip_model=clip_model, device=device
+        )
     return scores, details
 
 
@@ -1108,33 +964,15 @@ def run_recipe(
     log(f"Loading the base model {recipe.base} ...")
     base = load_model(recipe.base, "base")
     check_family(base, family, "base")
-    processing = load_processing(family, recipe.base)
+    model_family = recipe.family
+    processing = model_family.load_processing(recipe.base)
     clip_model = None
-    if family == "clip" and recipe.evaluation is not None and evaluate:
-        if recipe.evaluation.clip_model is not None:
-            clip_model = load_model(recipe.evaluation.clip_model, "evaluation.clip_model")
-            if processing.get("processor") is None:
-                processing = {**processing, "processor": load_processing("clip", recipe.evaluation.clip_model)["processor"]}
-        elif hasattr(base, "text_model"):
-            clip_model = base
-        else:
-            raise ValueError(
-                "evaluation: zero-shot CLIP evaluation needs a text tower: the base is a "
-                f"{type(base).__name__}; set evaluation.clip_model to a CLIPModel (or evaluation: false)"
-            )
-
-    if family == "open_clip" and recipe.evaluation is not None and evaluate and not hasattr(base, "encode_text"):
-        raise ValueError(
-            f"evaluation: zero-shot evaluation needs a text tower: the base is a {type(base).__name__}; "
-            "use an open_clip CLIP as the base (or evaluation: false)"
-        )
+    if recipe.evaluation is not None and evaluate:  # the text tower of zero-shot heads, before merging
+        clip_model, processing = model_family.recipe_text_model(base, recipe.evaluation, processing, load_model)
 
     log("Loading the calibration data ...")
     seed = recipe.featcal.seed
-    if family in IMAGE_FAMILIES:
-        calibration = {t: prepare_clip_calibration(t, s, seed) for t, s in recipe.calibration.items()}
-    else:
-        calibration = {t: prepare_flan_t5_calibration(t, s, processing["tokenizer"], seed) for t, s in recipe.calibration.items()}
+    calibration = {t: prepare_calibration(family, t, s, processing, seed) for t, s in recipe.calibration.items()}
     timings["load"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
@@ -1148,7 +986,7 @@ def run_recipe(
         dict(recipe.experts),
         calibration,
         recipe.featcal,
-        processing_class=calibration_processing_class(family, processing),
+        processing_class=model_family.calibration_processing_class(processing),
         device=device,
         show_progress=show_progress,
     )
@@ -1178,10 +1016,8 @@ def run_recipe(
         )
         timings["evaluate_after"] = time.perf_counter() - clock
 
-    from .saving import processing_to_save
-
     out = recipe.output_dir
-    calibrator.save_model(out, processing_class=processing_to_save(processing))
+    calibrator.save_model(out, processing_class=model_family.processing_to_save(processing))
     plot_path = None
     if calibrator.report is not None:
         plot_path = plot_drift(calibrator.report, os.path.join(out, "featcal_drift.png"))

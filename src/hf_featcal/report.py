@@ -168,10 +168,12 @@ def pipeline_tag_of(model: Any) -> str | None:
     """The hub's pipeline tag for `model`'s class, from transformers' own task mapping (the one
     `Trainer` uses for its cards); a bare backbone is a feature extractor. open_clip: zero-shot image
     classification with a text tower, image feature extraction without."""
-    from .architectures.openclip import is_open_clip_model
+    from .architectures.families import detect_family
 
-    if is_open_clip_model(model):
-        return "zero-shot-image-classification" if hasattr(model, "encode_text") else "image-feature-extraction"
+    family = detect_family(model)
+    tag = family.pipeline_tag(model) if family is not None else None
+    if tag is not None:
+        return tag
     from transformers.modelcard import TASK_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 

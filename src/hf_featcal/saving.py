@@ -156,7 +156,7 @@ def save_processing_class(processing_class: Any, output_dir: str, model: nn.Modu
     if hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(output_dir)
         return [type(processing_class).__name__]
-    if _open_clip_preprocess_saved(processing_class, output_dir, model):
+    if _recorded_with_model(processing_class, output_dir, model):
         return []
     warnings.warn(
         f"processing_class {type(processing_class).__name__} has no save_pretrained: it is not saved with the model.",
@@ -165,16 +165,12 @@ def save_processing_class(processing_class: Any, output_dir: str, model: nn.Modu
     return []
 
 
-def _open_clip_preprocess_saved(processing_class: Any, output_dir: str, model: nn.Module | None) -> bool:
-    """Whether `processing_class` is open_clip's (a torchvision transform or an open_clip tokenizer) and
-    the saved folder records open_clip's preprocess config."""
-    from .architectures.openclip import CONFIG_NAME, is_open_clip_model
+def _recorded_with_model(processing_class: Any, output_dir: str, model: nn.Module | None) -> bool:
+    """Whether a family's model files already record `processing_class` (open_clip: a torchvision
+    transform or an open_clip tokenizer, whose settings are in open_clip_config.json)."""
+    from .architectures.families import iter_families
 
-    module = type(processing_class).__module__
-    is_open_clip_processing = module.startswith(("open_clip.", "torchvision."))
-    return is_open_clip_processing and (model is None or is_open_clip_model(model)) and os.path.isfile(
-        os.path.join(output_dir, CONFIG_NAME)
-    )
+    return any(family.processing_recorded_with_model(processing_class, output_dir, model) for family in iter_families())
 
 
 def save_model_files(

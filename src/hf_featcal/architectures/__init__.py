@@ -1,25 +1,15 @@
-"""Per-architecture layer maps, found through a registry keyed by `config.model_type`.
+"""Per-architecture layer maps, found through a registry keyed by `config.model_type`, and the model
+families of the CLI / recipes / evaluation (`families`).
 
 Adding an architecture is one file here that defines a `LayerMap` subclass decorated with
-`register_layer_map`, plus its import below.
+`register_layer_map`, plus its name in `_LAYER_MAP_MODULES` below. The layer maps (and torch) load on
+the first use of a name of this package, so that `families` (which the CLI's `--help` reads) stays light.
 """
 
-from .base import (
-    LAYER_NORM,
-    LINEAR,
-    RMS_NORM,
-    LayerMap,
-    LibraryCheckpoint,
-    ModuleSpec,
-    Stack,
-    find_library_checkpoint,
-    get_layer_map,
-    model_config,
-    packed_attention_specs,
-    register_layer_map,
-    supported_model_types,
-)
-from . import bert, clip, llama, openclip, t5, vit  # noqa: F401  (registers the layer maps)
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = [
     "LAYER_NORM",
@@ -36,3 +26,23 @@ __all__ = [
     "register_layer_map",
     "supported_model_types",
 ]
+
+#: Modules that register a layer map when imported.
+_LAYER_MAP_MODULES = ("bert", "clip", "llama", "openclip", "t5", "vit")
+
+
+def __getattr__(name: str) -> Any:
+    if name in (*_LAYER_MAP_MODULES, "auto", "base", "families"):  # `architectures.openclip` without importing it
+        return importlib.import_module(f".{name}", __name__)
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    base = importlib.import_module(".base", __name__)
+    for module in _LAYER_MAP_MODULES:  # registers the layer maps
+        importlib.import_module(f".{module}", __name__)
+    value = getattr(base, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Union
 import torch
 from torch import nn
 
-from ..architectures.openclip import is_open_clip_model
+from ..architectures.families import detect_family, get_family
 from ._datasets import local_split
 from .clip_templates import (
     CLIP_CLASS_NAMES,
@@ -334,22 +334,12 @@ def build_zeroshot_head(
     if isinstance(model_max, int) and model_max < 10**6:
         max_length = model_max if max_length is None else min(max_length, model_max)
 
+    family = _zero_shot_family(clip_model)
     chunks: list[torch.Tensor] = []
     with torch.inference_mode():
         for start in range(0, len(prompts), batch_size):
-            if is_open_clip_model(clip_model):  # open_clip tokenizers return the padded token ids
-                emb = clip_model.encode_text(tokenizer(prompts[start : start + batch_size]).to(run_device)).float()
-                chunks.append(emb / emb.norm(dim=-1, keepdim=True))
-                continue
-            enc = tokenizer(
-                prompts[start : start + batch_size],
-                padding=True,
-                truncation=max_length is not None,
-                max_length=max_length,
-                return_tensors="pt",
-            )
-            inputs = {k: v.to(run_device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
-            emb = _features(clip_model.get_text_features(**inputs), "text_embeds").float()
+            emb = family.encode_prompts(clip_model, tokenizer, prompts[start : start + batch_size], run_device,
+                                        max_length).float()
             chunks.append(emb / emb.norm(dim=-1, keepdim=True))
         emb = torch.cat(chunks).reshape(len(names), len(temps), -1)
         class_embeddings = emb.mean(dim=1)
@@ -361,8 +351,15 @@ def build_zeroshot_head(
 # ----------------------------------------------------------------- vision side
 
 
+def _zero_shot_family(model: nn.Module) -> Any:
+    """The image family (`hf_featcal.architectures.families`) whose API `model` has: open_clip's, else
+    transformers CLIP's."""
+    family = detect_family(model)
+    return family if family is not None and family.is_image else get_family("clip")
+
+
 def _has_text_tower(model: nn.Module) -> bool:
-    return hasattr(model, "get_text_features") or (is_open_clip_model(model) and hasattr(model, "encode_text"))
+    return _zero_shot_family(model).has_text_tower(model)
 
 
 def _vision_parts(vision_model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
@@ -380,10 +377,10 @@ def _vision_parts(vision_model: nn.Module) -> tuple[nn.Module, nn.Module | None]
 
 
 def _check_vision_compat(vision_model: nn.Module, clip_model: nn.Module | None) -> None:
-    if is_open_clip_model(vision_model):
-        if getattr(getattr(vision_model, "visual", vision_model), "proj", None) is None:
-            raise ValueError("vision_model is an open_clip tower without a projection (proj is None)")
-        return
+    _zero_shot_family(vision_model).check_vision_model(vision_model, clip_model)
+
+
+def _check_transformers_vision_compat(vision_model: nn.Module, clip_model: nn.Module | None) -> None:
     tower, projection = _vision_parts(vision_model)
     if projection is not None:
         return
@@ -409,15 +406,19 @@ def clip_image_embeddings(
     ``CLIPModel``: ``get_image_features``; ``CLIPVisionModelWithProjection``: ``image_embeds``;
     bare ``CLIPVisionModel``: ``clip_model.visual_projection(pooler_output)``.
     """
-    if is_open_clip_model(vision_model):  # CLIP.encode_image, or a bare VisionTransformer's projected output
-        return vision_model.encode_image(pixel_values) if hasattr(vision_model, "encode_image") else vision_model(pixel_values)
+    return _zero_shot_family(vision_model).image_embeddings(vision_model, pixel_values, clip_model)
+
+
+def _transformers_image_embeddings(
+    vision_model: nn.Module, pixel_values: torch.Tensor, clip_model: CLIPModel | None
+) -> torch.Tensor:
     if hasattr(vision_model, "get_image_features"):
         return _features(vision_model.get_image_features(pixel_values=pixel_values), "image_embeds")
     out = vision_model(pixel_values=pixel_values)
     image_embeds = getattr(out, "image_embeds", None)
     if isinstance(image_embeds, torch.Tensor):
         return image_embeds
-    _check_vision_compat(vision_model, clip_model)
+    _check_transformers_vision_compat(vision_model, clip_model)
     pooled = _features(out, "pooler_output")
     projection = clip_model.visual_projection  # type: ignore[union-attr]
     return projection(pooled.to(device=projection.weight.device, dtype=projection.weight.dtype))

@@ -496,7 +496,9 @@ def _resolve_model_and_tokenizer(
     loaded = False
     if isinstance(model, (str, os.PathLike)):
         path = str(model)
-        model = AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=False)
+        from ..model_io import load_model  # the library's one checkpoint reader (LoRA adapters too)
+
+        model = load_model(path, "model", auto_class=AutoModelForSeq2SeqLM)
         loaded = True
         if tokenizer is None:
             tokenizer = path
@@ -533,7 +535,8 @@ def evaluate_glue(
 
     Args:
         model: a seq2seq ``PreTrainedModel``, or a local path/Hub id loaded with
-            ``AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=False)``.
+            ``AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=False)`` (a LoRA
+            adapter folder: merged into its recorded base model).
         tokenizer: the tokenizer (or its path); None to load it from ``model``'s path.
         tasks: one task name or several (see :data:`GLUE_TASKS`).
         datasets: optional mapping task -> local ``Dataset`` / ``DatasetDict`` /

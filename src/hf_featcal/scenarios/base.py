@@ -1,5 +1,6 @@
-"""On-disk caching of the built offline scenarios (`toy`, `toy_text`, `toy_causal`): models written atomically
-next to a key describing how they were built, found again only when the key matches."""
+"""What every offline merging scenario shares: the `MergingScenario` base class (a base model, one expert
+per task, their Task-Arithmetic merge) and the build cache (models written atomically next to a key
+describing how they were built, found again only when the key matches)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,29 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 KEY_FILE = "scenario.json"
+
+Built = TypeVar("Built")
+
+
+class MergingScenario:
+    """Base of the built scenarios (dataclasses with ``base`` and ``experts`` fields): the Task-Arithmetic
+    merge of the experts; subclasses score a model with `evaluate`."""
+
+    base: Any
+    experts: dict[str, Any]
+
+    def evaluate(self, model: Any, **kwargs: Any) -> dict[str, float]:
+        """Per-task scores of `model` on the scenario's test data."""
+        raise NotImplementedError
+
+    def task_arithmetic(self, scaling_factor: float = 0.3) -> Any:
+        """The Task-Arithmetic merge of the experts into the base (a new model)."""
+        from ..merging import task_arithmetic
+
+        return task_arithmetic(self.base, self.experts, scaling_factor=scaling_factor)
 
 
 @contextlib.contextmanager
@@ -72,9 +93,25 @@ def save_build(
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def save_scenario_build(
-    path: str | os.PathLike, key: Mapping[str, Any], tokenizer: Any, base: Any, experts: Mapping[str, Any]
-) -> None:
-    """`save_build` of a text scenario: ``base/``, ``expert_<task>/`` and ``tokenizer/``."""
-    models = {"base": base, **{f"expert_{task}": expert for task, expert in experts.items()}}
-    save_build(path, key, models, lambda folder: tokenizer.save_pretrained(os.path.join(folder, "tokenizer")))
+def load_models(load: Callable[[str], Any], path: str | os.PathLike, folders: Mapping[str, str]) -> dict[str, Any]:
+    """``{name: load(path/folder)}`` for every entry of `folders`, quietly, each model in eval mode."""
+    with quiet_transformers():
+        return {name: load(os.path.join(os.fspath(path), folder)).eval() for name, folder in folders.items()}
+
+
+def build_or_load(
+    path: str | os.PathLike | None,
+    key: Mapping[str, Any],
+    build: Callable[[], Built],
+    save: Callable[[str, Built], None],
+    load: Callable[[str], Built],
+) -> tuple[Built, bool]:
+    """The scenarios' cache skeleton: ``(load(path), True)`` when `path` holds a build made with `key`,
+    else ``(build(), False)``, saved with ``save(path, built)`` when a `path` is given (a build with
+    another key there is replaced). Without a `path` nothing is cached."""
+    if path is not None and matching_build(path, key):
+        return load(os.fspath(path)), True
+    built = build()
+    if path is not None:
+        save(os.fspath(path), built)
+    return built, False

@@ -1,16 +1,16 @@
 """A small, offline multi-task scenario for decoder-only LLMs (a tiny Llama), for tests and benchmarks.
 
-The causal-LM counterpart of :mod:`hf_featcal.toy_text`: the same digit-list tasks and vocabulary,
+The causal-LM counterpart of :mod:`scenarios.text`: the same digit-list tasks and vocabulary,
 written as prompt-then-answer text, ``"sort: 3 1 4 = 1 3 4 </s>"``, for a random-init
 `LlamaForCausalLM`: a "pretrained" base that knows the prompt format and partly solves the tasks,
 one fully fine-tuned expert per task, their Task Arithmetic merge, exact match of greedy
 generations. Everything is built offline from a seed, in about 30 s on one CPU thread.
 
-- **Tokenizer** (:func:`build_causal_tokenizer`): :data:`hf_featcal.toy_text.VOCABULARY` (same ids:
+- **Tokenizer** (:func:`build_causal_tokenizer`): :data:`scenarios.text.VOCABULARY` (same ids:
   ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2, task prefixes, digits, label words) plus the separator ``=``
   (last id, 37 words in all); a `tokenizers` WordLevel model with a whitespace pre-tokenizer. Unlike
   the T5 tokenizer it appends nothing (the answer carries its ``</s>``).
-- **Examples**: :func:`hf_featcal.toy_text.generate_task_examples` (``source`` "sort: 3 1 4",
+- **Examples**: :func:`scenarios.text.generate_task_examples` (``source`` "sort: 3 1 4",
   ``target`` "1 3 4"; tasks ``sort``, ``min``, ``max``, ``count`` over 3–6 digits); the prompt is
   ``source + " ="``, the answer ``target + " </s>"``.
 - **Models**: a random-init `LlamaForCausalLM` (hidden 64, 3 layers, 4 heads, 2 key/value heads,
@@ -61,15 +61,13 @@ about 30 points below the experts. FeatCal (``"predicting"``) gains on every see
 ≈ 93–100 %; on seed 2 the gain is only +4.9. Counting every non-padding token (batches without
 ``labels``) gave 77.9 on average.
 
-Use :func:`build_causal_scenario`; ``python -m hf_featcal.toy_causal [--positions both]`` prints the
-score table and drift.
+Use :func:`build_causal_scenario`; ``cd tests && python -m scenarios.causal [--positions both]`` prints
+the score table and drift.
 """
 
 from __future__ import annotations
 
-import copy
 import os
-import random
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -79,8 +77,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._scenario_cache import matching_build, quiet_transformers, save_scenario_build
-from .toy_text import (
+from scenarios.text import (
     EOS_TOKEN,
     PAD_TOKEN,
     PRETRAIN_TASKS,
@@ -90,8 +87,11 @@ from .toy_text import (
     ScenarioBase,
     ScenarioConfigBase,
     TextExample,
-    pretrain_and_finetune,
+    build_or_load_models,
+    resolve_config,
+    sample_examples,
     scenario_splits,
+    train_on_pairs,
 )
 
 __all__ = [
@@ -113,7 +113,7 @@ __all__ = [
 
 #: Between prompt and answer.
 SEPARATOR = "="
-#: The toy vocabulary of :mod:`hf_featcal.toy_text` (same ids) plus the separator.
+#: The toy vocabulary of :mod:`scenarios.text` (same ids) plus the separator.
 CAUSAL_VOCABULARY: tuple[str, ...] = VOCABULARY + (SEPARATOR,)
 #: What ``labels != -100`` marks in calibration batches (see the module docstring).
 CALIBRATION_POSITIONS: tuple[str, ...] = ("predicting", "answer")
@@ -198,10 +198,7 @@ def build_causal_calibration_batches(
     """FeatCal calibration batches of one task: `num_samples` examples drawn (without replacement,
     seeded) from `examples` — pass the TRAIN split — in batches of `batch_size`; `positions` picks
     the counted positions (:func:`collate_causal`)."""
-    if num_samples > len(examples):
-        raise ValueError(f"asked for {num_samples} calibration examples, only {len(examples)} given")
-    chosen = random.Random(seed).sample(list(examples), num_samples)
-    pairs = encode_causal(tokenizer, chosen)
+    pairs = encode_causal(tokenizer, sample_examples(examples, num_samples, seed))
     return [
         collate_causal(pairs[i : i + batch_size], tokenizer.pad_token_id, positions)
         for i in range(0, num_samples, batch_size)
@@ -253,25 +250,10 @@ def train_causal_lm(
     seed: int = 0,
 ) -> Any:
     """Train `model` in place as a causal LM on `examples` (loss on the answer tokens only) with
-    AdamW (linear warmup, then linear decay to 0, gradient clipping at 1) for `steps` steps of
-    `batch_size` random examples; returns it in eval mode. Deterministic for a fixed seed on CPU."""
-    pairs = encode_causal(tokenizer, examples)
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min((s + 1) / max(warmup, 1), max(0.0, (steps - s) / max(steps - warmup, 1)))
-    )
-    model.train()
-    for _ in range(steps):
-        index = torch.randint(len(pairs), (batch_size,), generator=generator).tolist()
-        batch = collate_causal([pairs[i] for i in index], tokenizer.pad_token_id, "answer")
-        loss = model(**batch, use_cache=False).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-    return model.eval()
+    :func:`scenarios.text.train_on_pairs`; returns it in eval mode."""
+    pad_id = tokenizer.pad_token_id
+    return train_on_pairs(model, encode_causal(tokenizer, examples), lambda chunk: collate_causal(chunk, pad_id, "answer"),
+                          steps, batch_size, lr, weight_decay, warmup, seed, use_cache=False)
 
 
 # --------------------------------------------------------------------------------------------- evaluation
@@ -396,27 +378,23 @@ def build_causal_scenario(
     """Build (or load from `cache_dir`) the toy causal-LM merging scenario.
 
     Steps: the tokenizer; per task deterministic train/test splits (the generator of
-    :mod:`hf_featcal.toy_text`); a random-init tiny Llama base pretrained for ``pretrain_steps`` on
+    :mod:`scenarios.text`); a random-init tiny Llama base pretrained for ``pretrain_steps`` on
     the proxy tasks plus the short train examples of the target tasks; one expert per task (a copy of
     the base fine-tuned for ``expert_steps``); FeatCal calibration batches from the train splits.
     With `cache_dir`, the models and tokenizer are saved in ``causal-scenario/`` there and reloaded by
     later calls with the same config (else rebuilt and overwritten); data are always regenerated.
     `seed`, when given, overrides ``config.seed`` (default 0).
     """
+    from transformers import LlamaForCausalLM
+
     start = time.perf_counter()
-    config = copy.deepcopy(config) if config is not None else CausalScenarioConfig()
-    if seed is not None:
-        config.seed = seed
+    config = resolve_config(config, CausalScenarioConfig, seed)
     seed = config.seed
     tokenizer = build_causal_tokenizer()
-
     train_data, test_data, pretrain_data = scenario_splits(config)
 
-    loaded = _load_cached(cache_dir, config) if cache_dir is not None else None
-    if loaded is not None:
-        base, experts = loaded
-    else:
-        base = build_tiny_llama(
+    def new_base() -> Any:
+        return build_tiny_llama(
             len(tokenizer),
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
@@ -425,10 +403,9 @@ def build_causal_scenario(
             num_key_value_heads=config.num_key_value_heads,
             seed=seed,
         )
-        experts = pretrain_and_finetune(base, tokenizer, train_causal_lm, pretrain_data, train_data, config)
-        if cache_dir is not None:
-            _save_cached(cache_dir, config, tokenizer, base, experts)
 
+    base, experts = build_or_load_models(cache_dir, "causal-scenario", _cache_key(config), config, tokenizer, new_base,
+                                         train_causal_lm, LlamaForCausalLM.from_pretrained, pretrain_data, train_data)
     scenario = CausalScenario(
         config=config,
         tokenizer=tokenizer,
@@ -453,41 +430,15 @@ def _cache_key(config: CausalScenarioConfig) -> dict[str, Any]:
     return {"format": _CACHE_FORMAT, "config": settings, "vocabulary": list(CAUSAL_VOCABULARY)}
 
 
-def _cache_path(cache_dir: str | os.PathLike) -> str:
-    """The scenario's own folder inside `cache_dir` (a rebuild replaces it, never its neighbours)."""
-    return os.path.join(os.fspath(cache_dir), "causal-scenario")
-
-
-def _save_cached(
-    cache_dir: str | os.PathLike, config: CausalScenarioConfig, tokenizer: Any, base: Any, experts: Mapping[str, Any]
-) -> None:
-    save_scenario_build(_cache_path(cache_dir), _cache_key(config), tokenizer, base, experts)
-
-
-def _load_cached(cache_dir: str | os.PathLike, config: CausalScenarioConfig) -> tuple[Any, dict[str, Any]] | None:
-    from transformers import LlamaForCausalLM
-
-    root = _cache_path(cache_dir)
-    if not matching_build(root, _cache_key(config)):
-        return None  # nothing cached, or built with other settings: rebuild (and overwrite)
-    with quiet_transformers():
-        base = LlamaForCausalLM.from_pretrained(os.path.join(root, "base")).eval()
-        experts = {
-            task: LlamaForCausalLM.from_pretrained(os.path.join(root, f"expert_{task}")).eval() for task in config.tasks
-        }
-    return base, experts
-
-
 # --------------------------------------------------------------------------------------------- CLI
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """``python -m hf_featcal.toy_causal [--seed N] [--cache-dir DIR] [--positions predicting|answer|both]``:
+    """``cd tests && python -m scenarios.causal [--seed N] [--cache-dir DIR] [--positions predicting|answer|both]``:
     build the scenario and print the exact match of the base, each expert, the Task Arithmetic merge
     (0.3) and the merge after FeatCal (default `FeatCalConfig`, base as anchor); returns the table."""
     import argparse
     import warnings
 
-    from .calibrator import FeatCalCalibrator
-    from .config import FeatCalConfig
+    from hf_featcal import FeatCalCalibrator, FeatCalConfig
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--seed", type=int, default=0)

@@ -1,4 +1,5 @@
-"""A small but real multi-task merging scenario, fully offline: ``build_digits_scenario``.
+"""A small but real multi-task merging scenario, fully offline: ``build_digits_scenario`` (the
+scenario of ``hf-featcal demo``).
 
 It mimics the usual CLIP ViT model-merging benchmark (one pre-trained vision encoder, one
 fully fine-tuned expert per task, frozen task-specific classification heads, experts merged in
@@ -56,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._scenario_cache import matching_build, quiet_transformers, save_build
+from .base import MergingScenario, build_or_load, load_models, save_build
 
 __all__ = [
     "DIGITS_TASKS",
@@ -71,7 +72,6 @@ __all__ = [
     "finetune_expert",
     "fit_probe_head",
     "load_digits_tasks",
-    "main",
     "pretrain_base",
     "tiny_vision_config",
 ]
@@ -454,7 +454,7 @@ class DigitsScenarioSettings:
 
 
 @dataclass
-class DigitsScenario:
+class DigitsScenario(MergingScenario):
     """A built multi-task merging scenario (see the module docstring).
 
     Attributes:
@@ -498,12 +498,6 @@ class DigitsScenario:
         """Each expert's accuracy on its own task."""
         return {t: accuracy(self.experts[t], self.heads[t], *self._split(t, split)) for t in self.tasks}
 
-    def task_arithmetic(self, scaling_factor: float = 0.3) -> nn.Module:
-        """The Task-Arithmetic merge of the experts into the base (a new model)."""
-        from .merging import task_arithmetic
-
-        return task_arithmetic(self.base, self.experts, scaling_factor=scaling_factor)
-
     def _split(self, task: str, split: str) -> tuple[Tensor, Tensor]:
         d = self.data[task]
         if split == "test":
@@ -517,9 +511,13 @@ def _cache_key(settings: DigitsScenarioSettings) -> dict[str, Any]:
     return {"format": _CACHE_FORMAT, "settings": asdict(settings)}
 
 
-def _save_cache(path: str, settings: DigitsScenarioSettings, base: nn.Module, experts: Mapping[str, nn.Module],
-                heads: Mapping[str, nn.Linear]) -> None:
+_Models = tuple[nn.Module, dict[str, nn.Module], dict[str, nn.Linear]]  # base, experts, heads
+
+
+def _save_cache(path: str, settings: DigitsScenarioSettings, models: _Models) -> None:
     from safetensors.torch import save_file
+
+    base, experts, heads = models
 
     def write_heads(folder: str) -> None:
         tensors = {}
@@ -528,17 +526,17 @@ def _save_cache(path: str, settings: DigitsScenarioSettings, base: nn.Module, ex
             tensors[f"{task}.bias"] = head.bias.detach().contiguous()
         save_file(tensors, os.path.join(folder, "heads.safetensors"))
 
-    models = {"base": base, **{os.path.join("experts", t): e for t, e in experts.items()}}
-    save_build(path, _cache_key(settings), models, write_heads)
+    folders = {"base": base, **{os.path.join("experts", t): e for t, e in experts.items()}}
+    save_build(path, _cache_key(settings), folders, write_heads)
 
 
-def _load_cache(path: str, settings: DigitsScenarioSettings) -> tuple[nn.Module, dict[str, nn.Module], dict[str, nn.Linear]]:
+def _load_cache(path: str, settings: DigitsScenarioSettings) -> _Models:
     from safetensors.torch import load_file
     from transformers import CLIPVisionModel
 
-    with quiet_transformers():
-        base = CLIPVisionModel.from_pretrained(os.path.join(path, "base")).eval()
-        experts = {t: CLIPVisionModel.from_pretrained(os.path.join(path, "experts", t)).eval() for t in settings.tasks}
+    experts = load_models(CLIPVisionModel.from_pretrained, path,
+                          {"base": "base", **{t: os.path.join("experts", t) for t in settings.tasks}})
+    base = experts.pop("base")  # not a task name (tasks are checked against DIGITS_TASKS)
     tensors = load_file(os.path.join(path, "heads.safetensors"))
     heads = {}
     for task in settings.tasks:
@@ -595,17 +593,14 @@ def build_digits_scenario(
         test_fraction=settings.test_fraction,
     )
 
-    cache_path = None
-    loaded = False
-    if cache_dir is not None:
-        cache_path = os.path.join(os.fspath(cache_dir), f"digits-{settings.cache_key()}")
-    if cache_path is not None and matching_build(cache_path, _cache_key(settings)):
-        base, experts, heads = _load_cache(cache_path, settings)
-        loaded = True
-    else:
-        base, experts, heads = _build_models(settings, pretrain, data)
-        if cache_path is not None:
-            _save_cache(cache_path, settings, base, experts, heads)
+    cache_path = None if cache_dir is None else os.path.join(os.fspath(cache_dir), f"digits-{settings.cache_key()}")
+    (base, experts, heads), loaded = build_or_load(
+        cache_path,
+        _cache_key(settings),
+        build=lambda: _build_models(settings, pretrain, data),
+        save=lambda path, models: _save_cache(path, settings, models),
+        load=lambda path: _load_cache(path, settings),
+    )
 
     calibration = {
         t: calibration_batches(data[t].train_images, calibration_samples, calibration_batch_size) for t in settings.tasks
@@ -628,7 +623,7 @@ def build_digits_scenario(
 
 def _build_models(
     settings: DigitsScenarioSettings, pretrain: tuple[Tensor, Tensor], data: Mapping[str, TaskData]
-) -> tuple[nn.Module, dict[str, nn.Module], dict[str, nn.Linear]]:
+) -> _Models:
     # Fork the global RNG: building is deterministic and leaves the caller's RNG state untouched.
     # One intra-op thread: these matmuls are tiny (extra threads only add contention on a busy
     # machine), and a fixed thread count keeps the float reductions -- hence the models -- reproducible.
@@ -643,7 +638,7 @@ def _build_models(
 
 def _train_models(
     settings: DigitsScenarioSettings, pretrain: tuple[Tensor, Tensor], data: Mapping[str, TaskData]
-) -> tuple[nn.Module, dict[str, nn.Module], dict[str, nn.Linear]]:
+) -> _Models:
     from transformers import CLIPVisionModel
 
     config = tiny_vision_config(
@@ -676,43 +671,3 @@ def _train_models(
                                         batch_size=settings.batch_size, generator=task_generator)
     return base, experts, heads
 
-
-def _format_row(name: str, values: Mapping[str, float]) -> str:
-    cells = "  ".join(f"{task}={value:.3f}" for task, value in values.items())
-    return f"{name:<16} {cells}  avg={sum(values.values()) / len(values):.3f}"
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m hf_featcal.toy [--seed N] [--cache-dir DIR] [--scaling 0.3] [--featcal]``: build the
-    scenario and print per-task test accuracy of the base, the experts, the Task-Arithmetic merge
-    and (with ``--featcal``) the merge after ``FeatCalCalibrator`` with the default config."""
-    import argparse
-    import time
-
-    parser = argparse.ArgumentParser(prog="python -m hf_featcal.toy", description=main.__doc__)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cache-dir", default=None)
-    parser.add_argument("--scaling", type=float, default=0.3, help="Task-Arithmetic scaling factor")
-    parser.add_argument("--featcal", action="store_true", help="also calibrate the merge with FeatCal")
-    args = parser.parse_args(argv)
-
-    start = time.perf_counter()
-    scenario = build_digits_scenario(seed=args.seed, cache_dir=args.cache_dir)
-    how = "loaded from cache" if scenario.loaded_from_cache else "built"
-    print(f"scenario {how} in {time.perf_counter() - start:.1f}s (seed {args.seed})")
-    merged = scenario.task_arithmetic(args.scaling)
-    print(_format_row("base", scenario.evaluate(scenario.base)))
-    print(_format_row("experts", scenario.evaluate_experts()))
-    print(_format_row(f"TA {args.scaling:g}", scenario.evaluate(merged)))
-    if args.featcal:
-        from . import FeatCalCalibrator
-
-        start = time.perf_counter()
-        calibrated = FeatCalCalibrator(merged, scenario.base, scenario.experts, scenario.calibration,
-                                       show_progress=False).calibrate()
-        elapsed = time.perf_counter() - start
-        print(_format_row("TA+FeatCal", scenario.evaluate(calibrated)) + f"  ({elapsed:.1f}s)")
-
-
-if __name__ == "__main__":
-    main()

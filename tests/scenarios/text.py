@@ -1,4 +1,5 @@
-"""A small, offline seq2seq multi-task scenario with tiny T5 models, for tests and benchmarks.
+"""A small, offline seq2seq multi-task scenario with tiny T5 models, for tests and benchmarks (on the
+shared base of :mod:`hf_featcal.scenarios.base`).
 
 It mirrors the paper's FLAN-T5 / GLUE setting at toy scale: text-to-text tasks with prompt
 prefixes (like GLUE templates), a "pretrained" T5 base that already knows the prompts, one fully
@@ -30,8 +31,8 @@ Everything is built offline from a seed, in about 30 s on one CPU thread.
 
 Use :func:`build_text_scenario` for everything at once, :meth:`TextScenario.evaluate` /
 :func:`evaluate_exact_match` for scores and ``TextScenario.calibration_batches`` as FeatCal calibration
-data (drawn from the train splits only). ``python -m hf_featcal.toy_text`` prints the score table
-(base, experts, TA merge and, where T5 calibration is supported, TA + FeatCal).
+data (drawn from the train splits only). ``cd tests && python -m scenarios.text`` prints the score
+table (base, experts, TA merge and, where T5 calibration is supported, TA + FeatCal).
 
 The generator also knows harder positional tasks (``reverse``, ``rotate``) and ``first``, ``last``,
 ``parity`` (:data:`EXTRA_TASKS`); a tiny T5 does not learn ``reverse``/``rotate`` reliably within
@@ -52,7 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._scenario_cache import matching_build, quiet_transformers, save_scenario_build
+from hf_featcal.scenarios.base import MergingScenario, build_or_load, load_models, save_build
 
 __all__ = [
     "DIGITS",
@@ -69,10 +70,13 @@ __all__ = [
     "build_text_scenario",
     "build_text_tokenizer",
     "build_tiny_t5",
+    "build_or_load_models",
     "collate_examples",
     "evaluate_exact_match",
     "generate_task_examples",
     "make_task_example",
+    "sample_examples",
+    "train_on_pairs",
     "train_seq2seq",
 ]
 
@@ -242,10 +246,15 @@ def build_calibration_batches(
 ) -> list[dict[str, Tensor]]:
     """FeatCal calibration batches of one task: `num_samples` examples drawn (without replacement,
     seeded) from `examples` — pass the TRAIN split — in batches of `batch_size`."""
+    chosen = sample_examples(examples, num_samples, seed)
+    return [collate_examples(tokenizer, chosen[i : i + batch_size]) for i in range(0, num_samples, batch_size)]
+
+
+def sample_examples(examples: Sequence[TextExample], num_samples: int, seed: int) -> list[TextExample]:
+    """`num_samples` of `examples` drawn without replacement by ``random.Random(seed)`` (calibration data)."""
     if num_samples > len(examples):
         raise ValueError(f"asked for {num_samples} calibration examples, only {len(examples)} given")
-    chosen = random.Random(seed).sample(list(examples), num_samples)
-    return [collate_examples(tokenizer, chosen[i : i + batch_size]) for i in range(0, num_samples, batch_size)]
+    return random.Random(seed).sample(list(examples), num_samples)
 
 
 def build_calibration_dataset(tokenizer: Any, examples: Sequence[TextExample]) -> Any:
@@ -324,10 +333,28 @@ def train_seq2seq(
     warmup: int = 20,
     seed: int = 0,
 ) -> Any:
-    """Train `model` in place on `examples` with AdamW (linear warmup, then linear decay to 0,
-    gradient clipping at 1) for `steps` steps of `batch_size` random examples; returns it in eval
+    """Train `model` in place on `examples` with :func:`train_on_pairs`; returns it in eval mode."""
+    pad_id = tokenizer.pad_token_id
+    return train_on_pairs(model, _encode(tokenizer, examples), lambda chunk: _collate_ids(chunk, pad_id),
+                          steps, batch_size, lr, weight_decay, warmup, seed)
+
+
+def train_on_pairs(
+    model: Any,
+    pairs: Sequence[tuple[list[int], list[int]]],
+    collate: Callable[[list[tuple[list[int], list[int]]]], dict[str, Tensor]],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    weight_decay: float,
+    warmup: int,
+    seed: int,
+    **forward_kwargs: Any,
+) -> Any:
+    """The training loop of the text scenarios: AdamW (linear warmup, then linear decay to 0, gradient
+    clipping at 1) for `steps` steps, each on `batch_size` random encoded `pairs` made a batch by
+    `collate` (the model's loss is ``model(**batch, **forward_kwargs).loss``); returns `model` in eval
     mode. Deterministic for a fixed seed on CPU."""
-    pairs = _encode(tokenizer, examples)
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -336,8 +363,7 @@ def train_seq2seq(
     model.train()
     for _ in range(steps):
         index = torch.randint(len(pairs), (batch_size,), generator=generator).tolist()
-        batch = _collate_ids([pairs[i] for i in index], tokenizer.pad_token_id)
-        loss = model(**batch).loss
+        loss = model(**collate([pairs[i] for i in index]), **forward_kwargs).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -437,7 +463,7 @@ class TextScenarioConfig(ScenarioConfigBase):
 
 
 @dataclass
-class ScenarioBase:
+class ScenarioBase(MergingScenario):
     """What a built text scenario holds.
 
     ``train_data`` / ``test_data`` map each target task to its examples; ``calibration_batches``
@@ -467,14 +493,12 @@ class ScenarioBase:
     def score_rows(self) -> tuple[dict[str, dict[str, float]], Any]:
         """Exact match of the base, every expert, the experts on their own tasks and the Task
         Arithmetic merge (0.3); also returns that merge."""
-        from .merging import task_arithmetic
-
         rows: dict[str, dict[str, float]] = {"base": self.evaluate(self.base)}
         for task, expert in self.experts.items():
             rows[f"expert[{task}]"] = self.evaluate(expert)
         rows["experts (own task)"] = {task: rows[f"expert[{task}]"][task] for task in self.tasks}
         rows["experts (own task)"]["mean"] = sum(rows["experts (own task)"].values()) / len(self.tasks)
-        merged = task_arithmetic(self.base, self.experts, scaling_factor=0.3)
+        merged = self.task_arithmetic(0.3)
         rows["TA 0.3"] = self.evaluate(merged)
         return rows, merged
 
@@ -563,6 +587,52 @@ def pretrain_and_finetune(
     return experts
 
 
+def resolve_config(config: Any, default: Callable[[], Any], seed: int | None) -> Any:
+    """A copy of `config` (or ``default()``) with ``seed`` set when one is given."""
+    config = copy.deepcopy(config) if config is not None else default()
+    if seed is not None:
+        config.seed = seed
+    return config
+
+
+def save_scenario_build(path: str, key: Mapping[str, Any], tokenizer: Any, base: Any, experts: Mapping[str, Any]) -> None:
+    """`save_build` of a text scenario: ``base/``, ``expert_<task>/`` and ``tokenizer/``."""
+    models = {"base": base, **{f"expert_{task}": expert for task, expert in experts.items()}}
+    save_build(path, key, models, lambda folder: tokenizer.save_pretrained(os.path.join(folder, "tokenizer")))
+
+
+def build_or_load_models(
+    cache_dir: str | os.PathLike | None,
+    folder: str,
+    key: Mapping[str, Any],
+    config: Any,
+    tokenizer: Any,
+    new_base: Callable[[], Any],
+    train: Callable[..., Any],
+    load: Callable[[str], Any],
+    pretrain_data: Mapping[str, Sequence[TextExample]],
+    train_data: Mapping[str, Sequence[TextExample]],
+) -> tuple[Any, dict[str, Any]]:
+    """The base and experts of a text scenario: loaded from ``cache_dir/folder`` when it holds a build
+    made with `key`, else built (``new_base()``, then :func:`pretrain_and_finetune` with `train`) and,
+    with a `cache_dir`, saved there (replacing a build with another key; data are never cached: they are
+    cheap and deterministic). `load(model_folder)` reads one saved model."""
+    path = None if cache_dir is None else os.path.join(os.fspath(cache_dir), folder)
+
+    def build() -> tuple[Any, dict[str, Any]]:
+        base = new_base()
+        return base, pretrain_and_finetune(base, tokenizer, train, pretrain_data, train_data, config)
+
+    def load_all(root: str) -> tuple[Any, dict[str, Any]]:
+        experts = load_models(load, root, {"base": "base", **{task: f"expert_{task}" for task in config.tasks}})
+        return experts.pop("base"), experts  # "base" is not a task name (checked by the config)
+
+    (base, experts), _ = build_or_load(
+        path, key, build, lambda root, models: save_scenario_build(root, key, tokenizer, *models), load_all
+    )
+    return base, experts
+
+
 def build_text_scenario(
     seed: int | None = None,
     cache_dir: str | os.PathLike | None = None,
@@ -580,19 +650,13 @@ def build_text_scenario(
     `seed`, when given, overrides ``config.seed`` (default 0).
     """
     start = time.perf_counter()
-    config = copy.deepcopy(config) if config is not None else TextScenarioConfig()
-    if seed is not None:
-        config.seed = seed
+    config = resolve_config(config, TextScenarioConfig, seed)
     seed = config.seed
     tokenizer = build_text_tokenizer()
-
     train_data, test_data, pretrain_data = scenario_splits(config)
 
-    loaded = _load_cached(cache_dir, config) if cache_dir is not None else None
-    if loaded is not None:
-        base, experts = loaded
-    else:
-        base = build_tiny_t5(
+    def new_base() -> Any:
+        return build_tiny_t5(
             len(tokenizer),
             d_model=config.d_model,
             d_ff=config.d_ff,
@@ -602,10 +666,9 @@ def build_text_scenario(
             num_decoder_layers=config.num_decoder_layers,
             seed=seed,
         )
-        experts = pretrain_and_finetune(base, tokenizer, train_seq2seq, pretrain_data, train_data, config)
-        if cache_dir is not None:
-            _save_cached(cache_dir, config, tokenizer, base, experts)
 
+    base, experts = build_or_load_models(cache_dir, "text-scenario", _cache_key(config), config, tokenizer, new_base,
+                                         train_seq2seq, _load_t5, pretrain_data, train_data)
     calibration = {
         task: build_calibration_batches(
             tokenizer, train_data[task], config.calibration_samples, config.calibration_batch_size, seed=seed
@@ -630,45 +693,26 @@ def _cache_key(config: TextScenarioConfig) -> dict[str, Any]:
     return {"format": _CACHE_FORMAT, "config": config.to_dict(), "vocabulary": list(VOCABULARY)}
 
 
-def _cache_path(cache_dir: str | os.PathLike) -> str:
-    """The scenario's own folder inside `cache_dir` (a rebuild replaces it, never its neighbours)."""
-    return os.path.join(os.fspath(cache_dir), "text-scenario")
-
-
-def _save_cached(cache_dir: str | os.PathLike, config: TextScenarioConfig, tokenizer: Any, base: Any, experts: Mapping[str, Any]) -> None:
-    save_scenario_build(_cache_path(cache_dir), _cache_key(config), tokenizer, base, experts)
-
-
-def _load_cached(cache_dir: str | os.PathLike, config: TextScenarioConfig) -> tuple[Any, dict[str, Any]] | None:
+def _load_t5(folder: str) -> Any:
     from transformers import T5ForConditionalGeneration
 
-    root = _cache_path(cache_dir)
-    if not matching_build(root, _cache_key(config)):
-        return None  # nothing cached, or built with other settings: rebuild (and overwrite)
-
-    def load(name: str) -> Any:
-        model = T5ForConditionalGeneration.from_pretrained(os.path.join(root, name)).eval()
-        # a separate head with different values is stored, so transformers left it untied (see
-        # `_untie_lm_head`) but set the config flag back to True
-        if model.lm_head.weight.data_ptr() != model.shared.weight.data_ptr():
-            model.config.tie_word_embeddings = False
-        return model
-
-    with quiet_transformers():  # also the "will NOT tie them" notice about the untied LM head
-        base = load("base")
-        experts = {task: load(f"expert_{task}") for task in config.tasks}
-    return base, experts
+    model = T5ForConditionalGeneration.from_pretrained(folder)
+    # a separate head with different values is stored, so transformers left it untied (see
+    # `_untie_lm_head`) but set the config flag back to True
+    if model.lm_head.weight.data_ptr() != model.shared.weight.data_ptr():
+        model.config.tie_word_embeddings = False
+    return model
 
 
 # --------------------------------------------------------------------------------------------- CLI
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """``python -m hf_featcal.toy_text [--seed N] [--cache-dir DIR]``: build the scenario and print the
+    """``cd tests && python -m scenarios.text [--seed N] [--cache-dir DIR]``: build the scenario and print the
     exact match of the base, each expert, the Task Arithmetic merge (0.3) and, where T5 calibration is
     supported, the merge after FeatCal (default `FeatCalConfig`, base as anchor); returns the table."""
     import argparse
     import warnings
 
-    from . import supported_model_types
+    from hf_featcal import supported_model_types
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--seed", type=int, default=0)
@@ -680,8 +724,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows, merged = scenario.score_rows()
     report = None
     if "t5" in supported_model_types():
-        from .calibrator import FeatCalCalibrator
-        from .config import FeatCalConfig
+        from hf_featcal import FeatCalCalibrator, FeatCalConfig
 
         start = time.perf_counter()
         with warnings.catch_warnings():

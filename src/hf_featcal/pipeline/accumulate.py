@@ -1,0 +1,95 @@
+"""Stage *accumulate*: per-task weighted sums of one block's captured module inputs, folded into
+task sums at the end of each task (the accumulators are in `hf_featcal.statistics`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from ..architectures import LAYER_NORM
+from ..statistics import LinearGroupStatistics, LinearTargets, NormStatistics
+from ..streams import StreamBatch
+from .context import RunContext
+from .plan import BlockPlan
+
+
+@dataclass
+class BlockStatistics:
+    """The accumulators of one block: per statistics group of Linears, and per norm."""
+
+    # (captured input, pooled-token weighting, weight source) → the group's accumulator
+    linear: dict[tuple[str, bool, str], LinearGroupStatistics] = field(default_factory=dict)
+    # (norm module, pooled-token weighting) → its accumulator
+    norms: dict[tuple[str, bool], NormStatistics] = field(default_factory=dict)
+
+
+def new_statistics(ctx: RunContext, plan: BlockPlan, block: nn.Module) -> BlockStatistics:
+    """Empty accumulators for every statistics group of the block's plan."""
+    kw = {"dtype": ctx.compute_dtype, "device": ctx.device}
+    linear = {}
+    specs = {s.name: s for s in plan.specs}
+    for key, names in plan.linear_groups.items():
+        dim = specs[names[0]].shape(block)[1]
+        outputs = sum(specs[n].shape(block)[0] for n in names)
+        linear[key] = LinearGroupStatistics(tuple(names), dim, epsilon=ctx.config.epsilon, direct_rhs=outputs < dim, **kw)
+    norms = {}
+    for name, weighted in plan.norms:
+        module = block.get_submodule(name)
+        kind = next(s.kind for s in plan.specs if s.name == name)
+        norms[(name, weighted)] = NormStatistics(
+            name, module.weight.shape[0], centered=kind == LAYER_NORM, norm_eps=ctx.layer_map.norm_eps(module), **kw
+        )
+    return BlockStatistics(linear, norms)
+
+
+def expert_targets(plan: BlockPlan, statistics: BlockStatistics, expert_block: nn.Module) -> dict[str, LinearTargets]:
+    """The task expert's parameters of every Linear being solved."""
+    specs = {s.name: s for s in plan.specs}
+    return {
+        name: LinearTargets(specs[name].value(expert_block, "weight"), specs[name].value(expert_block, "bias"))
+        for stats in statistics.linear.values()
+        for name in stats.modules
+    }
+
+
+def accumulate(
+    ctx: RunContext,
+    plan: BlockPlan,
+    statistics: BlockStatistics,
+    xs: Mapping[str, Tensor],
+    xe: Mapping[str, Tensor],
+    state: StreamBatch,
+    targets: dict[str, LinearTargets],
+) -> None:
+    """Add one batch: student inputs `xs`, expert inputs `xe` (by captured module), the student's
+    stream batch `state` (its token weights)."""
+    alpha = ctx.config.teacher_alpha
+    for (source, weighted, _), stats in statistics.linear.items():
+        x_s = xs[source]
+        x_t = torch.lerp(x_s.to(ctx.compute_dtype), xe[source].to(ctx.compute_dtype), alpha)
+        stats.accumulate(x_s, x_t, module_weights(ctx, plan, stats.modules[0], weighted, state), targets)
+    for (name, weighted), stats in statistics.norms.items():
+        stats.accumulate(xs[name], module_weights(ctx, plan, name, weighted, state))
+
+
+def module_weights(ctx: RunContext, plan: BlockPlan, name: str, weighted: bool, state: StreamBatch) -> Tensor:
+    """Token weights of a module's input: padding 0, and in the last block of a pooled-head stack
+    `final_block_token_weight` for every token but the pooled one (unless a key/value projection)."""
+    weights = ctx.layer_map.input_weights(name, state)
+    if not weighted:
+        return weights
+    factor = torch.full_like(weights, ctx.config.final_block_token_weight)
+    factor[:, plan.pooled_token_index] = 1.0
+    return weights * factor
+
+
+def finish_task(ctx: RunContext, statistics: BlockStatistics, expert_block: nn.Module, targets: dict[str, LinearTargets]) -> None:
+    """Fold the task's sums (reduced across processes) into the task sums."""
+    for stats in statistics.linear.values():
+        stats.finish_task(targets, ctx.reduce)
+    for (name, _), stats in statistics.norms.items():
+        module = expert_block.get_submodule(name)
+        stats.finish_task(module.weight.detach(), getattr(module, "bias", None), ctx.reduce)

@@ -1,0 +1,78 @@
+"""Stage *checkpoint*: after every block, persist what a resumed run needs, tied to a fingerprint
+of the run (the folder format is `hf_featcal.checkpointing`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..checkpointing import CheckpointFolder, fingerprint
+from ..experts import ModelSource
+from .context import RunContext
+from .drift import DriftLog
+from .enter import Streams
+
+
+@dataclass
+class ResumedRun:
+    """Where a checkpoint lets a run continue: after `finished_blocks` (1-based over every stack)."""
+
+    finished_blocks: int
+    streams: Streams
+    drift: DriftLog | None
+
+
+def open_checkpoint(
+    ctx: RunContext,
+    path: str | os.PathLike,
+    tasks: list[str],
+    data_digest: str | None,
+    tower_parameter_names: list[str],
+    experts: Mapping[str, ModelSource],
+    base: ModelSource | None,
+) -> CheckpointFolder:
+    """The run's checkpoint folder, fingerprinted by config, layer map, processes, tasks, data and
+    the contents of every model."""
+    digest = fingerprint(
+        [
+            ("config", ctx.config.to_dict()),
+            ("layer_map", type(ctx.layer_map).__name__),
+            ("processes", ctx.process.num_processes),
+            ("tasks", tasks),
+            ("data", data_digest),
+            ("merged", ctx.parameters.named(tower_parameter_names)),
+            *[(f"expert.{task}", source.digest(ctx.layer_map, ctx.model)) for task, source in experts.items()],
+            ("base", None if base is None else base.digest(ctx.layer_map, ctx.model)),
+        ]
+    )
+    return CheckpointFolder(path, digest, ctx.process.process_index, ctx.process.is_main_process, ctx.device)
+
+
+def resume(ctx: RunContext, folder: CheckpointFolder) -> ResumedRun | None:
+    """Load the folder's resume point (None for a fresh folder): the finished blocks' parameters are
+    written into the merged model and the solve log so far replaces `ctx.solve_log`."""
+    point = folder.load()
+    if point is None:
+        return None
+    for name, value in point.parameters.items():
+        ctx.parameters.write(name, value)
+    saved = point.streams
+    ctx.solve_log = saved["solve_log"]
+    drift = None if saved["report"] is None else DriftLog(saved["report"])
+    return ResumedRun(point.finished_blocks, Streams(saved["student"], saved["expert"], saved["given"]), drift)
+
+
+def save_block(
+    ctx: RunContext, folder: CheckpointFolder, finished_blocks: int, parameter_names: list[str], streams: Streams, drift: DriftLog | None
+) -> None:
+    """Commit one more finished block: its calibrated parameters and the streams entering the next."""
+    folder.save(
+        finished_blocks,
+        ctx.parameters.named(parameter_names),
+        {
+            "student": streams.student, "expert": streams.expert, "given": streams.given,
+            "report": None if drift is None else drift.tasks, "solve_log": ctx.solve_log,
+        },
+        ctx.process.wait_for_everyone,
+    )

@@ -1,0 +1,153 @@
+"""Checks of the calibrator's arguments, run at construction before any block is touched: errors
+name the offending argument (and task and batch)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from accelerate.utils import send_to_device
+from torch import Tensor, nn
+
+from ..architectures import LayerMap, get_layer_map
+from ..data import Batch, batch_size_of
+from ..experts import ModelSource
+from ..hooks import eval_mode
+from .context import RunContext
+
+
+def model_type_of(model_or_config: Any) -> str | None:
+    return getattr(getattr(model_or_config, "config", model_or_config), "model_type", None)
+
+
+def check_tasks(experts: Any, calibration_data: Any) -> list[str]:
+    """The task names (every task has an expert and data)."""
+    if not isinstance(experts, Mapping) or not experts:
+        raise ValueError("`experts` must be a non-empty mapping task name → expert model, local path or hub id.")
+    if not isinstance(calibration_data, Mapping) or not calibration_data:
+        raise ValueError("`calibration_data` must be a non-empty mapping task name → Dataset or iterable of batches.")
+    no_data = [t for t in experts if t not in calibration_data]
+    no_expert = [t for t in calibration_data if t not in experts]
+    if no_data:
+        raise ValueError(f"tasks {no_data} have an expert in `experts` but no entry in `calibration_data`.")
+    if no_expert:
+        raise ValueError(f"tasks {no_expert} have data in `calibration_data` but no expert in `experts`.")
+    return list(experts)
+
+
+def check_compatible(source: ModelSource, layer_map: LayerMap, model: nn.Module, merged_config: Any) -> None:
+    """`source` (an expert or the base) has the merged model's architecture, configuration and tower shapes."""
+    argument = source.argument
+    if model_type_of(source.config) == model_type_of(merged_config):
+        other_map = layer_map  # also an inferred one
+    else:
+        other_map = get_layer_map(source.config, argument)
+    if type(other_map) is not type(layer_map):
+        raise ValueError(
+            f"`{argument}` has model_type {model_type_of(source.config)!r}, which does not match the merged "
+            f"{type(model).__name__} (model_type {model_type_of(merged_config)!r})."
+        )
+    ours, theirs = layer_map.compatibility(merged_config), other_map.compatibility(source.config)
+    diff = {k: (ours[k], theirs.get(k)) for k in ours if ours[k] != theirs.get(k)}
+    if diff:
+        detail = ", ".join(f"{k}: merged {a!r} vs {b!r}" for k, (a, b) in diff.items())
+        raise ValueError(f"`{argument}` has a different configuration from the merged model ({detail}).")
+    mine = {k: tuple(v.shape) for k, v in layer_map.tower(model).state_dict().items()}
+    other_shapes = source.tower_shapes(other_map, model)
+    missing = sorted(set(mine) - set(other_shapes))
+    if missing:
+        raise ValueError(f"`{argument}` lacks parameters of the merged model's tower: {missing[:5]}.")
+    wrong = [k for k in mine if mine[k] != other_shapes[k]]
+    if wrong:
+        k = wrong[0]
+        raise ValueError(
+            f"`{argument}` has parameter shapes that differ from the merged model: {k} is "
+            f"{other_shapes[k]} vs {mine[k]} (and {len(wrong) - 1} more)."
+        )
+
+
+def check_batches_enter_model(ctx: RunContext, batches: Mapping[str, list[Batch]]) -> None:
+    """Every batch of every task, before any block is touched: the keys the layer map needs, tensors
+    (not arrays or lists) of consistent batch size, integer token ids inside the vocabulary, a
+    forward through the merged model's input path, and at least one weighted token per task."""
+    lm, model = ctx.layer_map, ctx.model
+    tower = ctx.tower
+    device = ctx.input_device(tower)
+    vocabulary = _vocabulary_size(model)
+    with eval_mode(model), torch.no_grad():
+        for task, task_batches in batches.items():
+            weighted = 0.0
+            for index, batch in enumerate(task_batches):
+                where = f"calibration_data[{task!r}] batch {index}"
+                try:
+                    lm.check_batch(model, batch)
+                    _check_batch_tensors(batch, lm, model, vocabulary)
+                except ValueError as err:
+                    raise ValueError(f"{where}: {err}") from None
+                try:
+                    state = lm.enter_stack(tower, send_to_device(batch, device), 0, None)
+                except Exception as err:  # noqa: BLE001 - re-raised with the task and batch named
+                    raise ValueError(
+                        f"calibration_data[{task!r}]: the merged model cannot take its batches (batch {index}, "
+                        f"keys {sorted(batch)}): {type(err).__name__}: {err}"
+                    ) from err
+                if state.weights is not None:
+                    weighted += float(state.weights.sum())
+            if weighted <= 0:
+                raise ValueError(
+                    f"calibration_data[{task!r}] has no weighted token: every position is padding (attention_mask 0) "
+                    "or excluded (labels -100 / loss_mask 0), so there is nothing to calibrate on."
+                )
+
+
+_TOKEN_KEYS = ("input_ids", "decoder_input_ids")
+_MASK_KEYS = ("attention_mask", "token_type_ids", "decoder_attention_mask", "loss_mask", "labels")
+
+
+def _vocabulary_size(model: nn.Module) -> int | None:
+    """The number of rows of the model's input token embedding (None for models without one)."""
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        embedding = getter() if callable(getter) else None
+    except (NotImplementedError, AttributeError):
+        embedding = None
+    return embedding.num_embeddings if isinstance(embedding, nn.Embedding) else None
+
+
+def _check_batch_tensors(batch: Mapping[str, Any], layer_map: LayerMap, model: nn.Module, vocabulary: int | None) -> None:
+    """Cheap checks of one batch's model inputs (ValueError naming the key): tensors, one batch size,
+    integer token ids in [0, vocabulary), labels -100 or token ids where the model reads them as targets."""
+    main = layer_map.main_input_name
+    size = batch_size_of(batch, main)
+    keys = dict.fromkeys((*layer_map.input_names, *_TOKEN_KEYS, *_MASK_KEYS))
+    for key in keys:
+        if key not in batch or batch[key] is None or isinstance(batch[key], bool):
+            continue
+        value = batch[key]
+        if not isinstance(value, Tensor):
+            raise ValueError(
+                f"{key!r} is a {type(value).__module__}.{type(value).__qualname__}, expected a torch.Tensor "
+                "(convert it with torch.as_tensor)"
+            )
+        if value.dim() == 0 or value.shape[0] != size:
+            raise ValueError(f"{key!r} has shape {tuple(value.shape)}, but {main!r} holds {size} examples")
+    if main in _TOKEN_KEYS:
+        for key in ("attention_mask", "token_type_ids"):
+            mask = batch.get(key)  # a 2-D mask is per token (other ranks are custom attention masks)
+            if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape != batch[main].shape:
+                raise ValueError(f"{key!r} has shape {tuple(batch[key].shape)}, expected {main!r}'s {tuple(batch[main].shape)}")
+    targets = "labels" in layer_map.required_batch_keys(model)  # labels are token ids (teacher forcing)
+    for key in (*_TOKEN_KEYS, *(("labels",) if targets else ())):
+        value = batch.get(key)
+        if not isinstance(value, Tensor):
+            continue
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"{key!r} must hold integer token ids, got dtype {value.dtype}")
+        ids = value[value != -100] if key == "labels" else value
+        if ids.numel() and int(ids.min()) < 0:
+            raise ValueError(f"{key!r} holds the negative token id {int(ids.min())}" + (" (only -100 marks ignored labels)" if key == "labels" else ""))
+        if vocabulary is not None and ids.numel() and int(ids.max()) >= vocabulary:
+            raise ValueError(f"{key!r} holds the token id {int(ids.max())}, outside the model's vocabulary of {vocabulary}")
+    if main == "pixel_values" and isinstance(batch.get(main), Tensor) and not batch[main].is_floating_point():
+        raise ValueError(f"'pixel_values' must be floating point, got dtype {batch[main].dtype}")

@@ -1,0 +1,107 @@
+"""The state every stage shares, below every stage: no stage imports the calibrator facade."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..architectures import LayerMap
+from ..config import FeatCalConfig
+from ..experts import module_device
+from ..offload import ModelParameters
+from ..streams import StreamBatch
+
+#: Kept under the facade's module name, so logging set up for `hf_featcal.calibrator` still applies.
+LOGGER = logging.getLogger("hf_featcal.calibrator")
+
+
+class FeatCalWarning(UserWarning):
+    """A module whose solution is set by the ridge rather than by the data."""
+
+
+class FeatCalError(ValueError):
+    """Calibration cannot go on (non-finite features or solutions); the model is left as it was."""
+
+
+def check_finite(value: Tensor, what: str) -> None:
+    if not bool(torch.isfinite(value).all()):
+        raise FeatCalError(f"non-finite values in the {what}; the model was left unchanged.")
+
+
+@dataclass
+class RunContext:
+    """The merged model and what the stages of one run share: where tensors go, the accumulation
+    dtype, the process group (an accelerate state), the stage timings and the solve log."""
+
+    model: nn.Module
+    layer_map: LayerMap
+    config: FeatCalConfig
+    parameters: ModelParameters
+    process: Any  # accelerate's PartialState / AcceleratorState
+    device: torch.device
+    compute_dtype: torch.dtype
+    #: seconds per stage; `profile` synchronises the device around each stage (exact GPU timings)
+    timings: dict[str, float] = field(default_factory=dict)
+    profile: bool = False
+    solve_log: list[dict[str, Any]] = field(default_factory=list)
+    logger: logging.Logger = LOGGER
+
+    @property
+    def tower(self) -> nn.Module:
+        return self.layer_map.tower(self.model)
+
+    def block(self, stack_index: int, block_index: int) -> nn.Module:
+        return self.layer_map.stacks(self.tower)[stack_index].blocks[block_index]
+
+    def where(self, stack_index: int, block_index: int) -> str:
+        """How messages name a block: "block 1 of vision_encoder"."""
+        return f"block {block_index} of {self.layer_map.stacks(self.tower)[stack_index].name}"
+
+    @contextlib.contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        """Add the wall time of the body to `timings[stage]` (device-synchronised when profiling)."""
+        if self.profile and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.profile and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.timings[stage] = self.timings.get(stage, 0.0) + time.perf_counter() - start
+
+    def park(self, state: StreamBatch) -> StreamBatch:
+        """Where a stream batch waits between blocks (`FeatCalConfig.stream_placement`)."""
+        placement = self.config.stream_placement
+        if placement == "accelerator":
+            return state.to(self.device)
+        state = state.to("cpu")
+        return state.pin_memory() if placement == "pinned_cpu" and torch.cuda.is_available() else state
+
+    def fetch(self, state: StreamBatch) -> StreamBatch:
+        """A parked stream batch on the compute device."""
+        return state.to(self.device, non_blocking=self.config.stream_placement == "pinned_cpu")
+
+    def run_block(self, block: nn.Module, index: int, parked: StreamBatch) -> StreamBatch:
+        """A parked batch through `block`, parked again."""
+        return self.park(self.layer_map.run_block(block, index, self.fetch(parked)))
+
+    def reduce(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Sum tensors across processes (identity on one process)."""
+        if self.process.num_processes == 1:
+            return tensors
+        from accelerate.utils import reduce
+
+        return reduce(tensors, reduction="sum")
+
+    def input_device(self, tower: nn.Module) -> torch.device:
+        """Where the merged model's inputs go: its own device, or for a dispatched model the compute
+        device (accelerate's hooks move them on)."""
+        return self.device if self.parameters.dispatched else module_device(tower)

@@ -1,0 +1,103 @@
+"""Stage *solve*: every selected module of one block in closed form, from its folded statistics,
+towards the anchor (the closed forms themselves are in `hf_featcal.solver`)."""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import Tensor, nn
+
+from ..experts import ModelSource
+from ..solver import (
+    anchor,
+    gram_is_singular,
+    linear_objective_decrease,
+    solve_layer_norm,
+    solve_linear_bias,
+    solve_linear_weights,
+    solve_scale_only_norm,
+)
+from .accumulate import BlockStatistics
+from .context import FeatCalWarning, RunContext, check_finite
+from .plan import BlockPlan
+from .write import BlockUpdates, read_spec
+
+#: `warnings.warn` frames up to the caller of `FeatCalCalibrator.calibrate()`:
+#: solve_block ← _solve_and_write ← _calibrate_block ← _sweep ← calibrate ← caller
+_WARNING_STACKLEVEL = 6
+
+
+def solve_block(
+    ctx: RunContext, plan: BlockPlan, block: nn.Module, statistics: BlockStatistics, base: ModelSource | None
+) -> BlockUpdates:
+    """The new weight (and bias) of every module of the plan; each Linear's solve is logged in
+    `ctx.solve_log`. Raises FeatCalError on non-finite features."""
+    cfg = ctx.config
+    lam, eps, rho = cfg.lambda_ratio, cfg.epsilon, cfg.anchor_rho
+    linear, norms = statistics.linear, statistics.norms
+    where = ctx.where(plan.stack_index, plan.block_index)
+    base_block = None
+    if base is not None:
+        base_block = base.block(ctx.layer_map, ctx.model, plan.stack_index, plan.block_index, ctx.device)
+
+    specs = {s.name: s for s in plan.specs}
+
+    def anchor_of(name: str, attr: str) -> Tensor:
+        merged = read_spec(ctx.parameters, block, specs[name], attr).to(ctx.device, ctx.compute_dtype)
+        base = None
+        if base_block is not None:
+            base = specs[name].value(base_block, attr).to(device=merged.device, dtype=ctx.compute_dtype)
+        return anchor(merged, base, rho)
+
+    updates: BlockUpdates = {}
+    for stats in linear.values():
+        names = list(stats.modules)
+        check_finite(stats.gram_sum, f"features entering {where}, module {', '.join(names)}")
+        if stats.weighted_tokens < stats.dim:
+            warnings.warn(
+                f"{where}, modules {names}: {stats.weighted_tokens} weighted tokens for input dimension "
+                f"{stats.dim}; the solution there is set by the ridge.",
+                FeatCalWarning,
+                stacklevel=_WARNING_STACKLEVEL,
+            )
+        elif gram_is_singular(stats.gram_sum):
+            warnings.warn(
+                f"{where}, modules {names}: the input Gram is numerically singular; the solution in its "
+                "null directions is set by the ridge.",
+                FeatCalWarning,
+                stacklevel=_WARNING_STACKLEVEL,
+            )
+        weights, info = solve_linear_weights(
+            stats.gram_sum, [stats.rhs_sum[name] for name in names], [anchor_of(name, "weight") for name in names], lam, eps
+        )
+        for name, weight in zip(names, weights):
+            old = read_spec(ctx.parameters, block, specs[name], "weight").to(ctx.device)
+            decrease = linear_objective_decrease(stats.gram_sum, old, weight, lam, eps)
+            ctx.solve_log.append(
+                {"block": where, "module": name, "method": info.method, "damping": info.damping, "objective_decrease": decrease}
+            )
+            ctx.logger.info(
+                "%s %s: objective J(merged) − J(calibrated) = %.4g (%s%s)", where, name, decrease, info.method,
+                f", damping {info.damping:.3g}" if info.damping else "",
+            )
+            update = {"weight": weight}
+            if specs[name].value(block, "bias") is not None and cfg.calibrate_bias:
+                update["bias"] = solve_linear_bias(
+                    weight, stats.bias_target_sum[name], stats.student_mean_sum, stats.scale_sum, anchor_of(name, "bias"), lam
+                )
+            updates[name] = update
+    for (name, _), stats in norms.items():
+        module = block.get_submodule(name)
+        check_finite(stats.second_moment_sum, f"features entering {where}, module {name}")
+        has_bias = getattr(module, "bias", None) is not None
+        if stats.centered and has_bias:
+            gamma, beta = solve_layer_norm(
+                stats.second_moment_sum, stats.mean_sum, stats.gamma_target_sum, stats.beta_target_sum,
+                stats.num_tasks, anchor_of(name, "weight"), anchor_of(name, "bias"), lam, eps,
+            )
+            updates[name] = {"weight": gamma, "bias": beta}
+        else:
+            updates[name] = {
+                "weight": solve_scale_only_norm(stats.second_moment_sum, stats.gamma_target_sum, anchor_of(name, "weight"), lam, eps)
+            }
+    return updates
