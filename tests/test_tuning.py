@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 from datasets import Dataset
 
-from hf_featcal import FeatCalCalibrator
+from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.scenarios.digits import accuracy, build_digits_scenario
 from hf_featcal.tuning import DEFAULT_GRID, TuningResult, train_holdout_split, tune_featcal
 
@@ -113,3 +114,38 @@ def test_train_holdout_split_is_disjoint():
     assert len(held_out) == 10
     with pytest.raises(ValueError):
         train_holdout_split(ds, 50)
+
+
+def test_sources_and_batches_are_prepared_once_for_the_grid(scenario, tmp_path, monkeypatch):
+    """Experts given as folders are resolved once and `datasets.Dataset` calibration data is batched
+    once for the whole grid (once more only for a point that changes the sampling), and every point's
+    result equals calibrating it directly."""
+    import hf_featcal.experts as experts_module
+    import hf_featcal.tuning as tuning_module
+
+    folders = {}
+    for task, expert in scenario.experts.items():
+        expert.save_pretrained(tmp_path / task)
+        folders[task] = str(tmp_path / task)
+    data = {t: Dataset.from_dict({"pixel_values": scenario.data[t].train_images[:CALIBRATION].numpy()}).with_format("torch")
+            for t in scenario.tasks}
+    resolved, batched = [], []
+    original_resolve, original_prepare = experts_module.resolve_checkpoint, tuning_module.prepare_batches
+    monkeypatch.setattr(experts_module, "resolve_checkpoint", lambda name, *a, **k: resolved.append(name) or original_resolve(name, *a, **k))
+    monkeypatch.setattr(tuning_module, "prepare_batches", lambda task, *a, **k: batched.append(task) or original_prepare(task, *a, **k))
+    merged = scenario.task_arithmetic(0.3)
+    grid = [{"lambda_ratio": 0.05}, {"lambda_ratio": 0.5}, {"lambda_ratio": 0.05, "batch_size": 8}]
+    scores = {}
+
+    def validation_fn(model):
+        scores[len(scores)] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return float(len(scores))
+
+    tune_featcal(merged, scenario.base, folders, data, validation_fn, grid, log=None)
+    assert sorted(resolved) == sorted(folders.values())  # one resolution per expert folder
+    assert sorted(batched) == sorted(list(scenario.tasks) * 2)  # once, and once more for batch_size 8
+    for index, point in enumerate(grid):  # each point as a direct calibration from the folders
+        direct = FeatCalCalibrator(copy.deepcopy(merged), scenario.base, folders, data,
+                                   dataclasses.replace(FeatCalConfig(), **point), show_progress=False).calibrate()
+        for key, value in direct.state_dict().items():
+            assert torch.equal(value, scores[index][key]), (index, key)

@@ -46,8 +46,11 @@ from typing import Any
 
 from torch import nn
 
+from .architectures import get_layer_map
 from .calibrator import FeatCalCalibrator
 from .config import FeatCalConfig
+from .data import prepare_batches
+from .experts import make_source
 
 __all__ = ["DEFAULT_GRID", "TuningResult", "train_holdout_split", "tune_featcal"]
 
@@ -137,7 +140,9 @@ def tune_featcal(
 
     For every grid point: deep-copy ``merged_model``, calibrate the copy with
     ``dataclasses.replace(base_config, **point)``, score it with ``validation_fn(copy)``. The best
-    point (first one on ties) is returned with the table of all scores.
+    point (first one on ties) is returned with the table of all scores. The experts, the base and the
+    calibration batches are prepared once for the whole grid (batches once per distinct
+    ``num_samples_per_task`` / ``batch_size`` / ``seed``), not once per point.
 
     Args:
         merged_model: the merged model (never modified).
@@ -180,6 +185,24 @@ def tune_featcal(
         except (ValueError, TypeError) as err:
             raise ValueError(f"grid point {index} {point}: {err}") from None
     kwargs = {"show_progress": False, **dict(calibrator_kwargs or {})}
+    # Prepared once for the whole grid: the model sources (folders and hub ids resolved, LoRA adapters
+    # opened, bin-only checkpoints loaded) and the batches (one set per distinct sampling setting).
+    base_source = None if base_model is None else make_source(base_model, "base_model")
+    expert_sources = {task: make_source(expert, f"experts[{task!r}]", base_source) for task, expert in experts.items()}
+    main_input_name = get_layer_map(merged_model, "merged_model").main_input_name
+    prepared: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+    def batches_for(config: FeatCalConfig) -> Mapping[str, Any]:
+        key = (config.num_samples_per_task, config.batch_size, config.seed)
+        if key not in prepared:
+            prepared[key] = {
+                task: prepare_batches(task, data, main_input_name=main_input_name, num_samples=config.num_samples_per_task,
+                                      batch_size=config.batch_size, seed=config.seed,
+                                      data_collator=kwargs.get("data_collator"), processing_class=kwargs.get("processing_class"))
+                if task in expert_sources else data
+                for task, data in calibration_data.items()
+            }
+        return prepared[key]
 
     table: list[dict[str, Any]] = []
     best_index: int | None = None
@@ -188,7 +211,7 @@ def tune_featcal(
     for index, (point, config) in enumerate(zip(points, configs)):
         start = time.perf_counter()
         candidate = copy.deepcopy(merged_model)
-        calibrated = FeatCalCalibrator(candidate, base_model, experts, calibration_data, config, **kwargs).calibrate()
+        calibrated = FeatCalCalibrator(candidate, base_source, expert_sources, batches_for(config), config, **kwargs).calibrate()
         score = validation_fn(calibrated)
         if isinstance(score, bool) or not isinstance(score, Real):
             try:
