@@ -39,6 +39,7 @@ from .pipeline.enter import Streams, enter_stack
 from .pipeline.plan import BlockPlan, Plan, block_parameter_names, plan_blocks, select_modules
 from .pipeline.propagate import propagate
 from .pipeline.solve import solve_block
+from .pipeline.steps import forward_order, module_steps
 from .pipeline.write import write_block
 from .report import DriftReport, build_model_card
 from .streams import StreamBatch
@@ -379,14 +380,28 @@ class FeatCalCalibrator:
     def _calibrate_block(
         self, plan: BlockPlan, block: nn.Module, streams: Streams, drift: DriftLog | None, note: Callable[[str], None]
     ) -> Streams:
-        """One block: capture and accumulate, solve and write, propagate, drift; the streams leaving it."""
+        """One block: capture and accumulate, solve and write, propagate, drift; the streams leaving it.
+
+        Block granularity solves the whole plan from one pass. Module granularity solves it in steps
+        (`pipeline/steps.py`): the first pass gives the first step's statistics and the streams leaving
+        the block; each later step gets a new, statistics-only pass through the partly written block."""
         ctx = self.context
-        captured = capture_block(ctx, plan, block, streams, self.experts, note)
+        steps = [plan]
+        if plan.calibrating and self.config.granularity == "module":
+            with ctx.timed("module order"):
+                steps = module_steps(plan, forward_order(ctx, plan, block, streams))
+        captured = capture_block(ctx, steps[0], block, streams, self.experts, _step_note(note, steps, 0))
         student = captured.student
         if plan.calibrating:
-            note("solving")
-            with ctx.timed("solving"):
-                self._solve_and_write(plan, block, captured.statistics)
+            statistics = captured.statistics
+            for index, step in enumerate(steps):
+                if index:  # the student's inputs of this step, through the steps written so far
+                    statistics = capture_block(
+                        ctx, step, block, streams, self.experts, _step_note(note, steps, index), leaving=False
+                    ).statistics
+                _step_note(note, steps, index)("solving")
+                with ctx.timed("solving"):
+                    self._solve_and_write(step, block, statistics)
             note("propagating")
             with ctx.timed("propagating"):
                 student = propagate(ctx, block, plan.block_index, streams.student)
@@ -442,6 +457,14 @@ class FeatCalCalibrator:
 
 
 # ====================================================================== helpers
+def _step_note(note: Callable[[str], None], steps: list[BlockPlan], index: int) -> Callable[[str], None]:
+    """Progress messages of one step (prefixed with the step when a block is solved in several)."""
+    if len(steps) == 1:
+        return note
+    prefix = f"step {index + 1}/{len(steps)} ({steps[index].capture_sources[0]})"
+    return lambda message: note(f"{prefix} {message}")
+
+
 def _default_state() -> PartialState:
     # without a GPU, `cpu=True` lets accelerate set up gloo when launched with several processes
     return PartialState(cpu=not torch.cuda.is_available())

@@ -99,6 +99,16 @@ class FeatCalConfig:
         default="float32",
         metadata={"help": "dtype of the accumulated statistics and of the solves: 'float32' or 'float64'."},
     )
+    granularity: str = field(
+        default="block",
+        metadata={
+            "help": "'block' (the paper's method): every module of a block is solved from one pass over the "
+            "uncalibrated block. 'module': the block's modules are solved one step at a time in forward order "
+            "(modules reading one input, e.g. q/k/v, together), the student's inputs of later modules captured "
+            "again after each step, so a norm and the Linear after it do not compensate for the same mismatch; "
+            "costs one more pass over the calibration data per step."
+        },
+    )
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -190,6 +200,8 @@ class FeatCalConfig:
             )
         if self.compute_dtype not in ("float32", "float64"):
             raise ValueError(f"FeatCalConfig.compute_dtype must be 'float32' or 'float64', got {self.compute_dtype!r}.")
+        if self.granularity not in ("block", "module"):
+            raise ValueError(f"FeatCalConfig.granularity must be 'block' or 'module', got {self.granularity!r}.")
 
     # ------------------------------------------------------------------ selection
     def module_selected(self, name: str, *aliases: str) -> bool:

@@ -36,9 +36,14 @@ def capture_block(
     streams: Streams,
     experts: Mapping[str, ModelSource],
     note: Callable[[str], None] = lambda _: None,
+    leaving: bool = True,
 ) -> CapturedBlock:
     """One pass of every task's streams through the block (the merged `block` and the task
-    expert's), accumulating statistics per task; `note` receives progress messages."""
+    expert's), accumulating statistics per task; `note` receives progress messages.
+
+    With `leaving=False` (a later step of module granularity, `pipeline/steps.py`) only the
+    statistics are wanted: both forwards stop once the plan's inputs are captured, and no stream
+    leaving the block is computed (the returned streams are empty)."""
     lm, bi = ctx.layer_map, plan.block_index
     calibrating = plan.calibrating
     statistics = new_statistics(ctx, plan, block) if calibrating else BlockStatistics()
@@ -47,7 +52,7 @@ def capture_block(
     given = streams.given
     new_student: TaskStreams = {}
     new_expert: TaskStreams = {}
-    new_given: TaskStreams | None = {} if given is not None else None
+    new_given: TaskStreams | None = {} if given is not None and leaving else None
     for task, source in experts.items():
         note(f"{'collecting statistics' if calibrating else 'forwarding'} · {task}")
         with ctx.timed("loading expert blocks"):
@@ -78,10 +83,19 @@ def capture_block(
                     xs.stop_after = None  # the merged-as-given stream below runs the block to its end
                     if calibrating and last_source is None and len(xs.order) == len(sources):
                         last_source = xs.order[-1]
-                    out_expert = lm.run_block(expert_block, bi, ctx.fetch(streams.expert[task][b]))
+                    if leaving:
+                        out_expert = lm.run_block(expert_block, bi, ctx.fetch(streams.expert[task][b]))
+                    else:  # statistics only: the expert's forward stops at the same module
+                        xe.stop_after = last_source
+                        try:
+                            lm.run_block(expert_block, bi, ctx.fetch(streams.expert[task][b]))
+                        except StopForward:
+                            pass
                 if calibrating:
                     with ctx.timed("statistics"):
                         accumulate(ctx, plan, statistics, xs, xe, state, targets)
+                if not leaving:
+                    continue
                 new_expert[task].append(ctx.park(out_expert))
                 if new_given is not None:
                     # the merged model as given and the student coincide until a block is calibrated
@@ -93,4 +107,6 @@ def capture_block(
         if calibrating:
             with ctx.timed("statistics"):
                 finish_task(ctx, statistics, expert_block, targets)
+    if not leaving:
+        return CapturedBlock(statistics, {}, None, None)
     return CapturedBlock(statistics, new_expert, new_given, None if calibrating else new_student)
