@@ -5,6 +5,7 @@
     hf-featcal evaluate  --model DIR --task TASK ... [--data TASK=DATASET ...]
     hf-featcal run       RECIPE.yaml
     hf-featcal demo      (offline, < 3 minutes on 2 CPU cores)
+    hf-featcal compare   --demo | RECIPE.yaml   (merges × post-merging steps, one table)
 
 Run ``hf-featcal <command> --help`` for every option. Errors in what was given (a bad recipe key, a
 missing path, a model that does not fit) print one line and exit with status 2; ``--debug``
@@ -47,6 +48,7 @@ _MAIN_EPILOG = """\
 examples:
   hf-featcal demo                                     # offline digits demo, < 3 min on 2 CPU cores
   hf-featcal run examples/recipes/clip_vit_b32_ta8.yaml
+  hf-featcal compare --demo                           # merges × post-merging on the digits demo
   hf-featcal merge --base openai/clip-vit-base-patch32 \\
       --expert mnist=tanganke/clip-vit-base-patch32_mnist --expert svhn=tanganke/clip-vit-base-patch32_svhn \\
       --method ties --scaling-factor 0.3 --density 0.2 --output-dir merged
@@ -137,6 +139,25 @@ into four task experts (plain, rotated, inverted, mirrored-parity digits), merge
 and calibrated with FeatCal. The built models are cached (first run ~20-40 s of training, later runs
 load them). Prints test accuracy of the experts, the merge and the merge + FeatCal, and the per-block
 drift; saves the calibrated model, its model card and featcal_drift.png.
+"""
+
+
+_COMPARE_EPILOG = """\
+examples:
+  hf-featcal compare --demo
+  hf-featcal compare --demo --merges task_arithmetic ties regmean --post-merging none featcal
+  hf-featcal compare examples/recipes/clip_vit_b32_ta8.yaml --output-dir clip-compare --device cuda
+
+Runs every merge method (average, task_arithmetic, ties, dare, dare_ties, regmean; each computed once)
+and then every post-merging step on it (none, featcal and, where this build offers it, featcal_module),
+scores each result per task (the demo: test accuracy; a recipe: its family's evaluation, e.g. CLIP
+zero-shot top-1 or GLUE), and prints one table with the experts' own scores as the ceiling and the
+last-block drift. A combination that fails is a "failed: ..." row; the grid goes on. Writes
+comparison.md, comparison.json and the bar chart comparison.png into the output folder.
+
+With a RECIPE, its base, experts, calibration, featcal and evaluation sections are used and its merge
+section is not; an optional compare: section (merges: method -> parameters, post_merging: [...])
+sets the grid, and --merges / --post-merging restrict it further.
 """
 
 
@@ -309,6 +330,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a smaller, quickly trained scenario (a smoke test; accuracies are lower)")
     _add_common(p)
     p.set_defaults(func=_cmd_demo)
+
+    # ------------------------------------------------------------------ compare
+    p = commands.add_parser(
+        "compare", help="compare merge methods × post-merging steps in one table (--demo, or a RECIPE)",
+        description="Run a grid of merge methods × post-merging steps (none, FeatCal, ...) on the offline demo "
+        "scenario or on a recipe's base, experts, calibration and evaluation data, and write one table "
+        "(per task and mean, the experts as the ceiling), the drift per run, a bar chart and a JSON file.",
+        epilog=_COMPARE_EPILOG, formatter_class=_FORMATTER,
+    )
+    p.add_argument("recipe", metavar="RECIPE", nargs="?", help="a recipe file (YAML); or give --demo")
+    p.add_argument("--demo", action="store_true", help="the offline digits demo scenario (as hf-featcal demo)")
+    p.add_argument("--output-dir", help="where comparison.md/.json/.png go (default: ./hf-featcal-compare for "
+                   "--demo, the recipe's output_dir for a recipe)")
+    p.add_argument("--merges", nargs="+", metavar="METHOD",
+                   help="only these merge methods (default: all; a recipe's compare.merges)")
+    p.add_argument("--post-merging", nargs="+", metavar="STEP",
+                   help="only these post-merging steps (default: all this build offers; a recipe's compare.post_merging)")
+    demo = p.add_argument_group("--demo options")
+    demo.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help=f"where the built scenario is cached (default {DEFAULT_CACHE_DIR})")
+    demo.add_argument("--samples-per-task", type=_positive_int, default=64, help="calibration images per task (default 64)")
+    demo.add_argument("--seed", type=int, default=0, help="scenario seed (default 0)")
+    demo.add_argument("--fast", action="store_true",
+                      help="a smaller, quickly trained scenario (a smoke test; accuracies are lower)")
+    recipe = p.add_argument_group("RECIPE options")
+    recipe.add_argument("--device", help="device, e.g. cuda or cpu (default: cuda if available)")
+    recipe.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_common(p)
+    p.set_defaults(func=_cmd_compare)
     return parser
 
 
@@ -744,9 +793,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     cache_dir = os.path.expanduser(args.cache_dir)
-    overrides: dict[str, Any] = {}
-    if args.fast:
-        overrides = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, pretrain_epochs=3, finetune_epochs=3)
+    overrides: dict[str, Any] = dict(_DEMO_FAST_OVERRIDES) if args.fast else {}
     start = time.perf_counter()
     _log(f"Building the digits scenario (cache: {cache_dir}) ...")
     scenario = build_digits_scenario(seed=args.seed, cache_dir=cache_dir, **overrides)
@@ -799,6 +846,93 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     plot = plot_drift(report, os.path.join(args.output_dir, "featcal_drift.png"),
                       title="FeatCal on the digits demo: feature drift per block")
     print(f"\nSaved the calibrated model, model card and drift report to {args.output_dir}/ (drift plot: {plot})")
+    return 0
+
+
+_DEMO_FAST_OVERRIDES: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, pretrain_epochs=3,
+                                            finetune_epochs=3)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import DEFAULT_MERGES, post_merging_steps
+
+    if args.demo == (args.recipe is not None):
+        raise CLIError("give either --demo or a RECIPE file (not both)" if args.demo else "give --demo or a RECIPE file")
+    if args.merges:
+        unknown = [m for m in args.merges if m not in DEFAULT_MERGES]
+        if unknown:
+            raise CLIError(f"--merges: unknown methods {unknown}; known: {list(DEFAULT_MERGES)}")
+    if args.post_merging:
+        offered = post_merging_steps()
+        unknown = [s for s in args.post_merging if s not in offered]
+        if unknown:
+            raise CLIError(f"--post-merging: unknown steps {unknown}; this build offers {list(offered)}")
+    merges = list(dict.fromkeys(args.merges)) if args.merges else None
+    steps = list(dict.fromkeys(args.post_merging)) if args.post_merging else None
+    if args.demo:
+        for option in ("device", "quiet"):
+            if getattr(args, option):
+                raise CLIError(f"--{option} is for a RECIPE, not --demo")
+        return _compare_demo(args, merges, steps)
+    return _compare_recipe(args, merges, steps)
+
+
+def _compare_demo(args: argparse.Namespace, merges: list[str] | None, steps: list[str] | None) -> int:
+    import torch
+
+    from .compare import compare_demo
+
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    output_dir = args.output_dir or "hf-featcal-compare"
+    _check_output_dir(output_dir)
+    cache_dir = os.path.expanduser(args.cache_dir)
+    _log(f"Building the digits scenario (cache: {cache_dir}) ...")
+    start = time.perf_counter()
+    result = compare_demo(output_dir, seed=args.seed, cache_dir=cache_dir, samples_per_task=args.samples_per_task,
+                          merges=merges, post_merging=steps,
+                          scenario_overrides=_DEMO_FAST_OVERRIDES if args.fast else None, log=_log)
+    print("Test accuracy (%) on the digits demo; last-block drift ‖h_merged − h_expert‖ per token\n")
+    print(result.to_markdown())
+    print(f"({time.perf_counter() - start:.1f} s) Saved comparison.md, comparison.json and comparison.png to {output_dir}/")
+    return 0
+
+
+def _compare_recipe(args: argparse.Namespace, merges: list[str] | None, steps: list[str] | None) -> int:
+    from .compare import DEFAULT_MERGES, compare_recipe
+    from .recipes import load_recipe
+
+    overrides = {"output_dir": args.output_dir} if args.output_dir is not None else {}
+    recipe = load_recipe(args.recipe, overrides)
+    if recipe.evaluation is None:
+        raise CLIError(f"{args.recipe}: evaluation: false; compare scores every row, so it needs the evaluation")
+    _check_device(args.device)
+    _check_output_dir(recipe.output_dir, "output_dir")
+    grid = recipe.compare.merges if recipe.compare is not None else DEFAULT_MERGES
+    if merges is not None:
+        missing = [m for m in merges if m not in grid]
+        if missing:
+            raise CLIError(f"--merges: {missing} are not in the recipe's compare.merges {list(grid)}")
+        merges_grid: dict[str, Any] | None = {m: grid[m] for m in merges}
+    else:
+        merges_grid = None
+    print(f"Recipe {args.recipe}: {recipe.model_family}, base {recipe.base}, {len(recipe.experts)} experts "
+          f"({', '.join(recipe.tasks)}); its merge section is not used by compare")
+    start = time.perf_counter()
+    finish = _quiet_warnings()
+    try:
+        with _ProgressBars(args.quiet):
+            result = compare_recipe(recipe, merges=merges_grid, post_merging=steps, device=args.device, log=_log)
+    finally:
+        ridge = finish()
+    splits = ", ".join(sorted({recipe.evaluation.datasets[t].split or "" for t in recipe.evaluation.tasks}))
+    limit = recipe.evaluation.max_samples
+    subset = f", random subsets of at most {limit} examples per task" if limit else ""
+    print(f"\n{recipe.family.score_label} (%), split {splits}{subset}; last-block drift ‖h_merged − h_expert‖ per token\n")
+    print(result.to_markdown())
+    if ridge:
+        print(f"{ridge} module groups had input directions without data (set by the ridge).")
+    print(f"({time.perf_counter() - start:.1f} s) Saved comparison.md, comparison.json and comparison.png to "
+          f"{recipe.output_dir}/")
     return 0
 
 

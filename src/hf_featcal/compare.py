@@ -111,6 +111,8 @@ def compare_post_merging(
     post_merging: Sequence[str] | None = None,
     featcal_config: Any = None,
     processing_class: Any = None,
+    evaluate_expert: Callable[[nn.Module, str], float] | None = None,
+    device: Any = None,
     log: Callable[[str], None] | None = None,
 ) -> ComparisonResult:
     """Run the grid merges × post-merging steps and score every result.
@@ -124,6 +126,9 @@ def compare_post_merging(
         post_merging: steps from `post_merging_steps()`; default all of them.
         featcal_config: the `FeatCalConfig` of the FeatCal runs (default: the paper's defaults).
         processing_class: passed to FeatCal and RegMean for `datasets.Dataset` calibration data.
+        evaluate_expert: (expert, task) → its score on its own task (default: ``evaluate(expert)[task]``,
+            which scores every task).
+        device: the device FeatCal runs on (default: accelerate's).
         log: called with one line per finished row (e.g. `print`).
     """
     from .calibrator import FeatCalCalibrator
@@ -161,7 +166,8 @@ def compare_post_merging(
             log(f"{row}: {shown} [{result.seconds[row]:.1f} s]")
 
     start = time.perf_counter()
-    result.scores["experts"] = {t: float(evaluate(expert)[t]) for t, expert in experts.items()}
+    own = evaluate_expert if evaluate_expert is not None else (lambda expert, task: evaluate(expert)[task])
+    result.scores["experts"] = {t: float(own(expert, t)) for t, expert in experts.items()}
     result.scores["experts"]["mean"] = sum(result.scores["experts"].values()) / len(tasks)
     finish("experts", start)
     for method, params in merges.items():
@@ -184,7 +190,8 @@ def compare_post_merging(
             step_config = dataclasses.replace(config, granularity="module") if step == "featcal_module" else config
             try:
                 calibrator = FeatCalCalibrator(copy.deepcopy(merged), base, experts, calibration_data, step_config,
-                                               processing_class=processing_class, show_progress=False)
+                                               processing_class=processing_class, device=device,
+                                               show_progress=False)
                 calibrated = calibrator.calibrate()
                 result.scores[row] = score(calibrated)
                 if calibrator.report is not None:
@@ -198,22 +205,84 @@ def compare_post_merging(
 
 
 def compare_demo(output_dir: str | os.PathLike, *, seed: int = 0, cache_dir: str | os.PathLike | None = None,
-                 samples_per_task: int = 64, log: Callable[[str], None] | None = print) -> ComparisonResult:
+                 samples_per_task: int = 64, merges: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
+                 post_merging: Sequence[str] | None = None, scenario_overrides: Mapping[str, Any] | None = None,
+                 log: Callable[[str], None] | None = print) -> ComparisonResult:
     """The grid on the offline demo scenario (tiny CLIP vision encoder, four digit tasks); writes the
-    table, JSON and chart into `output_dir`. Scores are test accuracy in %."""
+    table, JSON and chart into `output_dir`. Scores are test accuracy in %.
+
+    `merges` / `post_merging` restrict the grid as in `compare_post_merging`; `scenario_overrides` are
+    passed to `build_digits_scenario` (e.g. a smaller encoder for a smoke test)."""
     import warnings
 
     from .calibrator import FeatCalWarning
     from .config import FeatCalConfig
     from .scenarios.digits import build_digits_scenario
 
-    scenario = build_digits_scenario(seed=seed, cache_dir=cache_dir)
+    scenario = build_digits_scenario(seed=seed, cache_dir=cache_dir, **dict(scenario_overrides or {}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FeatCalWarning)  # tiny models: rank-deficient Grams are expected
         result = compare_post_merging(
             scenario.base, scenario.experts, scenario.calibration,
             lambda model: {t: 100.0 * v for t, v in scenario.evaluate(model).items()},
+            merges=merges, post_merging=post_merging,
             featcal_config=FeatCalConfig(num_samples_per_task=samples_per_task), log=log,
         )
     result.save(output_dir)
+    return result
+
+
+def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
+                   merges: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
+                   post_merging: Sequence[str] | None = None, device: str | None = None,
+                   log: Callable[[str], None] | None = print) -> ComparisonResult:
+    """The grid on a validated recipe (`hf_featcal.recipes.Recipe`): its base, experts, calibration
+    data, FeatCal settings and evaluation (the family's headline score per task, in %); its `merge`
+    section is not used. The grid is the recipe's `compare` section (default: `DEFAULT_MERGES` × every
+    post-merging step), restricted by `merges` / `post_merging` when given. Writes comparison.md /
+    .json / .png into `output_dir` (default: the recipe's output_dir).
+
+    The experts are held in memory (RegMean runs each expert's own forward; the ceiling row
+    evaluates each expert on its own task)."""
+    from .checkpointing import check_writable_folder
+    from .experts import load_model
+    from .recipes import RecipeError, prepare_recipe_inputs, recipe_evaluator
+
+    say = log if log is not None else (lambda message: None)
+    if recipe.evaluation is None:
+        raise RecipeError("evaluation", "compare scores every row: the recipe's evaluation must not be false",
+                          recipe.source)
+    missing = [t for t in recipe.tasks if t not in recipe.evaluation.tasks]
+    if missing:
+        raise RecipeError("evaluation.tasks", f"compare needs every expert's task evaluated; missing {missing}",
+                          recipe.source)
+    out = os.fspath(output_dir) if output_dir is not None else recipe.output_dir
+    try:
+        check_writable_folder(out, "output_dir")
+    except ValueError as err:
+        raise RecipeError("output_dir", str(err).split(" ", 1)[1], recipe.source) from None
+    grid = recipe.compare
+    if merges is None and grid is not None:
+        merges = grid.merges
+    if post_merging is None and grid is not None:
+        post_merging = grid.post_merging
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    inputs = prepare_recipe_inputs(recipe, evaluate=True, log=say)
+    say(f"Loading {len(recipe.experts)} experts ...")
+    experts = {t: load_model(source, f"experts.{t}") for t, source in recipe.experts.items()}
+    evaluate = recipe_evaluator(recipe, inputs, device)
+    family = recipe.family
+    result = compare_post_merging(
+        inputs.base, experts, inputs.calibration,
+        lambda model: {t: 100.0 * v for t, v in evaluate(model)[0].items()},
+        merges=merges, post_merging=post_merging, featcal_config=recipe.featcal,
+        processing_class=family.calibration_processing_class(inputs.processing),
+        evaluate_expert=lambda expert, task: 100.0 * evaluate(expert, [task])[0][task],
+        device=device, log=log,
+    )
+    result.save(out)
     return result

@@ -52,6 +52,16 @@ Schema (``?`` marks optional keys; defaults in brackets)::
       clip_model?: <hub id or path> [base]            # clip only: text tower for the zero-shot heads
     output_dir?: <folder> [outputs/<recipe file stem>]
     push_to_hub?: <repo id> | null [null]
+    compare?:                                         # only read by `hf-featcal compare RECIPE`
+      merges?:                                        # [hf_featcal.compare.DEFAULT_MERGES]
+        <average | task_arithmetic | ties | dare | dare_ties | regmean>: {<param>: <value>} | null
+      post_merging?: [none | featcal | featcal_module, ...]   # [every step this build offers]
+
+``hf-featcal compare RECIPE`` runs the grid merges × post-merging steps on the recipe's base,
+experts, calibration data and evaluation and ignores its ``merge`` section (list that method and its
+parameters under ``compare.merges`` to have it in the grid). A method's parameters are laid over its
+``DEFAULT_MERGES`` entry; their names are checked here, their values by the merge itself, so a bad
+value fails that row of the table only.
 
 Relative *input* paths (models, datasets) are looked up relative to the recipe's folder first, then
 the working directory; a value that is neither an existing local path nor a valid hub id is an
@@ -97,8 +107,10 @@ __all__ = [
     "DatasetSpec",
     "EvaluationSpec",
     "MergeSpec",
+    "CompareSpec",
     "Recipe",
     "RecipeError",
+    "RecipeInputs",
     "RecipeResult",
     "evaluate_model",
     "load_dataset_spec",
@@ -111,6 +123,8 @@ __all__ = [
     "prepare_calibration",
     "prepare_clip_calibration",
     "prepare_flan_t5_calibration",
+    "prepare_recipe_inputs",
+    "recipe_evaluator",
     "run_recipe",
     "save_processing",
     "scores_table",
@@ -133,6 +147,7 @@ _TOP_LEVEL_KEYS = (
     "evaluation",
     "output_dir",
     "push_to_hub",
+    "compare",
 )
 _REQUIRED_KEYS = ("model_family", "base", "experts", "merge", "calibration")
 
@@ -208,6 +223,15 @@ class EvaluationSpec:
 
 
 @dataclass
+class CompareSpec:
+    """The grid of `hf-featcal compare RECIPE`: method → parameters, and the post-merging steps
+    (None: every step `hf_featcal.compare.post_merging_steps` offers)."""
+
+    merges: dict[str, dict[str, Any]]
+    post_merging: list[str] | None = None
+
+
+@dataclass
 class Recipe:
     """A validated recipe (see the module docstring for the YAML schema)."""
 
@@ -221,6 +245,7 @@ class Recipe:
     output_dir: str
     push_to_hub: str | None = None
     source: str | None = None
+    compare: CompareSpec | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)  # the recipe as given
 
     @property
@@ -272,6 +297,10 @@ class Recipe:
             result["evaluation"] = evaluation
         result["output_dir"] = os.path.abspath(self.output_dir)
         result["push_to_hub"] = self.push_to_hub
+        if self.compare is not None:
+            result["compare"] = {"merges": copy.deepcopy(self.compare.merges)}
+            if self.compare.post_merging is not None:
+                result["compare"]["post_merging"] = list(self.compare.post_merging)
         return result
 
 
@@ -371,6 +400,7 @@ def parse_recipe(
     push = data.get("push_to_hub")
     if push is not None and (not isinstance(push, str) or "/" not in push or not _HUB_ID.match(push)):
         raise v.error("push_to_hub", f"must be a hub repo id such as 'me/my-model', or null; got {push!r}")
+    compare = _parse_compare(v, data["compare"]) if data.get("compare") is not None else None
     return Recipe(
         model_family=family,
         base=base,
@@ -382,6 +412,7 @@ def parse_recipe(
         output_dir=output_dir,
         push_to_hub=push,
         source=source,
+        compare=compare,
         raw=copy.deepcopy(dict(data)),
     )
 
@@ -557,6 +588,44 @@ def validate_merge_spec(method: str, params: Mapping[str, Any], validator: Any =
             raise v.error(f"merge.{key}", f"unknown parameter for method {method!r}; valid: {list(checks) or 'none'}")
         out[key] = checks[key](v, value, f"merge.{key}")
     return MergeSpec(method, out)
+
+
+# -------------------------------------------------------------------------------- compare
+def _parse_compare(v: _Validator, section: Any) -> CompareSpec:
+    """The ``compare`` section: method names and parameter names are checked (values are left to the
+    merge, whose error then fails that row of the grid only); post-merging steps must be offered."""
+    from .compare import DEFAULT_MERGES, post_merging_steps
+
+    v.keys(section, "compare", ("merges", "post_merging"))
+    params_of = {**MERGE_PARAMETERS, "regmean": ("reduction",)}
+    merges: dict[str, dict[str, Any]] = {}
+    raw = section.get("merges")
+    if raw is None:
+        merges = copy.deepcopy(DEFAULT_MERGES)
+    else:
+        if not isinstance(raw, Mapping) or not raw:
+            raise v.error("compare.merges", f"must be a non-empty mapping method -> parameters (or null), got {_show(raw)}")
+        for method, params in raw.items():
+            path = f"compare.merges.{method}"
+            if method not in DEFAULT_MERGES:
+                raise v.error(path, f"unknown merge method; valid: {list(DEFAULT_MERGES)}")
+            params = {} if params is None else params
+            if not isinstance(params, Mapping):
+                raise v.error(path, f"must be a mapping of parameters or null, got {_show(params)}")
+            for key in params:
+                if key not in params_of[method]:
+                    raise v.error(f"{path}.{key}", f"unknown parameter for method {method!r}; valid: {list(params_of[method]) or 'none'}")
+            merges[method] = {**DEFAULT_MERGES[method], **params}
+    steps = section.get("post_merging")
+    if steps is not None:
+        steps = v.string_list(steps, "compare.post_merging")
+        offered = post_merging_steps()
+        for i, step in enumerate(steps):
+            if step not in offered:
+                raise v.error(f"compare.post_merging[{i}]", f"unknown post-merging step {step!r}; this build offers {list(offered)}")
+            if step in steps[:i]:
+                raise v.error(f"compare.post_merging[{i}]", f"step {step!r} is listed twice")
+    return CompareSpec(merges=merges, post_merging=steps)
 
 
 # -------------------------------------------------------------------------------- featcal
@@ -914,6 +983,57 @@ def scores_table(rows: Mapping[str, Mapping[str, float]], tasks: list[str], titl
 
 # ======================================================================================= run
 @dataclass
+class RecipeInputs:
+    """What a recipe run loads before merging: the base model, its processing classes, the text
+    tower of zero-shot heads (CLIP; None when not evaluating or not needed) and task → prepared
+    calibration ``Dataset``."""
+
+    base: Any
+    processing: dict[str, Any]
+    clip_model: Any
+    calibration: dict[str, Any]
+
+
+def prepare_recipe_inputs(recipe: Recipe, *, evaluate: bool = True, log: Callable[[str], None] = print) -> RecipeInputs:
+    """Load a recipe's base, processing classes, zero-shot text tower (when `evaluate` and the recipe
+    evaluates) and calibration data — the steps `run_recipe` (and `hf-featcal compare RECIPE`) take
+    before merging."""
+    from .experts import load_model
+
+    family = recipe.model_family
+    log(f"Loading the base model {recipe.base} ...")
+    base = load_model(recipe.base, "base")
+    check_family(base, family, "base")
+    model_family = recipe.family
+    processing = model_family.load_processing(recipe.base)
+    clip_model = None
+    if recipe.evaluation is not None and evaluate:  # the text tower of zero-shot heads, before merging
+        clip_model, processing = model_family.recipe_text_model(base, recipe.evaluation, processing, load_model)
+
+    log("Loading the calibration data ...")
+    seed = recipe.featcal.seed
+    calibration = {t: prepare_calibration(family, t, s, processing, seed) for t, s in recipe.calibration.items()}
+    return RecipeInputs(base=base, processing=processing, clip_model=clip_model, calibration=calibration)
+
+
+def recipe_evaluator(
+    recipe: Recipe, inputs: RecipeInputs, device: Any = None
+) -> Callable[..., tuple[dict[str, float], dict[str, Any]]]:
+    """``evaluate(model, tasks=None)`` → (task → headline score in [0, 1], details): the recipe's
+    evaluation (`evaluate_model`) on every evaluated task, or on `tasks` only."""
+    if recipe.evaluation is None:
+        raise RecipeError("evaluation", "is false; this needs the recipe's evaluation", recipe.source)
+    spec = recipe.evaluation
+
+    def evaluate(model: Any, tasks: list[str] | None = None) -> tuple[dict[str, float], dict[str, Any]]:
+        chosen = spec if tasks is None else dataclasses.replace(spec, tasks=list(tasks))
+        return evaluate_model(recipe.model_family, model, chosen, processing=inputs.processing,
+                              clip_model=inputs.clip_model, device=device)
+
+    return evaluate
+
+
+@dataclass
 class RecipeResult:
     """What `run_recipe` produced."""
 
@@ -947,11 +1067,9 @@ def run_recipe(
     import yaml
 
     from .calibrator import FeatCalCalibrator
-    from .experts import load_model
+    from .checkpointing import check_writable_folder
     from .merging import merge_models
     from .plotting import plot_drift
-
-    from .checkpointing import check_writable_folder
 
     family = recipe.model_family
     timings: dict[str, float] = {}
@@ -961,18 +1079,9 @@ def run_recipe(
     except ValueError as err:
         raise RecipeError("output_dir", str(err).split(" ", 1)[1], recipe.source) from None
 
-    log(f"Loading the base model {recipe.base} ...")
-    base = load_model(recipe.base, "base")
-    check_family(base, family, "base")
+    inputs = prepare_recipe_inputs(recipe, evaluate=evaluate, log=log)
+    base, processing, clip_model, calibration = inputs.base, inputs.processing, inputs.clip_model, inputs.calibration
     model_family = recipe.family
-    processing = model_family.load_processing(recipe.base)
-    clip_model = None
-    if recipe.evaluation is not None and evaluate:  # the text tower of zero-shot heads, before merging
-        clip_model, processing = model_family.recipe_text_model(base, recipe.evaluation, processing, load_model)
-
-    log("Loading the calibration data ...")
-    seed = recipe.featcal.seed
-    calibration = {t: prepare_calibration(family, t, s, processing, seed) for t, s in recipe.calibration.items()}
     timings["load"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
