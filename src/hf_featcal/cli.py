@@ -62,12 +62,7 @@ Every command runs offline with local folders (save_pretrained / Dataset.save_to
 """
 
 _MERGE_EPILOG = """\
-methods and their parameters:
-  average           no parameters (the mean of the experts)
-  task_arithmetic   --scaling-factor (λ, default 0.3)
-  ties              --scaling-factor, --density (default 0.2), --per-tensor-trim, --merge-func mean|sum
-  dare              --scaling-factor, --drop-rate (default 0.9), --no-rescale, --rescale-mode keep_rate|l1, --seed
-  dare_ties         the dare options and --merge-func sum|mean (default sum)
+{methods}
 
 examples:
   hf-featcal merge --base openai/clip-vit-base-patch32 \\
@@ -185,15 +180,81 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
 
 
+#: FeatCalConfig fields offered as calibrate options (type, default and help from the dataclass
+#: field), with their metavar; `batch_size` is checked by argparse already.
+_FEATCAL_OPTIONS: dict[str, str | None] = {
+    "lambda_ratio": "λ", "anchor_rho": "ρ", "teacher_alpha": "α", "batch_size": None, "seed": None,
+}
+_ANNOTATION_TYPES: dict[str, Callable[[str], Any]] = {"float": float, "int": int}
+_OPTION_TYPES: dict[str, Callable[[str], Any]] = {"batch_size": _positive_int}
+
+
+def _help(text: str) -> str:
+    return text.replace("%", "%%")  # argparse %-formats help strings
+
+
 def _add_featcal_options(parser: argparse.ArgumentParser) -> None:
+    import dataclasses
+
+    from .config import FeatCalConfig  # dataclass only: no torch
+
     group = parser.add_argument_group("FeatCal settings (default: the authors' demo values)")
     group.add_argument("--featcal-config", metavar="FILE",
                        help="a featcal_config.json (or a JSON/YAML mapping of FeatCalConfig fields); the options below override it")
-    group.add_argument("--lambda-ratio", type=float, metavar="λ", help="ridge strength towards the anchor (default 0.05)")
-    group.add_argument("--anchor-rho", type=float, metavar="ρ", help="anchor = base + ρ·(merged − base) (default 2.2)")
-    group.add_argument("--teacher-alpha", type=float, metavar="α", help="teacher input mix α in [0, 1] (default 0.25)")
-    group.add_argument("--batch-size", type=_positive_int, help="calibration batch size (default 16)")
-    group.add_argument("--seed", type=int, help="seed for shuffling / selecting calibration examples (default 42)")
+    fields = {f.name: f for f in dataclasses.fields(FeatCalConfig)}
+    for name, metavar in _FEATCAL_OPTIONS.items():
+        field = fields[name]
+        kind = _OPTION_TYPES.get(name) or _ANNOTATION_TYPES[str(field.type)]
+        group.add_argument("--" + name.replace("_", "-"), type=kind, metavar=metavar,
+                           help=_help(f"{field.metadata['help']} (default {field.default!r})"))
+
+
+def _merge_options() -> dict[str, list[tuple[str, Any]]]:
+    """Parameter name -> [(method, its declaration)], over every method, in declaration order."""
+    from .schema import MERGE_PARAMETER_DECLARATIONS
+
+    options: dict[str, list[tuple[str, Any]]] = {}
+    for method, declared in MERGE_PARAMETER_DECLARATIONS.items():
+        for parameter in declared:
+            options.setdefault(parameter.name, []).append((method, parameter))
+    return options
+
+
+def _add_merge_options(parser: argparse.ArgumentParser) -> None:
+    """``--method`` and one flag per declared merge parameter (`hf_featcal.schema`)."""
+    from .schema import MERGE_PARAMETER_DECLARATIONS
+
+    parser.add_argument("--method", default="task_arithmetic", choices=list(MERGE_PARAMETER_DECLARATIONS),
+                        help="merge method (default: task_arithmetic)")
+    for name, users in _merge_options().items():
+        parameter = users[0][1]
+        defaults = {repr(p.default) for _, p in users}
+        if len(defaults) == 1:
+            default = f"default {parameter.default!r}"
+        else:
+            default = "default " + ", ".join(f"{m}: {p.default!r}" for m, p in users)
+        where = ", ".join(m for m, _ in users)
+        if parameter.kind is bool:  # a switch away from the default
+            action = "store_false" if parameter.default is True else "store_true"
+            state = "on" if parameter.default else "off"
+            text = _help(f"{where}: turn {'off' if parameter.default else 'on'}: {parameter.help} (default {state})")
+            parser.add_argument(parameter.flag, dest=name, action=action, default=None, help=text)
+            continue
+        text = _help(f"{where}: {parameter.help}, {parameter.describe_range()} ({default})")
+        if parameter.choices:
+            parser.add_argument(parameter.flag, dest=name, choices=list(parameter.choices), help=text)
+        else:
+            parser.add_argument(parameter.flag, dest=name, type=parameter.kind, metavar=parameter.metavar, help=text)
+
+
+def _merge_methods_table() -> str:
+    from .schema import MERGE_PARAMETER_DECLARATIONS
+
+    lines = ["methods and their parameters (default):"]
+    for method, declared in MERGE_PARAMETER_DECLARATIONS.items():
+        described = ", ".join(f"{p.flag} ({p.default!r})" for p in declared) or "no parameters (the mean of the experts)"
+        lines.append(f"  {method:<17} {described}")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -214,24 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser(
         "merge", help="merge expert models into their base (Task Arithmetic, TIES, DARE, averaging)",
         description="Merge fine-tuned experts into a copy of their base model and save the result.",
-        epilog=_MERGE_EPILOG, formatter_class=_FORMATTER,
+        epilog=_MERGE_EPILOG.format(methods=_merge_methods_table()), formatter_class=_FORMATTER,
     )
     p.add_argument("--base", required=True, help="base model: hub id or local folder")
     p.add_argument("--expert", dest="experts", type=_task_value, action="append", required=True, metavar="TASK=SOURCE",
                    help="an expert (hub id or local folder) for TASK; repeat for every expert")
-    p.add_argument("--method", default="task_arithmetic", choices=["average", "task_arithmetic", "ties", "dare", "dare_ties"],
-                   help="merge method (default: task_arithmetic)")
-    p.add_argument("--scaling-factor", type=float, metavar="λ", help="task-vector scaling (task_arithmetic, ties, dare)")
-    p.add_argument("--density", type=float, help="ties: fraction of task-vector entries kept, in (0, 1]")
-    p.add_argument("--per-tensor-trim", action="store_true", default=None, help="ties: trim each tensor on its own")
-    p.add_argument("--merge-func", choices=["mean", "sum"],
-                   help="ties: disjoint mean (default) or sum; dare_ties: sum (default) or mean")
-    p.add_argument("--drop-rate", type=float, help="dare: drop probability in [0, 1)")
-    p.add_argument("--no-rescale", dest="rescale", action="store_false", default=None,
-                   help="dare, dare_ties: do not rescale the kept entries")
-    p.add_argument("--rescale-mode", choices=["keep_rate", "l1"],
-                   help="dare: divide kept entries by 1 − drop rate (keep_rate, default) or keep each tensor's L1 norm")
-    p.add_argument("--seed", type=int, help="dare: seed of the drop masks")
+    _add_merge_options(p)
     p.add_argument("--output-dir", required=True, help="folder the merged model is saved to")
     _add_common(p)
     p.set_defaults(func=_cmd_merge)
@@ -429,7 +478,7 @@ def _featcal_config(args: argparse.Namespace) -> Any:
         if not isinstance(loaded, dict):
             raise CLIError(f"--featcal-config: {path!r} must hold a mapping of FeatCalConfig fields")
         values.update(loaded)
-    for name in ("lambda_ratio", "anchor_rho", "teacher_alpha", "batch_size", "seed"):
+    for name in _FEATCAL_OPTIONS:
         value = getattr(args, name, None)
         if value is not None:
             values[name] = value
@@ -541,18 +590,13 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 
     base = _check_source(args.base, "--base")
     experts = {t: _check_source(s, f"--expert {t}") for t, s in _pairs(args.experts, "--expert").items()}
-    params = {
-        name: getattr(args, name)
-        for name in ("scaling_factor", "density", "per_tensor_trim", "merge_func", "drop_rate", "rescale", "rescale_mode",
-                     "seed")
-        if getattr(args, name) is not None
-    }
+    options = _merge_options()
+    params = {name: getattr(args, name) for name in options if getattr(args, name) is not None}
     try:
         spec = validate_merge_spec(args.method, params)
     except RecipeError as err:
-        option = "--" + err.key.split(".", 1)[-1].replace("_", "-") if err.key.startswith("merge.") else err.key
-        if option == "--rescale":
-            option = "--no-rescale"
+        name = err.key.split(".", 1)[-1]
+        option = options[name][0][1].flag if err.key.startswith("merge.") and name in options else err.key
         raise CLIError(f"{option}: {str(err).split(': ', 1)[-1]}") from None
     _check_output_dir(args.output_dir)
     _log(f"Merging {len(experts)} experts into {args.base}: {spec.describe()} ...")
@@ -606,10 +650,10 @@ def _calibrate(
 ) -> int:
     import dataclasses
 
-    from .calibrator import FeatCalCalibrator
     from .experts import load_model
-    from .plotting import plot_drift
-    from .recipes import RecipeError, parse_calibration, prepare_calibration, upload_folder
+    from .recipes import (
+        RecipeError, build_calibrator, parse_calibration, prepare_calibration, save_calibrated, upload_folder,
+    )
 
     _log(f"Loading the merged model {args.model} ...")
     model = load_model(model_source, "--model")
@@ -634,11 +678,8 @@ def _calibrate(
     _log("Loading the calibration data ...")
     calibration = {t: prepare_calibration(family.name, t, s, processing, config.seed) for t, s in specs.items()}
     config = dataclasses.replace(config, num_samples_per_task=None)
-    calibrator = FeatCalCalibrator(
-        model, base_source, experts, calibration, config,
-        processing_class=family.calibration_processing_class(processing),
-        device=args.device, show_progress=not args.quiet,
-    )
+    calibrator = build_calibrator(model, base_source, experts, calibration, config, family, processing,
+                                  device=args.device, show_progress=not args.quiet)
     _log(f"Calibrating with FeatCal on {calibrator.device} ...")
     start = time.perf_counter()
     finish = _quiet_warnings()
@@ -647,10 +688,8 @@ def _calibrate(
     finally:
         ridge = finish()
     seconds = time.perf_counter() - start
-    calibrator.save_model(args.output_dir, processing_class=family.processing_to_save(processing))
-    plot = None
+    plot = save_calibrated(calibrator, args.output_dir, family, processing)
     if calibrator.report is not None:
-        plot = plot_drift(calibrator.report, os.path.join(args.output_dir, "featcal_drift.png"))
         print("Feature drift per task (before → after FeatCal)\n")
         print(calibrator.report.summary_markdown())
     if ridge:

@@ -46,12 +46,12 @@ import inspect
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
-from numbers import Integral, Real
 from typing import Union
 
 import torch
 from torch import nn
 
+from .schema import merge_parameters
 from .model_io import (
     LazyTensors,
     LoraAdapter,
@@ -88,42 +88,31 @@ def _float_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------------- validation
-def _check_scaling(scaling_factor: object) -> float:
-    if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, Real):
-        raise ValueError(f"`scaling_factor` must be a real number, got {scaling_factor!r}")
-    value = float(scaling_factor)
-    if not math.isfinite(value):
-        raise ValueError(f"`scaling_factor` must be finite, got {scaling_factor!r}")
-    return value
+def _checked(method: str, **values: object) -> tuple:
+    """``values`` checked and normalised by ``method``'s declarations in `hf_featcal.schema`
+    (the same ones recipes and the CLI use), in the order given; ValueError naming the argument."""
+    declared = merge_parameters(method)
+    out = []
+    for name, value in values.items():
+        try:
+            out.append(declared[name].check(value))
+        except ValueError as err:
+            raise ValueError(f"`{name}` {err}") from None
+    return tuple(out)
 
 
-def _check_fraction(value: object, name: str, *, low_open: bool, high_open: bool) -> float:
-    """A real number in the interval (0,1], [0,1) ... as the flags say; ValueError naming `name`."""
-    interval = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
-        raise ValueError(f"`{name}` must be a real number in {interval}, got {value!r}")
-    number = float(value)
-    if (number <= 0 if low_open else number < 0) or (number >= 1 if high_open else number > 1):
-        raise ValueError(f"`{name}` must be in {interval}, got {value!r}")
-    return number
-
-
-def _check_bool(value: object, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False, got {value!r}")
-    return value
-
-
-def _check_choice(value: object, name: str, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"`{name}` must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
-    return value
-
-
-def _check_seed(seed: object) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, Integral):
-        raise ValueError(f"`seed` must be an integer, got {seed!r}")
-    return int(seed)
+def _check_declarations() -> None:
+    """The declarations of `hf_featcal.schema` name exactly each merge function's parameters, with
+    its defaults (a drift between the two is a programming error, caught at import)."""
+    for method, function in MERGE_METHODS.items():
+        signature = inspect.signature(function).parameters
+        from_signature = {n: p.default for n, p in signature.items() if n not in ("base_model", "experts")}
+        from_declarations = {n: p.default for n, p in merge_parameters(method).items()}
+        if from_signature != from_declarations:
+            raise RuntimeError(
+                f"merge method {method!r}: {function.__name__}'s parameters {from_signature} differ from "
+                f"hf_featcal.schema's declarations {from_declarations}"
+            )
 
 
 def _validate_experts(experts: Mapping[str, ModelLike]) -> None:
@@ -429,7 +418,7 @@ def _dare_generator(seed: int, expert: str, key: str) -> torch.Generator:
 
 #: ``rescale_mode`` values: divide by the keep rate ``1 - p`` (DARE paper, FusionBench), or match
 #: each tensor's L1 norm before the drop (mergekit).
-DARE_RESCALE_MODES = ("keep_rate", "l1")
+DARE_RESCALE_MODES = merge_parameters("dare")["rescale_mode"].choices
 #: below this L1 norm (before or after the drop) a tensor is left unscaled, as mergekit (its eps)
 _L1_RESCALE_EPS = 1e-7
 
@@ -483,7 +472,7 @@ def task_arithmetic(
         ValueError: on an empty/invalid ``experts`` mapping, a non-finite ``scaling_factor``, a source
             that cannot be loaded, or an expert whose state-dict keys/shapes do not line up with the base.
     """
-    scaling_factor = _check_scaling(scaling_factor)
+    (scaling_factor,) = _checked("task_arithmetic", scaling_factor=scaling_factor)
     _validate_base(base_model)
     _validate_experts(experts)
     record = {"method": "task_arithmetic", "scaling_factor": scaling_factor, "experts": _names(experts)}
@@ -576,10 +565,9 @@ def ties_merging(
     Raises:
         ValueError: on an invalid argument (named in the message) or mismatched architectures.
     """
-    scaling_factor = _check_scaling(scaling_factor)
-    density = _check_fraction(density, "density", low_open=True, high_open=False)
-    per_tensor_trim = _check_bool(per_tensor_trim, "per_tensor_trim")
-    merge_func = _check_choice(merge_func, "merge_func", ("mean", "sum"))
+    scaling_factor, density, per_tensor_trim, merge_func = _checked(
+        "ties", scaling_factor=scaling_factor, density=density, per_tensor_trim=per_tensor_trim, merge_func=merge_func
+    )
     _validate_base(base_model)
     _validate_experts(experts)
 
@@ -661,11 +649,9 @@ def dare_merging(
     Raises:
         ValueError: on an invalid argument (named in the message) or mismatched architectures.
     """
-    scaling_factor = _check_scaling(scaling_factor)
-    drop_rate = _check_fraction(drop_rate, "drop_rate", low_open=False, high_open=True)
-    rescale = _check_bool(rescale, "rescale")
-    rescale_mode = _check_choice(rescale_mode, "rescale_mode", DARE_RESCALE_MODES)
-    seed = _check_seed(seed)
+    scaling_factor, drop_rate, rescale, rescale_mode, seed = _checked(
+        "dare", scaling_factor=scaling_factor, drop_rate=drop_rate, rescale=rescale, rescale_mode=rescale_mode, seed=seed
+    )
     _validate_base(base_model)
     _validate_experts(experts)
     drop = _dare_drop(drop_rate, rescale, rescale_mode, seed)
@@ -736,12 +722,10 @@ def dare_ties_merging(
     Raises:
         ValueError: on an invalid argument (named in the message) or mismatched architectures.
     """
-    scaling_factor = _check_scaling(scaling_factor)
-    drop_rate = _check_fraction(drop_rate, "drop_rate", low_open=False, high_open=True)
-    rescale = _check_bool(rescale, "rescale")
-    rescale_mode = _check_choice(rescale_mode, "rescale_mode", DARE_RESCALE_MODES)
-    seed = _check_seed(seed)
-    merge_func = _check_choice(merge_func, "merge_func", ("mean", "sum"))
+    scaling_factor, drop_rate, rescale, rescale_mode, seed, merge_func = _checked(
+        "dare_ties", scaling_factor=scaling_factor, drop_rate=drop_rate, rescale=rescale, rescale_mode=rescale_mode,
+        seed=seed, merge_func=merge_func,
+    )
     _validate_base(base_model)
     _validate_experts(experts)
     drop = _dare_drop(drop_rate, rescale, rescale_mode, seed)
@@ -778,6 +762,7 @@ MERGE_METHODS: dict[str, Callable[..., nn.Module]] = {
     "dare": dare_merging,
     "dare_ties": dare_ties_merging,
 }
+_check_declarations()
 
 
 def merge_models(base_model: ModelLike, experts: Mapping[str, ModelLike], method: str, **params: object) -> nn.Module:
@@ -803,7 +788,7 @@ def merge_models(base_model: ModelLike, experts: Mapping[str, ModelLike], method
     if not isinstance(method, str) or method not in MERGE_METHODS:
         raise ValueError(f"`method` must be one of {sorted(MERGE_METHODS)}, got {method!r}")
     function = MERGE_METHODS[method]
-    accepted = [name for name in inspect.signature(function).parameters if name not in ("base_model", "experts")]
+    accepted = list(merge_parameters(method))
     for name in params:
         if name not in accepted:
             raise ValueError(

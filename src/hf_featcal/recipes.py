@@ -87,7 +87,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 import os
 import re
 import time
@@ -98,6 +97,7 @@ from typing import Any
 
 from .architectures.families import ModelFamily, detect_family, family_names, get_family, image_family_names, iter_families
 from .config import FeatCalConfig
+from .schema import MERGE_PARAMETER_DECLARATIONS, merge_parameters
 
 __all__ = [
     "EVALUATION_SUBSET_SEED",
@@ -126,6 +126,8 @@ __all__ = [
     "prepare_recipe_inputs",
     "recipe_evaluator",
     "run_recipe",
+    "build_calibrator",
+    "save_calibrated",
     "save_processing",
     "scores_table",
     "upload_folder",
@@ -507,68 +509,17 @@ def _show(value: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------- merge
-def _real(v: _Validator, value: Any, path: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise v.error(path, f"must be a finite real number, got {_show(value)}")
-    return float(value)
-
-
-def _density(v: _Validator, value: Any, path: str) -> float:
-    value = _real(v, value, path)
-    if not 0.0 < value <= 1.0:
-        raise v.error(path, f"must be in (0, 1], got {value!r}")
-    return value
-
-
-def _drop_rate(v: _Validator, value: Any, path: str) -> float:
-    value = _real(v, value, path)
-    if not 0.0 <= value < 1.0:
-        raise v.error(path, f"must be in [0, 1), got {value!r}")
-    return value
-
-
-def _boolean(v: _Validator, value: Any, path: str) -> bool:
-    if not isinstance(value, bool):
-        raise v.error(path, f"must be true or false, got {_show(value)}")
-    return value
-
-
-def _merge_func(v: _Validator, value: Any, path: str) -> str:
-    if value not in ("mean", "sum"):
-        raise v.error(path, f"must be 'mean' or 'sum', got {_show(value)}")
-    return value
-
-
-def _rescale_mode(v: _Validator, value: Any, path: str) -> str:
-    if value not in ("keep_rate", "l1"):
-        raise v.error(path, f"must be 'keep_rate' or 'l1', got {_show(value)}")
-    return value
-
-
-def _int_param(v: _Validator, value: Any, path: str) -> int:
-    return v.integer(value, path)  # type: ignore[return-value]
-
-
-_MERGE_PARAMS: dict[str, dict[str, Callable[[_Validator, Any, str], Any]]] = {
-    "average": {},
-    "task_arithmetic": {"scaling_factor": _real},
-    "ties": {"scaling_factor": _real, "density": _density, "per_tensor_trim": _boolean, "merge_func": _merge_func},
-    "dare": {"scaling_factor": _real, "drop_rate": _drop_rate, "rescale": _boolean, "seed": _int_param,
-             "rescale_mode": _rescale_mode},
-    "dare_ties": {"scaling_factor": _real, "drop_rate": _drop_rate, "rescale": _boolean, "seed": _int_param,
-                  "rescale_mode": _rescale_mode, "merge_func": _merge_func},
+#: Merge methods of recipes and the parameters each takes, from the declarations in
+#: `hf_featcal.schema` (which `hf_featcal.merging` checks against its functions).
+MERGE_PARAMETERS: dict[str, tuple[str, ...]] = {
+    method: tuple(p.name for p in declared) for method, declared in MERGE_PARAMETER_DECLARATIONS.items()
 }
-
-#: Merge methods of recipes and the parameters each takes (see `hf_featcal.merging.merge_models`).
-MERGE_PARAMETERS: dict[str, tuple[str, ...]] = {m: tuple(p) for m, p in _MERGE_PARAMS.items()}
 
 
 def _parse_merge(v: _Validator, section: Any) -> MergeSpec:
     if not isinstance(section, Mapping):
         raise v.error("merge", f"must be a mapping with a `method`, got {_show(section)}")
     method = section.get("method")
-    if method not in _MERGE_PARAMS:
-        raise v.error("merge.method", f"must be one of {list(_MERGE_PARAMS)}, got {method!r}")
     return validate_merge_spec(method, {k: val for k, val in section.items() if k != "method"}, v)
 
 
@@ -579,14 +530,17 @@ def validate_merge_spec(method: str, params: Mapping[str, Any], validator: Any =
         RecipeError: naming ``merge.method`` or ``merge.<param>``.
     """
     v = validator if isinstance(validator, _Validator) else _Validator(None, os.getcwd())
-    if method not in _MERGE_PARAMS:
-        raise v.error("merge.method", f"must be one of {list(_MERGE_PARAMS)}, got {method!r}")
-    checks = _MERGE_PARAMS[method]
+    if method not in MERGE_PARAMETER_DECLARATIONS:
+        raise v.error("merge.method", f"must be one of {list(MERGE_PARAMETER_DECLARATIONS)}, got {method!r}")
+    declared = merge_parameters(method)
     out = {}
     for key, value in params.items():
-        if key not in checks:
-            raise v.error(f"merge.{key}", f"unknown parameter for method {method!r}; valid: {list(checks) or 'none'}")
-        out[key] = checks[key](v, value, f"merge.{key}")
+        if key not in declared:
+            raise v.error(f"merge.{key}", f"unknown parameter for method {method!r}; valid: {list(declared) or 'none'}")
+        try:
+            out[key] = declared[key].check(value)
+        except ValueError as err:
+            raise v.error(f"merge.{key}", str(err)) from None
     return MergeSpec(method, out)
 
 
@@ -638,13 +592,17 @@ def parse_featcal(v: _Validator | None, section: Any, path: str = "featcal") -> 
     for key in section:
         if key not in fields:
             raise v.error(f"{path}.{key}", f"unknown FeatCalConfig field; valid: {fields}")
+    # Field by field first (every other field at its default), so that an error belongs to the key
+    # that caused it; then all together.
+    for key, value in section.items():
+        try:
+            FeatCalConfig(**{key: value})
+        except (ValueError, TypeError) as err:
+            raise v.error(f"{path}.{key}", str(err)) from None
     try:
         return FeatCalConfig(**dict(section))
     except (ValueError, TypeError) as err:
-        message = str(err)
-        match = re.search(r"FeatCalConfig\.(\w+)", message)
-        key = f"{path}.{match.group(1)}" if match and match.group(1) in fields else path
-        raise v.error(key, message) from None
+        raise v.error(path, str(err)) from None
 
 
 # ---------------------------------------------------------------------------- calibration
@@ -1047,6 +1005,40 @@ class RecipeResult:
     pushed_to: str | None = None
 
 
+def build_calibrator(
+    merged: Any,
+    base: Any,
+    experts: Mapping[str, Any],
+    calibration: Mapping[str, Any],
+    config: FeatCalConfig,
+    model_family: ModelFamily,
+    processing: Mapping[str, Any] | None,
+    *,
+    device: Any = None,
+    show_progress: bool = True,
+) -> Any:
+    """The `FeatCalCalibrator` of a run (`run_recipe` and ``hf-featcal calibrate``): the family's
+    processing class for the calibration data."""
+    from .calibrator import FeatCalCalibrator
+
+    return FeatCalCalibrator(
+        merged, base, dict(experts), calibration, config,
+        processing_class=model_family.calibration_processing_class(processing),
+        device=device, show_progress=show_progress,
+    )
+
+
+def save_calibrated(calibrator: Any, output_dir: str, model_family: ModelFamily, processing: Mapping[str, Any] | None) -> str | None:
+    """Save a calibrated run's folder (model, processing classes, card, drift report, config) and the
+    drift plot; returns the plot's path (None without a drift report)."""
+    from .plotting import plot_drift
+
+    calibrator.save_model(output_dir, processing_class=model_family.processing_to_save(processing))
+    if calibrator.report is None:
+        return None
+    return plot_drift(calibrator.report, os.path.join(output_dir, "featcal_drift.png"))
+
+
 def run_recipe(
     recipe: Recipe,
     *,
@@ -1066,10 +1058,8 @@ def run_recipe(
     """
     import yaml
 
-    from .calibrator import FeatCalCalibrator
     from .checkpointing import check_writable_folder
     from .merging import merge_models
-    from .plotting import plot_drift
 
     family = recipe.model_family
     timings: dict[str, float] = {}
@@ -1089,16 +1079,8 @@ def run_recipe(
     merged = merge_models(base, dict(recipe.experts), recipe.merge.method, **recipe.merge.params)
     timings["merge"] = time.perf_counter() - clock
 
-    calibrator = FeatCalCalibrator(
-        merged,
-        base,
-        dict(recipe.experts),
-        calibration,
-        recipe.featcal,
-        processing_class=model_family.calibration_processing_class(processing),
-        device=device,
-        show_progress=show_progress,
-    )
+    calibrator = build_calibrator(merged, base, dict(recipe.experts), calibration, recipe.featcal, model_family,
+                                  processing, device=device, show_progress=show_progress)
     run_device = str(calibrator.device)
 
     before = after = None
@@ -1126,10 +1108,7 @@ def run_recipe(
         timings["evaluate_after"] = time.perf_counter() - clock
 
     out = recipe.output_dir
-    calibrator.save_model(out, processing_class=model_family.processing_to_save(processing))
-    plot_path = None
-    if calibrator.report is not None:
-        plot_path = plot_drift(calibrator.report, os.path.join(out, "featcal_drift.png"))
+    plot_path = save_calibrated(calibrator, out, model_family, processing)
     table = None
     if do_eval and before is not None and after is not None:
         assert recipe.evaluation is not None
