@@ -4,8 +4,10 @@ the two-process worker)."""
 from __future__ import annotations
 
 import copy
+import json
 
 import torch
+import open_clip
 from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
 from open_clip.transformer import QuickGELU, VisionTransformer
 
@@ -40,3 +42,19 @@ def open_clip_setting(generator, build=tiny_clip, tasks=("cars", "dtd"), batch_s
             p.copy_(base.get_parameter(name) + 0.3 * sum(e.get_parameter(name) - base.get_parameter(name) for e in experts.values()))
     data = {t: [{"pixel_values": torch.randn(n, 3, IMAGE, IMAGE, generator=generator)} for n in batch_sizes] for t in tasks}
     return base, experts, merged, data
+
+
+def register_tiny_model_config(folder, name: str) -> str:
+    """Register a tiny full-CLIP open_clip config (this file's vision geometry, open_clip's own
+    tokenizer vocabulary) under `name` with `open_clip.add_model_config`; returns `name`."""
+    cfg = {
+        "embed_dim": 8,
+        "quick_gelu": True,
+        "vision_cfg": {"image_size": IMAGE, "layers": LAYERS, "width": WIDTH, "head_width": WIDTH // HEADS,
+                       "mlp_ratio": MLP / WIDTH, "patch_size": PATCH},
+        "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 16, "heads": 2, "layers": 1},
+    }
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    open_clip.add_model_config(path)
+    return name

@@ -4,7 +4,6 @@ family, and a `hf-featcal --help` that loads no heavy library."""
 from __future__ import annotations
 
 import copy
-import json
 import os
 import subprocess
 import sys
@@ -74,20 +73,10 @@ def test_cli_names_the_supported_families_for_a_model_of_none(tmp_path, capsys):
 @pytest.fixture
 def tiny_open_clip_name(tmp_path):
     """A tiny open_clip model config registered under a name (`open_clip.add_model_config`)."""
-    open_clip = pytest.importorskip("open_clip")
-    from openclip_models import HEADS, IMAGE, LAYERS, MLP, PATCH, WIDTH
+    pytest.importorskip("open_clip")
+    from openclip_models import register_tiny_model_config
 
-    cfg = {
-        "embed_dim": 8,
-        "quick_gelu": True,
-        "vision_cfg": {"image_size": IMAGE, "layers": LAYERS, "width": WIDTH, "head_width": WIDTH // HEADS,
-                       "mlp_ratio": MLP / WIDTH, "patch_size": PATCH},
-        "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 16, "heads": 2, "layers": 1},
-    }
-    path = tmp_path / "hf-featcal-families-vit.json"
-    path.write_text(json.dumps(cfg))
-    open_clip.add_model_config(path)
-    return "hf-featcal-families-vit"
+    return register_tiny_model_config(tmp_path, "hf-featcal-families-vit")
 
 
 def test_open_clip_recipe_prints_the_zero_shot_label(generator, tmp_path, tiny_open_clip_name, capsys):

@@ -24,7 +24,7 @@ from transformers import CLIPVisionModel
 
 from conftest import perturbed, randomise_norms, tiny_vision_config
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
-from openclip_models import HEADS, IMAGE, LAYERS, MLP, PATCH, WIDTH, open_clip_setting, tiny_tower
+from openclip_models import HEADS, IMAGE, LAYERS, MLP, PATCH, WIDTH, open_clip_setting, register_tiny_model_config, tiny_tower
 from reference_featcal import reference_featcal
 from test_reference_agreement import check_steps_from_the_merged_model
 
@@ -199,18 +199,7 @@ def test_mismatched_and_unsupported_models(generator):
 @pytest.fixture
 def tiny_model_name(tmp_path):
     """A tiny open_clip model config registered under a name, as `open_clip.add_model_config` allows."""
-    cfg = {
-        "embed_dim": 8,
-        "quick_gelu": True,
-        "vision_cfg": {"image_size": IMAGE, "layers": LAYERS, "width": WIDTH, "head_width": WIDTH // HEADS,
-                       "mlp_ratio": MLP / WIDTH, "patch_size": PATCH},
-        # open_clip's own tokenizer: its full vocabulary
-        "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 16, "heads": 2, "layers": 1},
-    }
-    path = tmp_path / "hf-featcal-tiny-vit.json"
-    path.write_text(json.dumps(cfg))
-    open_clip.add_model_config(path)
-    return "hf-featcal-tiny-vit"
+    return register_tiny_model_config(tmp_path, "hf-featcal-tiny-vit")
 
 
 def test_open_clip_folders_read_lazily_saved_the_open_clip_way(generator, tmp_path, tiny_model_name, monkeypatch):
