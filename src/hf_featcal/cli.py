@@ -120,9 +120,17 @@ examples:
 Steps: validate the recipe (before anything is downloaded) → load base, processor and calibration
 data → merge → check the calibration inputs → evaluate the merged model → FeatCal → evaluate again →
 save model, processor, model card (with the evaluation), drift report, drift plot (featcal_drift.png),
-featcal_evaluation.json and the recipe → push to the hub if asked. The recipe schema is documented
-in hf_featcal/recipes.py (python -c "import hf_featcal.recipes as r; print(r.__doc__)").
+featcal_evaluation.json and the recipe → push to the hub if asked.
+
+recipe schema ("?": optional, [default]; generated from hf_featcal.schema, as in docs/recipes.md):
+{schema}
 """
+
+
+def _run_epilog() -> str:
+    from .schema import render_recipe_schema
+
+    return _RUN_EPILOG.replace("{schema}", render_recipe_schema(indent=2))
 
 _DEMO_EPILOG = """\
 examples:
@@ -186,6 +194,9 @@ _FEATCAL_OPTIONS: dict[str, str | None] = {
     "lambda_ratio": "λ", "anchor_rho": "ρ", "teacher_alpha": "α", "batch_size": None, "seed": None,
 }
 _ANNOTATION_TYPES: dict[str, Callable[[str], Any]] = {"float": float, "int": int}
+#: Where `_add_recipe_options` stores calibrate's calibration.default keys and evaluate's evaluation keys.
+_CALIBRATION_DEST = "calibration_"
+_EVALUATION_DEST = "evaluation_"
 _OPTION_TYPES: dict[str, Callable[[str], Any]] = {"batch_size": _positive_int}
 
 
@@ -207,6 +218,68 @@ def _add_featcal_options(parser: argparse.ArgumentParser) -> None:
         kind = _OPTION_TYPES.get(name) or _ANNOTATION_TYPES[str(field.type)]
         group.add_argument("--" + name.replace("_", "-"), type=kind, metavar=metavar,
                            help=_help(f"{field.metadata['help']} (default {field.default!r})"))
+
+
+def _recipe_value(key: Any) -> Callable[[str], Any]:
+    """An argparse ``type`` for the recipe key `key`: the text converted to the key's kind and checked
+    by its declaration (`hf_featcal.schema.RecipeKey.check`), so a bad value exits 2 naming the flag."""
+
+    def convert(text: str) -> Any:
+        value: Any = text
+        if key.kind == "int":
+            try:
+                value = int(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        try:
+            return key.check(value, optional=False)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    convert.__name__ = key.kind  # argparse names the type in some messages
+    return convert
+
+
+def _add_recipe_options(
+    parser: Any,
+    section: str,
+    names: Sequence[str] | None = None,
+    *,
+    dest_prefix: str = "",
+    override: bool = False,
+    required: Sequence[str] = (),
+) -> None:
+    """One flag per recipe key `names` of `section` (default: every key it declares), generated from
+    its declaration in `hf_featcal.schema.RECIPE_SECTIONS`: flag name, type and check, help, default
+    (the recipe's when `override`). The value is stored under ``dest_prefix + name``; None when not given."""
+    from .schema import families_note, recipe_keys
+
+    declared = recipe_keys(section)
+    for name in declared if names is None else names:
+        key = declared[name]
+        text = families_note(section, name) + key.help
+        if override:
+            text = f"override the recipe's {_join_key(section, name)}: {text}"
+        elif name not in required:
+            default = key.describe_default() if key.default is None else key.default
+            if default not in (None, "null"):
+                text += f" (default: {default})"
+        kwargs: dict[str, Any] = {"dest": dest_prefix + name, "metavar": key.metavar or ("N" if key.kind == "int" else name.upper()), "help": _help(text)}
+        if key.kind not in ("model", "dataset"):  # those are resolved (local path or hub id) by the command
+            kwargs["type"] = _recipe_value(key)
+        parser.add_argument(key.flag, required=name in required, **kwargs)
+
+
+def _join_key(section: str, name: str) -> str:
+    return f"{section}.{name}" if section else name
+
+
+def _recipe_values(args: argparse.Namespace, section: str, dest_prefix: str) -> dict[str, Any]:
+    """The recipe keys of `section` given on the command line (see `_add_recipe_options`)."""
+    from .schema import recipe_keys
+
+    return {name: getattr(args, dest_prefix + name) for name in recipe_keys(section)
+            if getattr(args, dest_prefix + name, None) is not None}
 
 
 def _merge_options() -> dict[str, list[tuple[str, Any]]]:
@@ -300,18 +373,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibration dataset of TASK: hub id or a Dataset.save_to_disk folder")
     p.add_argument("--data-config", type=_task_value, action="append", default=[], metavar="TASK=NAME",
                    help="dataset config name of TASK (hub datasets)")
-    p.add_argument("--data-default", metavar="DATASET",
-                   help="calibration dataset of every task without --data ('{task}' is replaced by the task)")
-    p.add_argument("--data-default-config", metavar="NAME", help="config name for --data-default ('{task}' allowed)")
-    p.add_argument("--split", default="train", help="calibration split (default: train)")
-    p.add_argument("--num-examples", type=_positive_int, default=256, help="calibration examples per task (default 256)")
-    p.add_argument("--image-column", help="CLIP: the image column (default: image / img)")
+    calibration = p.add_argument_group(
+        "calibration data (the recipe's calibration.default keys; --data-default: every task without --data)")
+    _add_recipe_options(calibration, "calibration.default", dest_prefix=_CALIBRATION_DEST)  # every declared key
     p.add_argument("--family", choices=family_names(), help="model family (default: from the model)")
     p.add_argument("--processor", help="processor / tokenizer folder or hub id (default: the model folder, else the base)")
     _add_featcal_options(p)
     p.add_argument("--device", help="device for calibration, e.g. cuda or cpu (default: accelerate's)")
-    p.add_argument("--output-dir", required=True, help="folder the calibrated model is saved to")
-    p.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload the output folder to this hub repo")
+    _add_recipe_options(p, "", ("output_dir", "push_to_hub"), required=("output_dir",))
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_common(p)
     p.set_defaults(func=_cmd_calibrate)
@@ -331,9 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluation dataset of TASK: hub id or save_to_disk folder (default: the task's built-in dataset)")
     p.add_argument("--data-config", type=_task_value, action="append", default=[], metavar="TASK=NAME",
                    help="dataset config name of TASK (hub datasets)")
-    p.add_argument("--split", help="evaluation split (default: test for CLIP; validation / validation_matched for GLUE)")
-    p.add_argument("--max-samples", type=_positive_int, help="evaluate a random subset of at most this many examples per task (seed 0)")
-    p.add_argument("--batch-size", type=_positive_int, help="batch size (default: 64 CLIP, 32 FLAN-T5)")
+    _add_recipe_options(p, "evaluation", ("split", "max_samples", "batch_size"), dest_prefix=_EVALUATION_DEST)
     p.add_argument("--clip-model", help="CLIP: the CLIPModel whose text tower builds the zero-shot heads (default: the model)")
     p.add_argument("--class-names", type=_task_value, action="append", default=[], metavar="TASK=A,B,...",
                    help="CLIP: class names of TASK in label order, comma-separated (needed for custom tasks)")
@@ -350,11 +417,10 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="run a YAML recipe: merge → FeatCal → evaluate before/after → save (→ push)",
         description="Run a YAML recipe end to end. The recipe is validated before anything is downloaded; "
         "errors name the offending key (e.g. merge.density).",
-        epilog=_RUN_EPILOG, formatter_class=_FORMATTER,
+        epilog=_run_epilog(), formatter_class=_FORMATTER,
     )
     p.add_argument("recipe", metavar="RECIPE", help="the recipe file (YAML)")
-    p.add_argument("--output-dir", help="override the recipe's output_dir")
-    p.add_argument("--push-to-hub", metavar="REPO_ID", help="override the recipe's push_to_hub")
+    _add_recipe_options(p, "", ("output_dir", "push_to_hub"), override=True)
     p.add_argument("--no-push", action="store_true", help="do not push even if the recipe says so")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation before and after calibration")
     p.add_argument("--device", help="device, e.g. cuda or cpu (default: accelerate's)")
@@ -449,13 +515,14 @@ def _check_device(device: str | None) -> None:
 
 
 def _check_output_dir(path: str, option: str = "--output-dir") -> None:
-    """Refuse an output folder that cannot be written (before merging or calibrating)."""
-    from .checkpointing import check_writable_folder
+    """Refuse an output folder that cannot be written (before merging or calibrating): the run's
+    `check_output_dir` stage."""
+    from .recipes import RecipeError, check_output_dir
 
     try:
-        check_writable_folder(path, option)
-    except ValueError as err:
-        raise CLIError(str(err).replace(f"`{option}`", option, 1)) from None
+        check_output_dir(path, option)
+    except RecipeError as err:
+        raise CLIError(str(err)) from None
 
 
 def _featcal_config(args: argparse.Namespace) -> Any:
@@ -585,8 +652,7 @@ def _quiet_warnings() -> Any:
 
 # ==================================================================================== commands
 def _cmd_merge(args: argparse.Namespace) -> int:
-    from .merging import merge_models
-    from .recipes import RecipeError, validate_merge_spec
+    from .recipes import RecipeError, merge_experts, validate_merge_spec
 
     base = _check_source(args.base, "--base")
     experts = {t: _check_source(s, f"--expert {t}") for t, s in _pairs(args.experts, "--expert").items()}
@@ -599,9 +665,8 @@ def _cmd_merge(args: argparse.Namespace) -> int:
         option = options[name][0][1].flag if err.key.startswith("merge.") and name in options else err.key
         raise CLIError(f"{option}: {str(err).split(': ', 1)[-1]}") from None
     _check_output_dir(args.output_dir)
-    _log(f"Merging {len(experts)} experts into {args.base}: {spec.describe()} ...")
     start = time.perf_counter()
-    merged = merge_models(base, experts, spec.method, **spec.params)
+    merged = merge_experts(base, experts, spec, log=_log)  # the recipe run's merge stage
     from .saving import atomic_folder, save_model_files
 
     family = detect_family(merged)
@@ -617,6 +682,8 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    """The recipe run's stages on a given merged model: load it (in place of *merge*), then
+    `load_calibration_data` → `build_calibrator` → `calibrate_merged` → `save_run` → `push_run`."""
     model_source = _check_source(args.model, "--model")
     base_source = _check_source(args.base, "--base") if args.base else None
     experts = {t: _check_source(s, f"--expert {t}") for t, s in _pairs(args.experts, "--expert").items()}
@@ -626,17 +693,16 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         for task in mapping:
             if task not in experts:
                 raise CLIError(f"{option} {task}=...: no --expert named {task!r} (experts: {list(experts)})")
+    default = _recipe_values(args, "calibration.default", _CALIBRATION_DEST)
     missing = [t for t in experts if t not in data]
-    if missing and not args.data_default:
+    if missing and "dataset" not in default:
         raise CLIError(f"--data: no calibration dataset for {missing}; give --data TASK=DATASET or --data-default")
     config = _featcal_config(args)
-    if args.push_to_hub is not None and "/" not in args.push_to_hub:
-        raise CLIError(f"--push-to-hub: expected a repo id such as me/my-model, got {args.push_to_hub!r}")
     _check_device(args.device)
     _check_output_dir(args.output_dir)
 
     with _ProgressBars(args.quiet):
-        return _calibrate(args, model_source, base_source, experts, data, configs, config)
+        return _calibrate(args, model_source, base_source, experts, data, configs, default, config)
 
 
 def _calibrate(
@@ -646,60 +712,50 @@ def _calibrate(
     experts: dict[str, str],
     data: dict[str, str],
     configs: dict[str, str],
+    default: dict[str, Any],
     config: Any,
 ) -> int:
     import dataclasses
 
     from .experts import load_model
     from .recipes import (
-        RecipeError, build_calibrator, parse_calibration, prepare_calibration, save_calibrated, upload_folder,
+        RecipeError, build_calibrator, calibrate_merged, load_calibration_data, parse_calibration, push_run, save_run,
     )
+    from .schema import recipe_keys
 
     _log(f"Loading the merged model {args.model} ...")
     model = load_model(model_source, "--model")
     family = _family(model, args.family)
-    default: dict[str, Any] = {"split": args.split, "num_examples": args.num_examples}
-    if args.data_default:
-        default["dataset"] = args.data_default
-        if args.data_default_config:
-            default["config"] = args.data_default_config
-    if args.image_column:
-        if "image_column" not in family.calibration_data_keys:
-            raise CLIError("--image-column is only for CLIP / open_clip models")
-        default["image_column"] = args.image_column
     tasks_section = {t: {"dataset": d, **({"config": configs[t]} if t in configs else {})} for t, d in data.items()}
     try:
         specs = parse_calibration(None, {"default": default, "tasks": tasks_section}, family.name, list(experts),
-                                  args.num_examples)
+                                  recipe_keys("calibration.default")["num_examples"].default)
     except RecipeError as err:
-        raise CLIError(f"calibration data: {err}") from None
+        flags = {f"calibration.default.{name}": key.flag for name, key in recipe_keys("calibration.default").items()}
+        given = f" (given by {flags[err.key]})" if err.key in flags else ""
+        raise CLIError(f"calibration data: {err}{given}") from None
 
     processing = _processing(family, [args.processor, model_source, base_source])
-    _log("Loading the calibration data ...")
-    calibration = {t: prepare_calibration(family.name, t, s, processing, config.seed) for t, s in specs.items()}
+    calibration = load_calibration_data(family.name, specs, processing, config.seed, log=_log)
     config = dataclasses.replace(config, num_samples_per_task=None)
-    calibrator = build_calibrator(model, base_source, experts, calibration, config, family, processing,
-                                  device=args.device, show_progress=not args.quiet)
-    _log(f"Calibrating with FeatCal on {calibrator.device} ...")
-    start = time.perf_counter()
     finish = _quiet_warnings()
     try:
-        calibrator.calibrate()
+        calibrator = build_calibrator(model, base_source, experts, calibration, config, family, processing,
+                                      device=args.device, show_progress=not args.quiet)
+        run = calibrate_merged(calibrator, model, family, processing, log=_log)
     finally:
         ridge = finish()
-    seconds = time.perf_counter() - start
-    plot = save_calibrated(calibrator, args.output_dir, family, processing)
-    if calibrator.report is not None:
+    plot, _ = save_run(run, args.output_dir, family, processing)
+    if run.calibrator.report is not None:
         print("Feature drift per task (before → after FeatCal)\n")
-        print(calibrator.report.summary_markdown())
+        print(run.calibrator.report.summary_markdown())
     if ridge:
         print(f"\n{ridge} module groups had input directions without data (their solution there is set by the ridge).")
-    print(f"\nCalibrated in {seconds:.1f} s; saved model, model card and drift report to {args.output_dir}"
+    print(f"\nCalibrated in {run.timings['calibrate']:.1f} s; saved model, model card and drift report to {args.output_dir}"
           + (f" (plot: {plot})" if plot else ""))
-    if args.push_to_hub:
-        _log(f"Uploading {args.output_dir} to {args.push_to_hub} ...")
-        upload_folder(args.output_dir, args.push_to_hub)
-        print(f"Pushed to https://huggingface.co/{args.push_to_hub}")
+    pushed = push_run(args.output_dir, args.push_to_hub, log=_log)
+    if pushed:
+        print(f"Pushed to https://huggingface.co/{pushed}")
     return 0
 
 
@@ -724,7 +780,7 @@ def _evaluation_spec(args: argparse.Namespace, family: ModelFamily) -> Any:
     specs: dict[str, DatasetSpec] = {}
     for task in tasks:
         dataset, config, glue_task = family.evaluation_source(task, data, configs, class_names)
-        split = args.split or family.default_evaluation_split(task)
+        split = args.evaluation_split or family.default_evaluation_split(task)
         try:
             local = v.local_path(dataset, f"--data {task}", "dataset")
         except RecipeError as err:
@@ -732,8 +788,8 @@ def _evaluation_spec(args: argparse.Namespace, family: ModelFamily) -> Any:
         specs[task] = DatasetSpec(dataset=local or dataset, config=config, split=split, num_examples=None,
                                   is_local=local is not None, glue_task=glue_task)
     return EvaluationSpec(
-        tasks=tasks, datasets=specs, max_samples=args.max_samples,
-        batch_size=args.batch_size or family.default_evaluation_batch_size,
+        tasks=tasks, datasets=specs, max_samples=args.evaluation_max_samples,
+        batch_size=args.evaluation_batch_size or family.default_evaluation_batch_size,
         class_names=class_names, templates=templates, clip_model=args.clip_model,
     )
 

@@ -6,56 +6,11 @@ the offending key path (e.g. ``merge.density``) and unknown keys are rejected. M
 with ``trust_remote_code=False``; datasets through ``datasets.load_dataset`` (which runs no dataset
 scripts) or, for local folders, ``datasets.load_from_disk``.
 
-Schema (``?`` marks optional keys; defaults in brackets)::
+Schema (``?`` marks optional keys; defaults in brackets; ``<task>`` is an expert's task name). It is
+generated from the declarations in `hf_featcal.schema` (`RECIPE_SECTIONS`, the merge parameters and
+the fields of `FeatCalConfig`), which also drive the validation and the matching CLI flags::
 
-    model_family: clip | flan_t5 | open_clip
-    base: <hub id or local model folder>              # a CLIPModel / T5ForConditionalGeneration; open_clip:
-                                                      #   hf-hub:<repo> | local-dir:<folder> | <folder>
-    experts:                                          # task -> hub id or local folder
-      <task>: <hub id or path>
-    merge:
-      method: average | task_arithmetic | ties | dare | dare_ties
-      scaling_factor?: <real>                         # task_arithmetic, ties, dare, dare_ties
-      density?: <(0, 1]>                              # ties
-      per_tensor_trim?: <bool>                        # ties
-      merge_func?: mean | sum                         # ties, dare_ties
-      drop_rate?: <[0, 1)>                            # dare, dare_ties
-      rescale?: <bool>                                # dare, dare_ties
-      rescale_mode?: keep_rate | l1                   # dare, dare_ties
-      seed?: <int>                                    # dare, dare_ties
-    featcal?:                                         # any FeatCalConfig field [defaults]
-      lambda_ratio: 0.05
-      ...
-    calibration:
-      default?:                                       # applies to every task; "{task}" is replaced
-        dataset?: <hub id or path>                    #   by the task name in dataset/config/split
-        config?: <dataset config name> [none]
-        split?: <split> [train]
-        num_examples?: <int or null = all> [featcal.num_samples_per_task if given, else 256]
-        image_column?: <column> [image]               # clip / open_clip only
-        glue_task?: <GLUE task> [the task name]       # flan_t5 only
-        max_input_length?: <int or null> [512]        # flan_t5 only
-        max_target_length?: <int or null> [32]        # flan_t5 only
-      tasks?:                                         # per-task entries override `default`
-        <task>: <hub id or path>                      #   (shorthand for {dataset: ...})
-        <task>: {dataset: ..., config: ..., ...}
-    evaluation?: false | [enabled with defaults]
-      tasks?: [<task>, ...] [every expert]
-      split?: <split> | {<task>: <split>} [clip: test; flan_t5: validation (mnli: validation_matched)]
-      max_samples?: <int or null> [null]            # a seeded random subset (seed 0) per task
-      batch_size?: <int> [64 for clip, 32 for flan_t5]
-      datasets?:                                      # [the calibration dataset and config]
-        <task>: <hub id or path> | {dataset, config?, split?, image_column?, label_column?}
-      class_names?: {<task>: [<name>, ...]}           # clip / open_clip: zero-shot class names in label
-                                                      #   order (required for non-built-in tasks)
-      templates?: {<task>: ["a photo of a {c}.", ...]}  # clip / open_clip: zero-shot prompt templates
-      clip_model?: <hub id or path> [base]            # clip only: text tower for the zero-shot heads
-    output_dir?: <folder> [outputs/<recipe file stem>]
-    push_to_hub?: <repo id> | null [null]
-    compare?:                                         # only read by `hf-featcal compare RECIPE`
-      merges?:                                        # [hf_featcal.compare.DEFAULT_MERGES]
-        <average | task_arithmetic | ties | dare | dare_ties | regmean>: {<param>: <value>} | null
-      post_merging?: [none | featcal | featcal_module, ...]   # [every step this build offers]
+    <recipe schema>
 
 ``hf-featcal compare RECIPE`` runs the grid merges × post-merging steps on the recipe's base,
 experts, calibration data and evaluation and ignores its ``merge`` section (list that method and its
@@ -88,7 +43,6 @@ import copy
 import dataclasses
 import json
 import os
-import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -97,7 +51,22 @@ from typing import Any
 
 from .architectures.families import ModelFamily, detect_family, family_names, get_family, image_family_names, iter_families
 from .config import FeatCalConfig
-from .schema import MERGE_PARAMETER_DECLARATIONS, merge_parameters
+from .schema import (
+    FAMILY_KEY_ATTRIBUTES,
+    HUB_ID,
+    MERGE_PARAMETER_DECLARATIONS,
+    TASK,
+    RecipeKey,
+    check_integer,
+    check_string,
+    merge_parameters,
+    recipe_key,
+    recipe_keys,
+    render_recipe_schema,
+)
+
+if __doc__:  # the schema block, rendered from the declarations (absent under python -OO)
+    __doc__ = __doc__.replace("    <recipe schema>", render_recipe_schema(indent=4))
 
 __all__ = [
     "EVALUATION_SUBSET_SEED",
@@ -112,6 +81,13 @@ __all__ = [
     "RecipeError",
     "RecipeInputs",
     "RecipeResult",
+    "CalibrationRun",
+    "calibrate_merged",
+    "check_output_dir",
+    "load_calibration_data",
+    "merge_experts",
+    "push_run",
+    "save_run",
     "evaluate_model",
     "load_dataset_spec",
     "load_processing",
@@ -139,24 +115,26 @@ MODEL_FAMILIES: tuple[str, ...] = family_names()
 #: Families calibrated on images and evaluated by zero-shot classification.
 IMAGE_FAMILIES: tuple[str, ...] = image_family_names()
 
-_TOP_LEVEL_KEYS = (
-    "model_family",
-    "base",
-    "experts",
-    "merge",
-    "featcal",
-    "calibration",
-    "evaluation",
-    "output_dir",
-    "push_to_hub",
-    "compare",
-)
-_REQUIRED_KEYS = ("model_family", "base", "experts", "merge", "calibration")
-
 #: Seed of the random subset evaluated when ``evaluation.max_samples`` cuts a split.
 EVALUATION_SUBSET_SEED = 0
-_DEFAULT_NUM_EXAMPLES = 256
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*)?$")
+_CALIBRATION_DATA = recipe_keys("calibration.default")
+_DEFAULT_NUM_EXAMPLES: int = _CALIBRATION_DATA["num_examples"].default
+_HUB_ID = HUB_ID
+#: Kinds of value a `RecipeKey.check` checks (the rest are checked by the section's parser).
+_SCALAR_KINDS = ("choice", "int", "str", "folder", "repo_id")
+
+
+def _check_family_keys() -> None:
+    """Every key a model family takes is a declared key (run at import)."""
+    for family in iter_families():
+        for section, attribute in FAMILY_KEY_ATTRIBUTES.items():
+            undeclared = [k for k in getattr(family, attribute) if k not in recipe_keys(section)]
+            if undeclared:
+                raise RuntimeError(f"model family {family.name!r}: {attribute} {undeclared} are not declared in "
+                                   f"hf_featcal.schema.RECIPE_SECTIONS[{section!r}]")
+
+
+_check_family_keys()
 
 
 class RecipeError(ValueError):
@@ -201,14 +179,14 @@ class DatasetSpec:
 
     dataset: str
     config: str | None = None
-    split: str = "train"
+    split: str = _CALIBRATION_DATA["split"].default
     num_examples: int | None = _DEFAULT_NUM_EXAMPLES
     is_local: bool = False
     image_column: str | None = None
     label_column: str | None = None
     glue_task: str | None = None
-    max_input_length: int | None = 512
-    max_target_length: int | None = 32
+    max_input_length: int | None = _CALIBRATION_DATA["max_input_length"].default
+    max_target_length: int | None = _CALIBRATION_DATA["max_target_length"].default
 
 
 @dataclass
@@ -364,11 +342,9 @@ def parse_recipe(
     v = _Validator(source, os.fspath(base_dir) if base_dir is not None else os.getcwd())
     if not isinstance(data, Mapping):
         raise v.error("", f"a recipe must be a mapping, got {type(data).__name__}")
-    v.keys(data, "", _TOP_LEVEL_KEYS, _REQUIRED_KEYS)
+    v.section(data, "")
 
-    family = data["model_family"]
-    if family not in family_names():
-        raise v.error("model_family", f"must be one of {list(family_names())}, got {family!r}")
+    family = v.checked("model_family", data["model_family"])
     base = v.source(data["base"], "base", kind="model")
     experts_raw = data["experts"]
     if not isinstance(experts_raw, Mapping) or not experts_raw:
@@ -385,7 +361,7 @@ def parse_recipe(
         featcal_section = {}
     featcal = parse_featcal(v, featcal_section, "featcal")
     explicit_samples = isinstance(featcal_section, Mapping) and "num_samples_per_task" in featcal_section
-    default_num = featcal.num_samples_per_task if explicit_samples else _DEFAULT_NUM_EXAMPLES
+    default_num = featcal.num_samples_per_task if explicit_samples else recipe_key("calibration.default.num_examples").default
     featcal = dataclasses.replace(featcal, num_samples_per_task=None)
 
     calibration = parse_calibration(v, data["calibration"], family, tasks, default_num)
@@ -393,15 +369,10 @@ def parse_recipe(
     evaluation_raw = data.get("evaluation", {})
     evaluation = None if evaluation_raw is False else _parse_evaluation(v, evaluation_raw, family, tasks, calibration)
 
-    output_dir = data.get("output_dir") or default_output_dir
-    if not isinstance(output_dir, str):
-        raise v.error("output_dir", f"must be a string (a folder), got {output_dir!r}")
-    output_dir = os.path.expanduser(output_dir)
+    output_dir = os.path.expanduser(v.checked("output_dir", data.get("output_dir") or default_output_dir))
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise v.error("output_dir", f"{output_dir!r} exists and is not a folder")
-    push = data.get("push_to_hub")
-    if push is not None and (not isinstance(push, str) or "/" not in push or not _HUB_ID.match(push)):
-        raise v.error("push_to_hub", f"must be a hub repo id such as 'me/my-model', or null; got {push!r}")
+    push = v.checked("push_to_hub", data.get("push_to_hub"))
     compare = _parse_compare(v, data["compare"]) if data.get("compare") is not None else None
     return Recipe(
         model_family=family,
@@ -428,6 +399,19 @@ class _Validator:
 
     def error(self, key: str, message: str) -> RecipeError:
         return RecipeError(key, message, self.source_name)
+
+    def section(self, section: Any, path: str) -> None:
+        """`section` is a mapping of the keys `hf_featcal.schema.RECIPE_SECTIONS` declares at `path`,
+        with its required ones."""
+        declared = recipe_keys(path)
+        self.keys(section, path, tuple(declared), tuple(k for k, d in declared.items() if d.required))
+
+    def checked(self, path: str, value: Any, declared: RecipeKey | None = None, optional: bool | None = None) -> Any:
+        """`value` checked by the declaration of `path` (or `declared`), errors naming `path`."""
+        try:
+            return (declared or recipe_key(path)).check(value, optional)
+        except ValueError as err:
+            raise self.error(path, str(err)) from None
 
     def keys(self, section: Any, path: str, allowed: tuple[str, ...], required: tuple[str, ...] = ()) -> None:
         if not isinstance(section, Mapping):
@@ -476,20 +460,16 @@ class _Validator:
         return None
 
     def integer(self, value: Any, path: str, minimum: int | None = None, optional: bool = False) -> int | None:
-        if value is None and optional:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-            bound = f" ≥ {minimum}" if minimum is not None else ""
-            extra = " or null" if optional else ""
-            raise self.error(path, f"must be an integer{bound}{extra}, got {_show(value)}")
-        return value
+        try:
+            return check_integer(value, minimum, optional)
+        except ValueError as err:
+            raise self.error(path, str(err)) from None
 
     def string(self, value: Any, path: str, optional: bool = False) -> str | None:
-        if value is None and optional:
-            return None
-        if not isinstance(value, str) or not value:
-            raise self.error(path, f"must be a non-empty string{' or null' if optional else ''}, got {_show(value)}")
-        return value
+        try:
+            return check_string(value, optional)
+        except ValueError as err:
+            raise self.error(path, str(err)) from None
 
     def string_list(self, value: Any, path: str) -> list[str]:
         if not isinstance(value, list) or not value:
@@ -550,7 +530,7 @@ def _parse_compare(v: _Validator, section: Any) -> CompareSpec:
     merge, whose error then fails that row of the grid only); post-merging steps must be offered."""
     from .compare import DEFAULT_MERGES, post_merging_steps
 
-    v.keys(section, "compare", ("merges", "post_merging"))
+    v.section(section, "compare")
     params_of = {**MERGE_PARAMETERS, "regmean": ("reduction",)}
     merges: dict[str, dict[str, Any]] = {}
     raw = section.get("merges")
@@ -606,7 +586,8 @@ def parse_featcal(v: _Validator | None, section: Any, path: str = "featcal") -> 
 
 
 # ---------------------------------------------------------------------------- calibration
-_COMMON_DATA_KEYS = ("dataset", "config", "split", "num_examples")
+#: Calibration data keys every family takes (the others belong to the families that list them).
+_COMMON_DATA_KEYS = tuple(k for k in _CALIBRATION_DATA if not any(k in f.calibration_data_keys for f in iter_families()))
 
 
 def parse_calibration(
@@ -618,7 +599,7 @@ def parse_calibration(
 ) -> dict[str, DatasetSpec]:
     """Per-task calibration `DatasetSpec`s from a recipe's ``calibration`` section."""
     v = v or _Validator(None, os.getcwd())
-    v.keys(section, "calibration", ("default", "tasks"))
+    v.section(section, "calibration")
     allowed = _COMMON_DATA_KEYS + get_family(family).calibration_data_keys
     default = section.get("default") or {}
     _check_entry_keys(v, default, "calibration.default", allowed, family)
@@ -641,7 +622,8 @@ def parse_calibration(
         if "dataset" not in merged or merged["dataset"] is None:
             raise v.error(path, f"no calibration dataset for expert {task!r}: give {path} or calibration.default.dataset")
         keys = {k: (f"{path}.{k}" if k in entry else f"calibration.default.{k}") for k in merged}
-        specs[task] = _dataset_spec(v, task, merged, keys, path, family, default_split="train", default_num=default_num_examples)
+        specs[task] = _dataset_spec(v, task, merged, keys, path, family, default_split=recipe_key("calibration.default.split").default,
+                                    default_num=default_num_examples, section="calibration.default")
     return specs
 
 
@@ -666,9 +648,10 @@ def _dataset_spec(
     family: str,
     default_split: str | None,
     default_num: int | None,
+    section: str,
 ) -> DatasetSpec:
-    """A `DatasetSpec` from a (merged) entry; `keys` maps a field to its key path in the recipe
-    (fields not in it are reported under `fallback`)."""
+    """A `DatasetSpec` from a (merged) entry of the declared `section`; `keys` maps a field to its key
+    path in the recipe (fields not in it are reported under `fallback`)."""
 
     def sub(value: Any) -> Any:
         return value.replace("{task}", task) if isinstance(value, str) else value
@@ -676,12 +659,22 @@ def _dataset_spec(
     def key(name: str) -> str:
         return keys.get(name, f"{fallback}.{name}")
 
+    model_family = get_family(family)
+    declared = recipe_keys(section)
+    # the declared defaults of the family's own keys (e.g. flan_t5's max_input_length), then every
+    # declared scalar checked by its declaration (split and num_examples below: whether a split may be
+    # null depends on the family, and num_examples falls back to the run's default)
+    entry = {**{name: d.default for name, d in declared.items() if name in model_family.calibration_data_keys
+                and d.default is not None}, **entry}
+    for name, value in entry.items():
+        if name in declared and declared[name].kind in _SCALAR_KINDS and name not in ("split", "num_examples"):
+            v.checked(key(name), sub(value), declared[name])
     dataset = sub(entry["dataset"])
     local = v.local_path(dataset, key("dataset"), "dataset")
-    config = v.string(sub(entry.get("config")), key("config"), optional=True)
-    split = v.string(sub(entry.get("split", default_split)), key("split"), optional=get_family(family).split_optional)
-    num = entry.get("num_examples", default_num)
-    num = v.integer(num, key("num_examples"), minimum=1, optional=True)
+    config = sub(entry.get("config"))
+    split = v.checked(key("split"), sub(entry.get("split", default_split)), declared["split"],
+                      optional=model_family.split_optional)
+    num = v.checked(key("num_examples"), entry.get("num_examples", default_num), recipe_key("calibration.default.num_examples"))
     if local is not None and split is not None:
         splits = _local_splits(local)
         if splits is not None and split not in splits:
@@ -693,7 +686,7 @@ def _dataset_spec(
         num_examples=num,
         is_local=local is not None,
     )
-    get_family(family).complete_dataset_spec(v, task, spec, entry, key, sub, keys, fallback)
+    model_family.complete_dataset_spec(v, task, spec, entry, key, sub, keys, fallback)
     return spec
 
 
@@ -711,8 +704,8 @@ def _local_splits(path: str) -> list[str] | None:
 
 
 # ----------------------------------------------------------------------------- evaluation
-_EVALUATION_KEYS = ("tasks", "split", "max_samples", "batch_size", "datasets", "class_names", "templates", "clip_model")
-_FAMILY_EVALUATION_KEYS = ("class_names", "templates", "clip_model")
+#: Evaluation keys only some families take (`ModelFamily.evaluation_keys`).
+_FAMILY_EVALUATION_KEYS = tuple(k for k in recipe_keys("evaluation") if any(k in f.evaluation_keys for f in iter_families()))
 
 
 def _parse_evaluation(
@@ -722,7 +715,7 @@ def _parse_evaluation(
         section = {}
     if not isinstance(section, Mapping):
         raise v.error("evaluation", f"must be a mapping or false, got {_show(section)}")
-    v.keys(section, "evaluation", _EVALUATION_KEYS)
+    v.section(section, "evaluation")
     model_family = get_family(family)
     for key in _FAMILY_EVALUATION_KEYS:
         if key in section and key not in model_family.evaluation_keys:
@@ -767,7 +760,8 @@ def _parse_evaluation(
         if entry is None:
             entry, keys = {"dataset": cal.dataset, "config": cal.config}, {}
         else:
-            v.keys(entry, path, model_family.evaluation_data_keys, ("dataset",))
+            required = tuple(k for k, d in recipe_keys(f"evaluation.datasets.{TASK}").items() if d.required)
+            v.keys(entry, path, model_family.evaluation_data_keys, required)
             entry, keys = dict(entry), {k: f"{path}.{k}" for k in entry}
         if "split" not in entry:
             if isinstance(split, Mapping) and task in split:
@@ -777,7 +771,8 @@ def _parse_evaluation(
             else:
                 entry["split"] = model_family.default_evaluation_split(cal.glue_task or task)
         model_family.inherit_from_calibration(entry, cal)
-        spec = _dataset_spec(v, task, entry, keys, path, family, default_split=None, default_num=None)
+        spec = _dataset_spec(v, task, entry, keys, path, family, default_split=None, default_num=None,
+                             section=f"evaluation.datasets.{TASK}")
         model_family.finish_evaluation_spec(v, spec, entry, path)
         specs[task] = spec
         if spec.dataset == cal.dataset and spec.config == cal.config:
@@ -795,8 +790,8 @@ def _parse_evaluation(
 
     model_family.check_evaluation(v, eval_tasks, class_names, templates)
 
-    max_samples = v.integer(section.get("max_samples"), "evaluation.max_samples", 1, optional=True)
-    batch_size = v.integer(section.get("batch_size", model_family.default_evaluation_batch_size), "evaluation.batch_size", 1)
+    max_samples = v.checked("evaluation.max_samples", section.get("max_samples"))
+    batch_size = v.checked("evaluation.batch_size", section.get("batch_size", model_family.default_evaluation_batch_size))
     clip_model = section.get("clip_model")
     if clip_model is not None:
         clip_model = v.source(clip_model, "evaluation.clip_model", kind="model")
@@ -968,10 +963,21 @@ def prepare_recipe_inputs(recipe: Recipe, *, evaluate: bool = True, log: Callabl
     if recipe.evaluation is not None and evaluate:  # the text tower of zero-shot heads, before merging
         clip_model, processing = model_family.recipe_text_model(base, recipe.evaluation, processing, load_model)
 
-    log("Loading the calibration data ...")
-    seed = recipe.featcal.seed
-    calibration = {t: prepare_calibration(family, t, s, processing, seed) for t, s in recipe.calibration.items()}
+    calibration = load_calibration_data(family, recipe.calibration, processing, recipe.featcal.seed, log=log)
     return RecipeInputs(base=base, processing=processing, clip_model=clip_model, calibration=calibration)
+
+
+def load_calibration_data(
+    family: str,
+    specs: Mapping[str, DatasetSpec],
+    processing: Mapping[str, Any] | None,
+    seed: int,
+    *,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Stage *load*: task → calibration ``Dataset`` prepared for the family (`prepare_calibration`)."""
+    log("Loading the calibration data ...")
+    return {task: prepare_calibration(family, task, spec, processing, seed) for task, spec in specs.items()}
 
 
 def recipe_evaluator(
@@ -1005,6 +1011,122 @@ class RecipeResult:
     pushed_to: str | None = None
 
 
+# The stages of a run. `run_recipe` is their sequence; ``hf-featcal merge`` / ``calibrate`` build the
+# same inputs from their flags and call the same stages (a given merged model replaces *merge*):
+#   check_output_dir → prepare_recipe_inputs / load_calibration_data → merge_experts →
+#   build_calibrator → calibrate_merged (evaluating before and after when asked) → save_run → push_run
+
+
+def check_output_dir(output_dir: str, key: str = "output_dir", source: str | None = None) -> None:
+    """Stage *check*: refuse an output folder that cannot be written, before anything is loaded.
+
+    Raises:
+        RecipeError: naming `key`.
+    """
+    from .checkpointing import check_writable_folder
+
+    try:
+        check_writable_folder(output_dir, key)
+    except ValueError as err:
+        raise RecipeError(key, str(err).split(" ", 1)[1], source) from None
+
+
+def merge_experts(base: Any, experts: Mapping[str, Any], merge: MergeSpec, *, log: Callable[[str], None] = print) -> Any:
+    """Stage *merge*: ``merge_models(base, experts, method, **params)`` of a validated `MergeSpec`."""
+    from .merging import merge_models
+
+    log(f"Merging {len(experts)} experts: {merge.describe()} ...")
+    return merge_models(base, dict(experts), merge.method, **merge.params)
+
+
+@dataclass
+class CalibrationRun:
+    """What `calibrate_merged` produced: the calibrator (its report, its ``save_model``), the calibrated
+    model, the scores before / after (None when not evaluated), their details and the seconds per step."""
+
+    calibrator: Any
+    calibrated: Any
+    before: dict[str, float] | None
+    after: dict[str, float] | None
+    details: dict[str, Any]
+    timings: dict[str, float]
+
+
+def calibrate_merged(
+    calibrator: Any,
+    merged: Any,
+    model_family: ModelFamily,
+    processing: Mapping[str, Any] | None,
+    *,
+    evaluation: EvaluationSpec | None = None,
+    clip_model: Any = None,
+    log: Callable[[str], None] = print,
+) -> CalibrationRun:
+    """Stage *calibrate*: ``calibrator.calibrate()`` (a `build_calibrator` of `merged`, which checks the
+    inputs first), with `evaluation` (if given) of the merged model before and of the calibrated model
+    after, on the calibrator's device."""
+    run_device = str(calibrator.device)
+    timings: dict[str, float] = {}
+    details: dict[str, Any] = {}
+
+    def evaluate(model: Any, when: str, what: str) -> dict[str, float]:
+        assert evaluation is not None
+        clock = time.perf_counter()
+        log(f"Evaluating the {what} model ...")
+        scores, details[when] = evaluate_model(model_family.name, model, evaluation, processing=processing or {},
+                                               clip_model=clip_model, device=run_device)
+        timings[f"evaluate_{when}"] = time.perf_counter() - clock
+        return scores
+
+    before = evaluate(merged, "before", "merged") if evaluation is not None else None
+    clock = time.perf_counter()
+    log(f"Calibrating with FeatCal on {run_device} ...")
+    calibrated = calibrator.calibrate()
+    timings["calibrate"] = time.perf_counter() - clock
+    after = evaluate(calibrated, "after", "calibrated") if evaluation is not None else None
+    return CalibrationRun(calibrator=calibrator, calibrated=calibrated, before=before, after=after,
+                          details=details, timings=timings)
+
+
+def save_run(
+    run: CalibrationRun,
+    output_dir: str,
+    model_family: ModelFamily,
+    processing: Mapping[str, Any] | None,
+    *,
+    recipe: Recipe | None = None,
+) -> tuple[str | None, str | None]:
+    """Stage *save*: the calibrated folder (`save_calibrated`); with the run's `recipe`, also the
+    before / after table (``featcal_evaluation.json``, the model card's evaluation section) and the
+    resolved recipe (``featcal_recipe.yaml``). Returns (drift plot path, scores table)."""
+    import yaml
+
+    plot_path = save_calibrated(run.calibrator, output_dir, model_family, processing)
+    table = None
+    if recipe is not None and recipe.evaluation is not None and run.before is not None and run.after is not None:
+        rows = {recipe.merge.describe(): run.before, f"{recipe.merge.describe()} + FeatCal": run.after}
+        table = scores_table(rows, recipe.evaluation.tasks)
+        with open(os.path.join(output_dir, "featcal_evaluation.json"), "w", encoding="utf-8") as handle:
+            json.dump({"before": run.before, "after": run.after, "details": run.details}, handle, indent=2, default=str)
+            handle.write("\n")
+        _append_to_card(output_dir, table, recipe)
+    if recipe is not None:
+        with open(os.path.join(output_dir, "featcal_recipe.yaml"), "w", encoding="utf-8") as handle:
+            handle.write(f"# The recipe of this run (from {recipe.source or 'a dict'}), resolved: hf-featcal run <this file>\n")
+            yaml.safe_dump(recipe.to_dict(), handle, sort_keys=False, allow_unicode=True)
+    return plot_path, table
+
+
+def push_run(output_dir: str, repo_id: str | None, *, log: Callable[[str], None] = print) -> str | None:
+    """Stage *push*: upload `output_dir` to `repo_id` (`upload_folder`); returns the repo id, None
+    when `repo_id` is None."""
+    if not repo_id:
+        return None
+    log(f"Uploading {output_dir} to {repo_id} ...")
+    upload_folder(output_dir, repo_id)
+    return repo_id
+
+
 def build_calibrator(
     merged: Any,
     base: Any,
@@ -1017,8 +1139,8 @@ def build_calibrator(
     device: Any = None,
     show_progress: bool = True,
 ) -> Any:
-    """The `FeatCalCalibrator` of a run (`run_recipe` and ``hf-featcal calibrate``): the family's
-    processing class for the calibration data."""
+    """Stage *build*: the `FeatCalCalibrator` of a run (checks its inputs before anything is computed),
+    with the family's processing class for the calibration data; `calibrate_merged` runs it."""
     from .calibrator import FeatCalCalibrator
 
     return FeatCalCalibrator(
@@ -1048,7 +1170,9 @@ def run_recipe(
     show_progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> RecipeResult:
-    """Execute a recipe: merge → calibrate (checks first) → evaluate before/after → save (+ push).
+    """Execute a recipe: merge → calibrate (checks first) → evaluate before/after → save (+ push), the
+    stages `check_output_dir` → `prepare_recipe_inputs` → `merge_experts` → `build_calibrator` →
+    `calibrate_merged` → `save_run` → `push_run`.
 
     The output folder gets the calibrated model (``save_pretrained``; open_clip: its own format), its
     processor / tokenizer,
@@ -1056,82 +1180,28 @@ def run_recipe(
     ``featcal_config.json``, ``featcal_drift.png``, ``featcal_evaluation.json`` and the recipe
     (``featcal_recipe.yaml``).
     """
-    import yaml
-
-    from .checkpointing import check_writable_folder
-    from .merging import merge_models
-
-    family = recipe.model_family
     timings: dict[str, float] = {}
     clock = time.perf_counter()
-    try:  # before anything is loaded or merged
-        check_writable_folder(recipe.output_dir, "output_dir")
-    except ValueError as err:
-        raise RecipeError("output_dir", str(err).split(" ", 1)[1], recipe.source) from None
-
+    check_output_dir(recipe.output_dir, "output_dir", recipe.source)  # before anything is loaded or merged
     inputs = prepare_recipe_inputs(recipe, evaluate=evaluate, log=log)
-    base, processing, clip_model, calibration = inputs.base, inputs.processing, inputs.clip_model, inputs.calibration
-    model_family = recipe.family
     timings["load"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
-    log(f"Merging {len(recipe.experts)} experts: {recipe.merge.describe()} ...")
-    merged = merge_models(base, dict(recipe.experts), recipe.merge.method, **recipe.merge.params)
+    merged = merge_experts(inputs.base, recipe.experts, recipe.merge, log=log)
     timings["merge"] = time.perf_counter() - clock
 
-    calibrator = build_calibrator(merged, base, dict(recipe.experts), calibration, recipe.featcal, model_family,
-                                  processing, device=device, show_progress=show_progress)
-    run_device = str(calibrator.device)
-
-    before = after = None
-    details: dict[str, Any] = {}
-    do_eval = evaluate and recipe.evaluation is not None
-    if do_eval:
-        clock = time.perf_counter()
-        log("Evaluating the merged model ...")
-        before, details["before"] = evaluate_model(
-            family, merged, recipe.evaluation, processing=processing, clip_model=clip_model, device=run_device
-        )
-        timings["evaluate_before"] = time.perf_counter() - clock
-
-    clock = time.perf_counter()
-    log("Calibrating with FeatCal ...")
-    calibrated = calibrator.calibrate()
-    timings["calibrate"] = time.perf_counter() - clock
-
-    if do_eval:
-        clock = time.perf_counter()
-        log("Evaluating the calibrated model ...")
-        after, details["after"] = evaluate_model(
-            family, calibrated, recipe.evaluation, processing=processing, clip_model=clip_model, device=run_device
-        )
-        timings["evaluate_after"] = time.perf_counter() - clock
-
-    out = recipe.output_dir
-    plot_path = save_calibrated(calibrator, out, model_family, processing)
-    table = None
-    if do_eval and before is not None and after is not None:
-        assert recipe.evaluation is not None
-        rows = {recipe.merge.describe(): before, f"{recipe.merge.describe()} + FeatCal": after}
-        table = scores_table(rows, recipe.evaluation.tasks)
-        with open(os.path.join(out, "featcal_evaluation.json"), "w", encoding="utf-8") as handle:
-            json.dump({"before": before, "after": after, "details": details}, handle, indent=2, default=str)
-            handle.write("\n")
-        _append_to_card(out, table, recipe)
-    with open(os.path.join(out, "featcal_recipe.yaml"), "w", encoding="utf-8") as handle:
-        handle.write(f"# The recipe of this run (from {recipe.source or 'a dict'}), resolved: hf-featcal run <this file>\n")
-        yaml.safe_dump(recipe.to_dict(), handle, sort_keys=False, allow_unicode=True)
-
-    pushed = None
-    if push_to_hub and recipe.push_to_hub:
-        log(f"Uploading {out} to {recipe.push_to_hub} ...")
-        upload_folder(out, recipe.push_to_hub)
-        pushed = recipe.push_to_hub
+    calibrator = build_calibrator(merged, inputs.base, recipe.experts, inputs.calibration, recipe.featcal, recipe.family,
+                                  inputs.processing, device=device, show_progress=show_progress)
+    run = calibrate_merged(calibrator, merged, recipe.family, inputs.processing,
+                           evaluation=recipe.evaluation if evaluate else None, clip_model=inputs.clip_model, log=log)
+    timings.update(run.timings)
+    plot_path, table = save_run(run, recipe.output_dir, recipe.family, inputs.processing, recipe=recipe)
+    pushed = push_run(recipe.output_dir, recipe.push_to_hub if push_to_hub else None, log=log)
     return RecipeResult(
-        output_dir=out,
-        report=calibrator.report,
-        before=before,
-        after=after,
+        output_dir=recipe.output_dir,
+        report=run.calibrator.report,
+        before=run.before,
+        after=run.after,
         plot_path=plot_path,
         timings=timings,
         table=table,
