@@ -1,12 +1,16 @@
 """Benchmark: FeatCal on a CLIP ViT-B/32-geometry vision tower (random init, synthetic task vectors).
 
-Prints seconds per stage, peak RSS, peak device memory (GPU), the arithmetic count of the run and
-the achieved fraction of this machine's measured matmul throughput. Experts and the base are written
+Prints (JSON, then a table) seconds per stage, the arithmetic count per stage (`flop_count`), the
+achieved fraction of this machine's measured matmul peak for the dtype each stage runs in (forwards:
+the forward dtype; statistics: float32, or the forward dtype in fast mode; solving: float32), peak
+RSS and peak device memory (GPU). Experts and the base are written
 to disk once (`--workdir`) and read block by block, as users' hub checkpoints are.
 
     python benchmarks/bench_clip.py --tasks 8 --samples 32                 # one run
     python benchmarks/bench_clip.py --sweep 1,2,4,8 --samples 32           # memory vs number of experts
-    python benchmarks/bench_clip.py --device cuda --dtype bfloat16 --tasks 8 --samples 256   # GPU variant
+    python benchmarks/bench_clip.py --forward-dtype bfloat16 --tasks 8 --samples 32   # fast mode
+    python benchmarks/bench_clip.py --device cuda --tasks 8 --samples 256 --forward-dtype bfloat16   # GPU
+    bash benchmarks/gpu_h200.sh                                             # both modes on one H200
     python benchmarks/bench_clip.py --library open_clip --tasks 8 --samples 32   # open_clip ViT-B-32 folders
 
 Each measured run is its own process, so peak RSS is that run's alone.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -80,10 +85,21 @@ class _Library:
 
 def prepare(workdir: str, tasks: int, layers: int, library: _Library) -> None:
     """Write base, `tasks` experts (base + a synthetic task vector) and their Task-Arithmetic merge.
-    Only one expert is in memory at a time."""
+    Only one expert is in memory at a time. Experts already written for the same number of layers
+    (by a run with at least as many tasks) are reused; a workdir prepared for another number of layers
+    is overwritten."""
     marker = os.path.join(workdir, f"ready-{tasks}-{layers}.json")
     if os.path.exists(marker):
         return
+    reusable = 0  # experts 0 .. reusable-1 were written for this number of layers
+    for name in os.listdir(workdir):
+        match = re.fullmatch(r"ready-(\d+)-(\d+)\.json", name)
+        if match is None:
+            continue
+        if int(match[2]) == layers:
+            reusable = max(reusable, int(match[1]))
+        else:  # its experts are about to be overwritten
+            os.remove(os.path.join(workdir, name))
     torch.manual_seed(0)
     base = library.build()
     if library.name == "open_clip" and layers != len(base.visual.transformer.resblocks):
@@ -99,7 +115,7 @@ def prepare(workdir: str, tasks: int, layers: int, library: _Library) -> None:
             if v.is_floating_point():
                 merged[k] += 0.3 * (v - original[k])
         path = os.path.join(workdir, f"expert-{i}")
-        if not os.path.isdir(path):
+        if i >= reusable or not os.path.isdir(path):
             base.load_state_dict(expert)
             library.save(base, path)
         del expert
@@ -109,35 +125,79 @@ def prepare(workdir: str, tasks: int, layers: int, library: _Library) -> None:
         json.dump({"tasks": tasks}, handle)
 
 
-def matmul_throughput(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] = (1024, 2048, 3072), repeats: int = 8) -> float:
-    """This machine's matmul throughput (FLOP/s): the best of square products of a few sizes."""
-    best = 0.0
-    for size in sizes:
-        a = torch.randn(size, size, device=device, dtype=dtype)
-        b = torch.randn(size, size, device=device, dtype=dtype)
-        for _ in range(2):
-            a @ b
+#: dtype of each timed stage's products, by mode: block forwards run in the forward dtype (fast mode's
+#: autocast dtype, else the model's); statistics accumulate in float32 except that fast mode's Gram
+#: products take forward-dtype inputs; solving is float32 (`compute_dtype`).
+FORWARD_STAGES = ("block forwards", "propagating", "drift (merged-as-given stream)")
+
+
+def stage_dtypes(model_dtype: str, forward_dtype: str | None) -> dict[str, str]:
+    """The dtype whose matmul peak each stage is measured against."""
+    forward = forward_dtype or model_dtype
+    return {**{stage: forward for stage in FORWARD_STAGES}, "statistics": forward_dtype or "float32", "solving": "float32"}
+
+
+def matmul_throughput(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] | None = None, seconds: float = 0.3) -> float:
+    """This machine's matmul throughput (FLOP/s) in `dtype`: the best of square products of a few sizes
+    (larger on a GPU, where 3072² products do not fill the device), each repeated for about `seconds`."""
+    if sizes is None:
+        sizes = (2048, 4096, 8192) if device.type == "cuda" else (1024, 2048, 3072)
+
+    def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
+
+    best = 0.0
+    for size in sizes:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        a @ b  # warm-up (and, on a slow path, how many repeats fit in `seconds`)
+        sync()
+        start = time.perf_counter()
+        a @ b
+        sync()
+        repeats = max(1, min(50, int(seconds / max(time.perf_counter() - start, 1e-6))))
         start = time.perf_counter()
         for _ in range(repeats):
             a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         best = max(best, 2 * size**3 * repeats / (time.perf_counter() - start))
+        del a, b
     return best
 
 
-def flop_count(tasks: int, samples: int, layers: int, d: int = 768, ff: int = 3072, tokens: int = 50) -> dict[str, float]:
+def triangle_fraction(dim: int) -> float:
+    """The share of a full `dim`-wide Gram product x_sᵀx_s the library computes: it accumulates the
+    block upper triangle of `hf_featcal.statistics.gram_blocks` (block j against blocks ≥ j; 8 equal
+    blocks: (8+1)/(2·8) = 9/16, 4 blocks: 5/8, one block: 1) and mirrors it at task end. 9/16 when the
+    library does not say."""
+    try:
+        from hf_featcal.statistics import gram_blocks
+    except ImportError:
+        return 9 / 16
+    return sum((stop - start) * (dim - start) for start, stop in gram_blocks(dim)) / dim**2
+
+
+def flop_count(
+    tasks: int, samples: int, layers: int, d: int = 768, ff: int = 3072, tokens: int = 50, gram_fraction: float | None = None
+) -> dict[str, float]:
     """Arithmetic (2 × multiply-adds) of one FeatCal run with the default settings, per timed stage,
-    as the library does it."""
+    as the library does it.
+
+    `gram_fraction`: the share of a full Gram product counted for every Gram; None: per input width as
+    the library blocks it (`triangle_fraction`: 5/8 at 768, 9/16 at 3072). Cross moments E[x_s x_eᵀ]
+    are not symmetric and count in full.
+    """
+    gram_d = (triangle_fraction(d) if gram_fraction is None else gram_fraction) * 2 * d * d
+    gram_ff = (triangle_fraction(ff) if gram_fraction is None else gram_fraction) * 2 * ff * ff
     m = tasks * samples * tokens  # token rows per stream
     attention = 4 * tokens * d
     block_forward = m * (2 * (4 * d * d + 2 * d * ff) + attention)
     merged_until_fc2 = m * (2 * (4 * d * d + d * ff) + attention)  # the merged pass stops at fc2's input
-    # per token: Gram + cross moment of q/k/v (2 groups in the last block), out_proj and fc1; fc2's Gram
-    # and its right-hand side accumulated directly (x_t·W_iᵀ, then x_sᵀ·y)
-    stats = layers * m * (3 * 4 * d * d + 2 * ff * ff + 4 * ff * d) + m * 4 * d * d
+    # per token: Gram + cross moment (2·d²) of q/k/v, out_proj and fc1; fc2's Gram and its right-hand side
+    # accumulated directly (projection x_t·W_iᵀ, then x_sᵀ·y: 2·ff·d each); the last block has one more
+    # q/k/v-input group (k/v with their own token weights)
+    stats = layers * m * (3 * (gram_d + 2 * d * d) + gram_ff + 4 * ff * d) + m * (gram_d + 2 * d * d)
     fold = layers * tasks * 2 * d * d * (3 * d + d + ff)  # X_i W_iᵀ of the cross-moment groups
     chol = lambda n: n**3 / 3  # noqa: E731
     per_block = (
@@ -155,12 +215,48 @@ def flop_count(tasks: int, samples: int, layers: int, d: int = 768, ff: int = 30
     }
 
 
+def stage_rows(result: dict) -> list[tuple[str, float, float | None, float | None, float | None, str | None]]:
+    """(stage, seconds, TFLOP, TFLOP/s, fraction of its dtype's peak, dtype) for every timed stage."""
+    rows = []
+    for stage, seconds in result["seconds_per_stage"].items():
+        tflop = result["tflop"].get(stage)
+        dtype = result["stage_dtypes"].get(stage)
+        rate = tflop / seconds if tflop is not None and seconds > 0 else None
+        fraction = result["fraction_of_matmul_peak_per_stage"].get(stage)
+        rows.append((stage, seconds, tflop, rate, fraction, dtype))
+    return rows
+
+
+def stage_table(result: dict) -> str:
+    """A markdown table of `stage_rows`, then the run's total, memory and measured peaks."""
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    lines = [
+        f"{result['library']} · {result['tasks']} tasks × {result['samples_per_task']} samples · {result['layers']} layers · "
+        f"{result['device']} · model {result['dtype']} · forward dtype {result['forward_dtype'] or 'none (exact)'}",
+        "| stage | seconds | TFLOP | TFLOP/s | fraction of peak | peak dtype |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for stage, seconds, tflop, rate, fraction, dtype in stage_rows(result):
+        lines.append(f"| {stage} | {seconds:.2f} | {fmt(tflop, '.3f')} | {fmt(rate, '.3f')} | {fmt(fraction, '.3f')} | {dtype or '-'} |")
+    device_mem = "-" if result["peak_device_gib"] is None else f"{result['peak_device_gib']:.2f} GiB"
+    peaks = ", ".join(f"{k} {v:.2f}" for k, v in result["measured_matmul_tflops"].items())
+    lines.append(
+        f"total {result['seconds_total']:.2f} s · {sum(result['tflop'].values()):.2f} TFLOP · fraction of peak (counted stages) "
+        f"{fmt(result['block_work_fraction_of_matmul_peak'], '.3f')} · peak RSS {result['peak_rss_gib']:.2f} GiB · "
+        f"peak device {device_mem} · measured matmul peak (TFLOP/s): {peaks}"
+    )
+    return "\n".join(lines)
+
+
 def measure(args: argparse.Namespace) -> dict:
     from hf_featcal import FeatCalCalibrator, FeatCalConfig
 
     library = _Library(args.library, args.layers)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
+    forward_dtype = None if args.forward_dtype == "none" else args.forward_dtype
     torch.manual_seed(0)
     merged = library.load(os.path.join(args.workdir, f"merged-{args.tasks}"), dtype)
     experts = {f"task{i}": library.reference(os.path.join(args.workdir, f"expert-{i}")) for i in range(args.tasks)}
@@ -172,7 +268,7 @@ def measure(args: argparse.Namespace) -> dict:
     }
     calibrator = FeatCalCalibrator(
         merged, library.reference(os.path.join(args.workdir, "base")), experts, data,
-        FeatCalConfig(num_samples_per_task=args.samples, stream_placement=args.stream_placement),
+        FeatCalConfig(num_samples_per_task=args.samples, stream_placement=args.stream_placement, forward_dtype=forward_dtype),
         device=device, show_progress=False,
     )
     calibrator.profile = True
@@ -181,25 +277,35 @@ def measure(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     calibrator.calibrate()
     total = time.perf_counter() - start
-    peak = matmul_throughput(device, torch.float32 if dtype == torch.float32 else dtype)
-    flops = flop_count(args.tasks, args.samples, args.layers)
-    work = sum(calibrator.timings.get(k, 0.0) for k in flops)
+    # memory first: the throughput probe below allocates its own matrices
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    peak_device = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    dtypes = stage_dtypes(args.dtype, forward_dtype)
+    peaks = {name: matmul_throughput(device, getattr(torch, name)) for name in sorted(set(dtypes.values()))}
+    flops = flop_count(args.tasks, args.samples, args.layers, gram_fraction=args.gram_fraction)
+    timings = calibrator.timings
+    counted = [k for k in flops if timings.get(k)]
+    work = sum(timings[k] for k in counted)
+    ideal = sum(flops[k] / peaks[dtypes[k]] for k in counted)  # seconds at each stage's dtype peak
     return {
         "library": args.library,
         "tasks": args.tasks,
         "samples_per_task": args.samples,
+        "layers": args.layers,
         "device": str(device),
         "dtype": args.dtype,
+        "forward_dtype": forward_dtype,
+        "gram_fraction": {"768": triangle_fraction(768), "3072": triangle_fraction(3072)} if args.gram_fraction is None else args.gram_fraction,
         "seconds_total": total,
-        "seconds_per_stage": calibrator.timings,
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "peak_device_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "seconds_per_stage": timings,
+        "peak_rss_gib": peak_rss,
+        "peak_device_gib": peak_device,
         "tflop": {k: v / 1e12 for k, v in flops.items()},
-        "measured_matmul_tflops": peak / 1e12,
-        "block_work_fraction_of_matmul_peak": sum(flops.values()) / work / peak if work else None,
-        "fraction_of_matmul_peak_per_stage": {
-            k: v / calibrator.timings[k] / peak for k, v in flops.items() if calibrator.timings.get(k)
-        },
+        "stage_dtypes": dtypes,
+        "measured_matmul_tflops": {k: v / 1e12 for k, v in peaks.items()},
+        # Σ (stage FLOPs / its dtype's peak) ÷ Σ stage seconds, over the stages that are counted
+        "block_work_fraction_of_matmul_peak": ideal / work if work else None,
+        "fraction_of_matmul_peak_per_stage": {k: flops[k] / timings[k] / peaks[dtypes[k]] for k in counted},
         "last_block_drift_before_after": [
             sum(s["before"][-1] for s in calibrator.report.tasks.values()) / args.tasks,
             sum(s["after"][-1] for s in calibrator.report.tasks.values()) / args.tasks,
@@ -215,11 +321,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--forward-dtype", default="none", choices=["none", "bfloat16", "float16"],
+                        help="FeatCalConfig.forward_dtype: none (exact mode) or the fast mode's autocast dtype")
+    parser.add_argument("--gram-fraction", type=float, default=None,
+                        help="share of a full Gram product to count (default: as the library blocks each width)")
     parser.add_argument("--stream-placement", default="accelerator", choices=["accelerator", "cpu", "pinned_cpu"])
     parser.add_argument("--library", default="transformers", choices=["transformers", "open_clip"],
                         help="CLIPVisionModel (transformers) or open_clip's ViT-B-32 CLIP (its vision tower)")
     parser.add_argument("--workdir", default=None, help="where models are written (default: a temp folder per library)")
     parser.add_argument("--sweep", default=None, help="comma-separated numbers of experts, e.g. 1,2,4,8")
+    parser.add_argument("--output", default=None, help="also write the results (a JSON list) to this file")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.workdir is None:
@@ -238,11 +349,19 @@ def main() -> None:
     for tasks in counts:
         cmd = [sys.executable, __file__, "--measure", "--library", args.library, "--tasks", str(tasks), "--samples", str(args.samples),
                "--batch-size", str(args.batch_size), "--layers", str(args.layers), "--device", args.device,
-               "--dtype", args.dtype, "--stream-placement", args.stream_placement, "--workdir", args.workdir]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+               "--dtype", args.dtype, "--forward-dtype", args.forward_dtype, *([] if args.gram_fraction is None else ["--gram-fraction", repr(args.gram_fraction)]),
+               "--stream-placement", args.stream_placement, "--workdir", args.workdir]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode != 0:
+            sys.stderr.write(run.stdout + run.stderr)
+            raise SystemExit(f"the measured run ({tasks} experts) failed with exit status {run.returncode}")
+        result = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
         rows.append(result)
         print(json.dumps(result, indent=2), flush=True)
+        print("\n" + stage_table(result) + "\n", flush=True)
+        if args.output:
+            with open(args.output, "w", encoding="utf-8") as handle:
+                json.dump(rows, handle, indent=2)
     if len(rows) > 1:
         print("\n| experts | seconds | peak RSS (GiB) | peak device (GiB) | fraction of matmul peak |")
         print("|---:|---:|---:|---:|---:|")

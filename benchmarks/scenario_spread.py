@@ -17,6 +17,9 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,39 +44,71 @@ def _featcal(merged, base, experts, data, config):
     return calibrated, drift
 
 
-def digits(seed: int) -> dict:
+@dataclass
+class Setting:
+    """One trained scenario, ready for FeatCal with the settings the tests use: the base, the experts,
+    their Task Arithmetic merge (0.3), the calibration data and config, and scores in points."""
+
+    base: Any
+    experts: dict[str, Any]
+    merged: Any
+    data: Any
+    config: FeatCalConfig
+    score: Callable[[Any], dict[str, float]]  # a model → its score per task
+    expert_scores: Callable[[], dict[str, float]]  # each expert on its own task
+
+
+def digits_setting(seed: int, cache_dir: str | None = None) -> Setting:
     from hf_featcal.scenarios.digits import build_digits_scenario
 
-    s = build_digits_scenario(seed=seed)
-    merged = s.task_arithmetic(0.3)
-    experts = {t: 100 * v for t, v in s.evaluate_experts().items()}
-    ta = {t: 100 * v for t, v in s.evaluate(merged).items()}
-    base = {t: 100 * v for t, v in s.evaluate(s.base).items()}
-    calibrated, drift = _featcal(merged, s.base, s.experts, s.calibration, FeatCalConfig(num_samples_per_task=64))
-    after = {t: 100 * v for t, v in s.evaluate(calibrated).items()}
-    return dict(experts=experts, base=base, ta=ta, featcal=after, drift=drift)
+    s = build_digits_scenario(seed=seed, cache_dir=cache_dir)
+    return Setting(
+        s.base, s.experts, s.task_arithmetic(0.3), s.calibration, FeatCalConfig(num_samples_per_task=64),
+        score=lambda model: {t: 100 * v for t, v in s.evaluate(model).items()},
+        expert_scores=lambda: {t: 100 * v for t, v in s.evaluate_experts().items()},
+    )
 
 
-def _text_like(s) -> dict:
-    merged = task_arithmetic(s.base, s.experts, scaling_factor=0.3).eval()
-    own = {t: s.evaluate(e)[t] for t, e in s.experts.items()}
-    ta = {t: v for t, v in s.evaluate(merged).items() if t != "mean"}
-    base = {t: v for t, v in s.evaluate(s.base).items() if t != "mean"}
-    calibrated, drift = _featcal(merged, s.base, s.experts, s.calibration_batches, FeatCalConfig())
-    after = {t: v for t, v in s.evaluate(calibrated).items() if t != "mean"}
-    return dict(experts=own, base=base, ta=ta, featcal=after, drift=drift)
+def _text_like_setting(s) -> Setting:
+    return Setting(
+        s.base, s.experts, task_arithmetic(s.base, s.experts, scaling_factor=0.3).eval(), s.calibration_batches, FeatCalConfig(),
+        score=lambda model: {t: v for t, v in s.evaluate(model).items() if t != "mean"},
+        expert_scores=lambda: {t: s.evaluate(e)[t] for t, e in s.experts.items()},
+    )
+
+
+def text_setting(seed: int, cache_dir: str | None = None) -> Setting:
+    from scenarios.text import build_text_scenario
+
+    return _text_like_setting(build_text_scenario(seed=seed, cache_dir=cache_dir))
+
+
+def causal_setting(seed: int, cache_dir: str | None = None) -> Setting:
+    from scenarios.causal import build_causal_scenario
+
+    return _text_like_setting(build_causal_scenario(seed=seed, cache_dir=cache_dir))
+
+
+SETTINGS: dict[str, Callable[..., Setting]] = {"digits": digits_setting, "text": text_setting, "causal": causal_setting}
+
+
+def _spread_row(setting: Setting) -> dict:
+    experts = setting.expert_scores()
+    ta, base = setting.score(setting.merged), setting.score(setting.base)
+    calibrated, drift = _featcal(setting.merged, setting.base, setting.experts, setting.data, setting.config)
+    return dict(experts=experts, base=base, ta=ta, featcal=setting.score(calibrated), drift=drift)
+
+
+def digits(seed: int) -> dict:
+    return _spread_row(digits_setting(seed))
 
 
 def text(seed: int) -> dict:
-    from scenarios.text import build_text_scenario
-
-    return _text_like(build_text_scenario(seed=seed))
+    return _spread_row(text_setting(seed))
 
 
 def causal(seed: int) -> dict:
-    from scenarios.causal import build_causal_scenario
-
-    return _text_like(build_causal_scenario(seed=seed))
+    return _spread_row(causal_setting(seed))
 
 
 SCENARIOS = {"digits": digits, "text": text, "causal": causal}

@@ -40,7 +40,25 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "alpha_is_1": ("pipeline/accumulate.py", "    alpha = ctx.config.teacher_alpha\n", "    alpha = 1.0\n"),
     "alpha_is_0": ("pipeline/accumulate.py", "    alpha = ctx.config.teacher_alpha\n", "    alpha = 0.0\n"),
-    "task_scale_1": ("statistics.py", "        s_i = task_scale(c_i, self.epsilon)\n", "        s_i = 1.0\n"),
+    "task_scale_1": ("statistics.py", "        s_i = 1.0 / max(upper_gram_norm(c_i), self.epsilon)\n", "        s_i = 1.0\n"),
+    # exact-mode arithmetic (blocked Gram triangle, cross moment from the expert's inputs, blocked Cholesky)
+    "gram_lower_blocks_not_mirrored": (
+        "statistics.py", "            full[c0:c1, r0:r1] = upper[r0:r1, c0:c1].T\n", "            pass\n",
+    ),
+    "gram_norm_of_upper_only": (
+        "statistics.py", "    return max(2.0 * float(torch.linalg.matrix_norm(upper).square()) - diagonal, 0.0) ** 0.5\n",
+        "    return float(torch.linalg.matrix_norm(upper))\n",
+    ),
+    "cross_moment_without_student_part": (
+        "statistics.py", "                    cross = torch.lerp(cross, moments[0].div_(total), alpha)\n",
+        "                    cross = moments[0].div_(total)\n",
+    ),
+    "teacher_mean_is_student_mean": (
+        "statistics.py", "        mu_t = torch.lerp(mu_s, mu_e, alpha)\n", "        mu_t = mu_s\n",
+    ),
+    "cholesky_without_trailing_update": (
+        "solver.py", "            trailing.addmm_(panel, panel.T, alpha=-1.0)\n", "            pass\n",
+    ),
     "anchor_is_merged": ("pipeline/solve.py", "        return anchor(merged, base, rho)\n",
                          "        return anchor(merged, None, rho)\n"),
     "pooled_weights_off": ("pipeline/accumulate.py", "    if not weighted:\n        return weights\n",
@@ -53,7 +71,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
 }
 
 DEFAULT_TESTS = ["tests/test_reference_blockwise.py", "tests/test_t5.py", "tests/test_llm.py",
-                 "tests/test_encoders.py", "tests/test_reference_agreement.py"]
+                 "tests/test_encoders.py", "tests/test_reference_agreement.py", "tests/test_statistics_arithmetic.py"]
 
 
 def run_mutation(name: str, tests: list[str], workers: int) -> list[str]:

@@ -178,13 +178,13 @@ def test_keys_and_values_see_every_attended_position(generator, monkeypatch):
     labels[0, 4:6] = 5
     labels[1, 3] = 5
     seen = {}
-    original = LinearGroupStatistics.accumulate
+    original = LinearGroupStatistics.accumulate_mixture
 
-    def record(self, x_s, x_t, weights, targets=None):
+    def record(self, x_s, x_e, alpha, weights, targets=None):
         seen.setdefault(self.modules, weights.clone())
-        return original(self, x_s, x_t, weights, targets)
+        return original(self, x_s, x_e, alpha, weights, targets)
 
-    monkeypatch.setattr(LinearGroupStatistics, "accumulate", record)
+    monkeypatch.setattr(LinearGroupStatistics, "accumulate_mixture", record)
     FeatCalCalibrator(task_arithmetic(base, experts), base, experts, {"a": [{**batch, "labels": labels}]},
                       show_progress=False).calibrate()
     counted = (labels != -100).float()

@@ -99,6 +99,23 @@ class FeatCalConfig:
         default="float32",
         metadata={"help": "dtype of the accumulated statistics and of the solves: 'float32' or 'float64'."},
     )
+    forward_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "Fast mode (off by default). None: block forwards in the model's own dtype (exact). "
+            "'bfloat16' or 'float16': block forwards under torch.autocast in that dtype (AMX on CPU, tensor "
+            "cores on GPU) and the Gram products take those low-precision inputs with float32 outputs; "
+            "statistics are still accumulated and solved in `compute_dtype`. Changes results slightly."
+        },
+    )
+    restore_snapshot: str = field(
+        default="memory",
+        metadata={
+            "help": "Where the copy of the merged model kept to restore it if calibration fails is held: "
+            "'memory' (host RAM; fastest) or 'disk' (a memory-mapped safetensors file in a temporary "
+            "folder, removed at the end; for models larger than host RAM). Does not change results."
+        },
+    )
     granularity: str = field(
         default="block",
         metadata={
@@ -200,6 +217,12 @@ class FeatCalConfig:
             )
         if self.compute_dtype not in ("float32", "float64"):
             raise ValueError(f"FeatCalConfig.compute_dtype must be 'float32' or 'float64', got {self.compute_dtype!r}.")
+        if self.forward_dtype not in (None, "bfloat16", "float16"):
+            raise ValueError(
+                f"FeatCalConfig.forward_dtype must be None, 'bfloat16' or 'float16', got {self.forward_dtype!r}."
+            )
+        if self.restore_snapshot not in ("memory", "disk"):
+            raise ValueError(f"FeatCalConfig.restore_snapshot must be 'memory' or 'disk', got {self.restore_snapshot!r}.")
         if self.granularity not in ("block", "module"):
             raise ValueError(f"FeatCalConfig.granularity must be 'block' or 'module', got {self.granularity!r}.")
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .solver import task_scale
 
 # A reduction applied to a task's raw sums before they are turned into means (e.g. an all-reduce
 # across processes). Identity on one process.
@@ -44,11 +43,84 @@ class LinearTargets:
     bias: Tensor | None
 
 
+#: Inputs at least this wide get their Gram as a blocked upper triangle (below it one product is cheaper).
+BLOCKED_GRAM_MIN_DIM = 512
+
+
+def gram_blocks(dim: int) -> list[tuple[int, int]]:
+    """Column blocks of a `dim`-wide Gram accumulated as its block upper triangle: 8 blocks from 2048
+    on (9/16 of the full product's arithmetic), 4 from `BLOCKED_GRAM_MIN_DIM` (5/8), else one (the
+    full product). Block edges are multiples of 64, so every product keeps aligned shapes."""
+    if dim < BLOCKED_GRAM_MIN_DIM:
+        return [(0, dim)]
+    count = 8 if dim >= 2048 else 4
+    size = -(-dim // count)
+    size = -(-size // 64) * 64
+    return [(start, min(start + size, dim)) for start in range(0, dim, size)]
+
+
+def product(a: Tensor, b: Tensor, low: torch.dtype | None, out: Tensor | None = None) -> Tensor:
+    """a @ b, added into `out` when given. With `low` (fast mode) the factors are cast to that dtype:
+    on CUDA the product is returned in float32 (`torch.mm(..., out_dtype=)`); elsewhere (this torch
+    has no CPU kernel for it) it comes back in `low` and is added to the float32 sums (rounded once
+    per batch, as the inputs already are)."""
+    if low is None:
+        return torch.mm(a, b) if out is None else out.addmm_(a, b)
+    a, b = a.to(low), b.to(low)
+    if a.is_cuda:
+        try:
+            result = torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # a torch without out_dtype
+            result = torch.mm(a, b)
+    else:
+        result = torch.mm(a, b)
+    return result.float() if out is None else out.add_(result)
+
+
+def upper_gram(a: Tensor, b: Tensor, low: torch.dtype | None = None) -> Tensor:
+    """aᵀ b on the block upper triangle of `gram_blocks` only (a Gram is symmetric;
+    `symmetric_from_upper` restores the rest), zeros below it. a, b: (M, d)."""
+    dim = a.shape[1]
+    acc = torch.empty(dim, dim, dtype=a.dtype if low is None else torch.float32, device=a.device)
+    for start, stop in gram_blocks(dim):
+        if low is None:
+            torch.mm(a[:, start:stop].T, b[:, start:], out=acc[start:stop, start:])
+        else:
+            acc[start:stop, start:] = product(a[:, start:stop].T, b[:, start:], low)
+        acc[stop:, start:stop] = 0.0
+    return acc
+
+
+def add_upper_gram(acc: Tensor, a: Tensor, b: Tensor, low: torch.dtype | None = None) -> None:
+    """acc += aᵀ b on the block upper triangle of `gram_blocks(acc.shape[0])` only."""
+    for start, stop in gram_blocks(acc.shape[0]):
+        product(a[:, start:stop].T, b[:, start:], low, out=acc[start:stop, start:])
+
+
+def symmetric_from_upper(upper: Tensor) -> Tensor:
+    """The full symmetric matrix of a block upper triangle kept by `add_upper_gram` (a new tensor)."""
+    blocks = gram_blocks(upper.shape[0])
+    full = upper.clone()
+    for i, (r0, r1) in enumerate(blocks):
+        for c0, c1 in blocks[i + 1 :]:
+            full[c0:c1, r0:r1] = upper[r0:r1, c0:c1].T
+    return full
+
+
+def upper_gram_norm(upper: Tensor) -> float:
+    """Frobenius norm of the full symmetric matrix of a block upper triangle."""
+    # every off-diagonal block stands for itself and its mirror: 2·‖upper‖² − Σ ‖diagonal blocks‖²
+    diagonal = sum(float(torch.linalg.matrix_norm(upper[r0:r1, r0:r1]).square()) for r0, r1 in gram_blocks(upper.shape[0]))
+    return max(2.0 * float(torch.linalg.matrix_norm(upper).square()) - diagonal, 0.0) ** 0.5
+
+
 @dataclass
 class LinearGroupStatistics:
     """Statistics of the Linears that read one input with one set of token weights (e.g. q/k/v).
 
-    Per task: Σw, Σw·x_s, Σw·x_t, Σw·x_s x_sᵀ, Σw·x_s x_tᵀ. Folded at task end into Σ s_i C_i,
+    Per task: Σw, Σw·x_s, Σw·x_e, Σw·x_s x_sᵀ (its block upper triangle) and Σw·x_s x_eᵀ, where the
+    teacher is x_t = (1 − α)·x_s + α·x_e, so Σw·x_s x_tᵀ = (1 − α)·Σw·x_s x_sᵀ + α·Σw·x_s x_eᵀ needs
+    no teacher tensor (and no cross moment at all for α = 0). Folded at task end into Σ s_i C_i,
     Σ s_i, Σ s_i μ_s,i and per module Σ s_i X_i W_iᵀ and Σ s_i (b_i + W_i μ_t,i).
     """
 
@@ -60,16 +132,20 @@ class LinearGroupStatistics:
     #: Accumulate each module's right-hand side Σ w·x_s (W_i x_t)ᵀ directly instead of the d×d cross
     #: moment: cheaper when the modules' outputs together are narrower than their input (down projections).
     direct_rhs: bool = False
+    #: Fast mode: the dtype the products' factors are cast to (None: the accumulation dtype).
+    product_dtype: torch.dtype | None = None
     # running sums of the current task
     _w: Tensor = field(init=False)
     _count: int = field(init=False, default=0)
+    _alpha: float | None = field(init=False, default=None)
     _sx_s: Tensor = field(init=False)
-    _sx_t: Tensor = field(init=False)
-    _gram: Tensor = field(init=False)
+    _sx_e: Tensor = field(init=False)
+    _gram: Tensor | None = field(init=False, default=None)
     _cross: Tensor | None = field(init=False, default=None)
     _rhs_task: dict[str, Tensor] = field(init=False, default_factory=dict)
-    # folded over finished tasks
-    gram_sum: Tensor | None = field(init=False, default=None)
+    # folded over finished tasks (the Gram sum as its block upper triangle)
+    _gram_sum_upper: Tensor | None = field(init=False, default=None)
+    _gram_sum: Tensor | None = field(init=False, default=None)
     scale_sum: float = field(init=False, default=0.0)
     student_mean_sum: Tensor | None = field(init=False, default=None)
     rhs_sum: dict[str, Tensor] = field(init=False, default_factory=dict)
@@ -80,14 +156,22 @@ class LinearGroupStatistics:
     def __post_init__(self) -> None:
         self._reset_task()
 
+    @property
+    def gram_sum(self) -> Tensor | None:
+        """Σ s_i C_i over the finished tasks (full and symmetric)."""
+        if self._gram_sum is None and self._gram_sum_upper is not None:
+            self._gram_sum = symmetric_from_upper(self._gram_sum_upper)
+        return self._gram_sum
+
     def _reset_task(self) -> None:
         d, kw = self.dim, {"dtype": self.dtype, "device": self.device}
         self._w = torch.zeros((), **kw)
         self._count = 0
+        self._alpha = None
         self._sx_s = torch.zeros(d, **kw)
-        self._sx_t = torch.zeros(d, **kw)
-        self._gram = torch.zeros(d, d, **kw)
-        self._cross = None if self.direct_rhs else torch.zeros(d, d, **kw)
+        self._sx_e = torch.zeros(d, **kw)
+        self._gram = None  # allocated by the first batch (an empty task: zeros at task end)
+        self._cross = None
         self._rhs_task = {}
 
     def accumulate(
@@ -95,31 +179,62 @@ class LinearGroupStatistics:
     ) -> None:
         """Add one batch: student and teacher inputs (..., d) and token weights (...). With `direct_rhs`
         the task expert's parameters (`targets`) are needed here already."""
+        self.accumulate_mixture(x_student, x_teacher, 1.0, weights, targets)
+
+    def accumulate_mixture(
+        self,
+        x_student: Tensor,
+        x_expert: Tensor,
+        alpha: float,
+        weights: Tensor,
+        targets: dict[str, LinearTargets] | None = None,
+    ) -> None:
+        """Add one batch whose teacher input is x_t = (1 − α)·x_student + α·x_expert (..., d), with
+        token weights (...); α is the same for every batch of a task."""
+        if self._alpha is None:
+            self._alpha = float(alpha)
+        elif self._alpha != float(alpha):
+            raise ValueError(f"modules {list(self.modules)}: one task's batches must share α")
         x_s, w = flatten_tokens(x_student, weights)
-        x_t, _ = flatten_tokens(x_teacher, weights)
+        x_e, _ = flatten_tokens(x_expert, weights)
         x_s = x_s.to(self.dtype)
-        x_t = x_t.to(self.dtype)
+        x_e = x_e.to(self.dtype)
         w = w.to(self.dtype)
-        weighted = x_s * w[:, None]
+        # unit weights (no padding, no pooled-token weighting) need no weighted copy of the features
+        unit = bool((w == 1).all())
+        weighted = x_s if unit else x_s * w[:, None]
+        low = self.product_dtype
         self._w += w.sum()
         self._count += int(w.numel())
         self._sx_s += weighted.sum(0)
-        self._sx_t += (x_t * w[:, None]).sum(0)
-        self._gram.addmm_(weighted.T, x_s)
-        if not self.direct_rhs:
-            self._cross.addmm_(weighted.T, x_t)
-            return
-        if targets is None:
-            raise ValueError("direct right-hand-side accumulation needs the expert's parameters")
-        for name in self.modules:
-            y = x_t @ targets[name].weight.to(device=self.device, dtype=self.dtype).T
-            if name in self._rhs_task:
-                self._rhs_task[name].addmm_(weighted.T, y)
+        self._sx_e.addmv_(x_e.T, w)
+        if self.direct_rhs:
+            if targets is None:
+                raise ValueError("direct right-hand-side accumulation needs the expert's parameters")
+            x_t = torch.lerp(x_s, x_e, alpha)
+        if low is not None:  # fast mode: the products' factors cast once per batch, not once per block
+            x_s, x_e = x_s.to(low), x_e.to(low)
+            weighted = x_s if unit else weighted.to(low)
+        if self._gram is None:
+            self._gram = upper_gram(weighted, x_s, low).to(self.dtype)
+        else:
+            add_upper_gram(self._gram, weighted, x_s, low)
+        if self.direct_rhs:
+            for name in self.modules:
+                y = product(x_t, targets[name].weight.to(device=self.device, dtype=self.dtype).T, low)
+                if name in self._rhs_task:
+                    product(weighted.T, y, low, out=self._rhs_task[name])
+                else:
+                    self._rhs_task[name] = product(weighted.T, y, low).to(self.dtype)
+        elif alpha != 0.0:
+            if self._cross is None:
+                self._cross = product(weighted.T, x_e, low).to(self.dtype)
             else:
-                self._rhs_task[name] = weighted.T @ y
+                product(weighted.T, x_e, low, out=self._cross)
 
     def finish_task(self, targets: dict[str, LinearTargets], reduce: SumReducer = _identity_reducer) -> None:
         """Fold the current task into the task sums, using the task's expert parameters."""
+        alpha = 0.0 if self._alpha is None else self._alpha
         count = torch.tensor(float(self._count), dtype=self.dtype, device=self.device)
         if self.direct_rhs:
             for name in self.modules:  # a process without batches of this task contributes zeros
@@ -128,25 +243,44 @@ class LinearGroupStatistics:
                         self.dim, targets[name].weight.shape[0], dtype=self.dtype, device=self.device
                     )
             moments = [self._rhs_task[name] for name in self.modules]
-        else:
+        elif alpha != 0.0:
+            if self._cross is None:
+                self._cross = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
             moments = [self._cross]
-        w, sx_s, sx_t, gram, count, *moments = reduce([self._w, self._sx_s, self._sx_t, self._gram, count, *moments])
+        else:
+            moments = []
+        if self._gram is None:  # a process without batches of this task
+            self._gram = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
+        w, sx_s, sx_e, gram, count, *moments = reduce([self._w, self._sx_s, self._sx_e, self._gram, count, *moments])
         total = float(w)
         if total <= 0:
             raise ValueError(f"modules {list(self.modules)}: the task has no token with non-zero weight")
-        c_i = gram / total
-        s_i = task_scale(c_i, self.epsilon)
-        mu_s, mu_t = sx_s / total, sx_t / total
+        c_i = gram.div_(total)  # the block upper triangle of C_i
+        s_i = 1.0 / max(upper_gram_norm(c_i), self.epsilon)
+        mu_s, mu_e = sx_s / total, sx_e / total
+        mu_t = torch.lerp(mu_s, mu_e, alpha)
+        cross = None
+        if not self.direct_rhs:  # X_i = E_w[x_s x_tᵀ] = (1 − α)·C_i + α·E_w[x_s x_eᵀ]
+            if alpha == 1.0:
+                cross = moments[0].div_(total)
+            else:
+                cross = symmetric_from_upper(c_i)
+                if alpha != 0.0:
+                    cross = torch.lerp(cross, moments[0].div_(total), alpha)
         self.task_scales.append(s_i)
         self.weighted_tokens += int(count)
-        self.gram_sum = s_i * c_i if self.gram_sum is None else self.gram_sum.add_(c_i, alpha=s_i)
+        if self._gram_sum_upper is None:
+            self._gram_sum_upper = c_i.mul_(s_i)
+        else:
+            self._gram_sum_upper.add_(c_i, alpha=s_i)
+        self._gram_sum = None
         self.student_mean_sum = s_i * mu_s if self.student_mean_sum is None else self.student_mean_sum.add_(mu_s, alpha=s_i)
         self.scale_sum += s_i
         for index, name in enumerate(self.modules):
             expert = targets[name]
             w_i = expert.weight.to(device=self.device, dtype=self.dtype)
             # s_i · X_i W_iᵀ, with X_i = E_w[x_s x_tᵀ] (or its product with W_iᵀ accumulated directly)
-            rhs = (s_i / total) * (moments[index] if self.direct_rhs else moments[0] @ w_i.T)
+            rhs = (s_i / total) * moments[index] if self.direct_rhs else s_i * (cross @ w_i.T)
             self.rhs_sum[name] = rhs if name not in self.rhs_sum else self.rhs_sum[name].add_(rhs)
             target = w_i @ mu_t
             if expert.bias is not None:

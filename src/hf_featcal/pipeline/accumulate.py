@@ -34,7 +34,9 @@ def new_statistics(ctx: RunContext, plan: BlockPlan, block: nn.Module) -> BlockS
     for key, names in plan.linear_groups.items():
         dim = specs[names[0]].shape(block)[1]
         outputs = sum(specs[n].shape(block)[0] for n in names)
-        linear[key] = LinearGroupStatistics(tuple(names), dim, epsilon=ctx.config.epsilon, direct_rhs=outputs < dim, **kw)
+        linear[key] = LinearGroupStatistics(
+            tuple(names), dim, epsilon=ctx.config.epsilon, direct_rhs=outputs < dim, product_dtype=ctx.forward_dtype, **kw
+        )
     norms = {}
     for name, weighted in plan.norms:
         module = block.get_submodule(name)
@@ -68,9 +70,8 @@ def accumulate(
     stream batch `state` (its token weights)."""
     alpha = ctx.config.teacher_alpha
     for (source, weighted, _), stats in statistics.linear.items():
-        x_s = xs[source]
-        x_t = torch.lerp(x_s.to(ctx.compute_dtype), xe[source].to(ctx.compute_dtype), alpha)
-        stats.accumulate(x_s, x_t, module_weights(ctx, plan, stats.modules[0], weighted, state), targets)
+        weights = module_weights(ctx, plan, stats.modules[0], weighted, state)
+        stats.accumulate_mixture(xs[source], xe[source], alpha, weights, targets)
     for (name, weighted), stats in statistics.norms.items():
         stats.accumulate(xs[name], module_weights(ctx, plan, name, weighted, state))
 

@@ -77,18 +77,18 @@ def capture_block(
                 with ctx.timed("block forwards"):
                     state = ctx.fetch(parked)
                     try:
-                        out_student = ctx.park(lm.run_block(block, bi, state))
+                        out_student = ctx.park(ctx.forward(block, bi, state))
                     except StopForward:
                         out_student = None
                     xs.stop_after = None  # the merged-as-given stream below runs the block to its end
                     if calibrating and last_source is None and len(xs.order) == len(sources):
                         last_source = xs.order[-1]
                     if leaving:
-                        out_expert = lm.run_block(expert_block, bi, ctx.fetch(streams.expert[task][b]))
+                        out_expert = ctx.forward(expert_block, bi, ctx.fetch(streams.expert[task][b]))
                     else:  # statistics only: the expert's forward stops at the same module
                         xe.stop_after = last_source
                         try:
-                            lm.run_block(expert_block, bi, ctx.fetch(streams.expert[task][b]))
+                            ctx.forward(expert_block, bi, ctx.fetch(streams.expert[task][b]))
                         except StopForward:
                             pass
                 if calibrating:

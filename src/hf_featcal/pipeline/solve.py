@@ -72,7 +72,7 @@ def solve_block(
         )
         for name, weight in zip(names, weights):
             old = read_spec(ctx.parameters, block, specs[name], "weight").to(ctx.device)
-            decrease = linear_objective_decrease(stats.gram_sum, old, weight, lam, eps)
+            decrease = linear_objective_decrease(stats.gram_sum, old, weight, lam, eps, factor=info.factor)
             ctx.solve_log.append(
                 {"block": where, "module": name, "method": info.method, "damping": info.damping, "objective_decrease": decrease}
             )

@@ -29,7 +29,7 @@ def forward_order(ctx: RunContext, plan: BlockPlan, block: nn.Module, streams: S
     order: list[str] | None = None
     if batch is not None:
         with lm.capture_context(block), capture_module_inputs(block, sources) as xs:
-            lm.run_block(block, plan.block_index, ctx.fetch(batch))
+            ctx.forward(block, plan.block_index, ctx.fetch(batch))
         order = list(xs.order)
     if ctx.process.num_processes > 1:
         from accelerate.utils import broadcast_object_list

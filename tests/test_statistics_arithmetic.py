@@ -1,0 +1,157 @@
+"""The exact-mode arithmetic savings (blocked upper-triangle Grams, cross moments without a teacher
+tensor, the blocked CPU Cholesky) against brute-force float64 computations, at the widths where
+they switch on (the tiny models of the other tests are narrower than that)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_featcal.solver import BLOCKED_CHOLESKY_MIN_DIM, cholesky, gram_is_singular, symmetric_solve
+from hf_featcal.statistics import (
+    BLOCKED_GRAM_MIN_DIM,
+    LinearGroupStatistics,
+    LinearTargets,
+    gram_blocks,
+    symmetric_from_upper,
+    upper_gram_norm,
+)
+
+F64 = torch.float64
+
+
+def _brute_force(tasks, alpha, eps):
+    """Σ s_i C_i, Σ s_i X_i W_iᵀ, Σ s_i (b_i + W_i μ_t), Σ s_i μ_s straight from the definitions."""
+    gram = rhs = bias = mean = 0
+    for t in tasks:
+        w = t["w"] / t["w"].sum()
+        x_t = (1 - alpha) * t["x_s"] + alpha * t["x_e"]
+        c = (t["x_s"] * w[:, None]).T @ t["x_s"]
+        s = 1.0 / max(float(torch.linalg.norm(c)), eps)
+        x = (t["x_s"] * w[:, None]).T @ x_t
+        gram = gram + s * c
+        rhs = rhs + s * x @ t["weight"].T
+        bias = bias + s * (t["bias"] + t["weight"] @ (w @ x_t))
+        mean = mean + s * (w @ t["x_s"])
+    return gram, rhs, bias, mean
+
+
+def _tasks(generator, d, out, n=300, tasks=3, dtype=F64):
+    result = []
+    for _ in range(tasks):
+        x_s = torch.randn(n, d, generator=generator, dtype=F64) * (1 + torch.rand(d, generator=generator, dtype=F64))
+        w = torch.rand(n, generator=generator, dtype=F64)
+        w[::5] = 0.0  # padding
+        result.append(dict(
+            x_s=x_s.to(dtype), x_e=(x_s + 0.3 * torch.randn(n, d, generator=generator, dtype=F64)).to(dtype), w=w.to(dtype),
+            weight=torch.randn(out, d, generator=generator, dtype=F64).to(dtype), bias=torch.randn(out, generator=generator, dtype=F64).to(dtype),
+        ))
+    return result
+
+
+def _accumulate(tasks, alpha, direct, dtype=F64, eps=1e-8):
+    d = tasks[0]["x_s"].shape[1]
+    stats = LinearGroupStatistics(("m",), d, dtype=dtype, device=torch.device("cpu"), epsilon=eps, direct_rhs=direct)
+    for t in tasks:
+        target = {"m": LinearTargets(t["weight"], t["bias"])}
+        half = t["x_s"].shape[0] // 2
+        for rows in (slice(None, half), slice(half, None)):  # two batches shaped (B, N, d)
+            stats.accumulate_mixture(t["x_s"][rows, None], t["x_e"][rows, None], alpha, t["w"][rows, None], target)
+        stats.finish_task(target)
+    return stats
+
+
+def test_gram_blocks_cover_the_upper_triangle_once():
+    assert gram_blocks(BLOCKED_GRAM_MIN_DIM - 1) == [(0, BLOCKED_GRAM_MIN_DIM - 1)]
+    for dim, count in ((768, 4), (3072, 8), (2100, 7)):  # 2100: blocks of 320 (a multiple of 64)
+        blocks = gram_blocks(dim)
+        assert len(blocks) == count and blocks[0][0] == 0 and blocks[-1][1] == dim
+        assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+        assert all((stop - start) % 64 == 0 for start, stop in blocks[:-1])
+
+
+@pytest.mark.parametrize("d, out, direct", [(600, 40, True), (600, 700, False), (2100, 50, True)])
+@pytest.mark.parametrize("alpha", [0.0, 0.25, 1.0])
+def test_blocked_statistics_match_brute_force(generator, d, out, direct, alpha):
+    tasks = _tasks(generator, d, out, n=200 if d > 1000 else 300)
+    stats = _accumulate(tasks, alpha, direct)
+    gram, rhs, bias, mean = _brute_force(tasks, alpha, 1e-8)
+    torch.testing.assert_close(stats.gram_sum, gram, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(stats.rhs_sum["m"], rhs, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(stats.bias_target_sum["m"], bias, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(stats.student_mean_sum, mean, rtol=1e-10, atol=1e-12)
+
+
+def test_float32_blocked_statistics_stay_within_float_precision(generator):
+    """float32 accumulation of the blocked path against the float64 definitions: float precision (the
+    float32 inputs and sums alone give ~1e-5 here, before and after the blocked path)."""
+    tasks = _tasks(generator, 1100, 900, n=400)
+    stats = _accumulate([{k: v.float() for k, v in t.items()} for t in tasks], 0.25, False, dtype=torch.float32)
+    gram, rhs, _, _ = _brute_force(tasks, 0.25, 1e-8)
+    assert float(torch.linalg.norm(stats.gram_sum.double() - gram) / torch.linalg.norm(gram)) < 1e-4
+    assert float(torch.linalg.norm(stats.rhs_sum["m"].double() - rhs) / torch.linalg.norm(rhs)) < 1e-4
+
+
+def test_upper_triangle_helpers(generator):
+    x = torch.randn(50, 1500, generator=generator, dtype=F64)
+    full = x.T @ x
+    upper = full.clone()
+    for r0, r1 in gram_blocks(1500):
+        upper[r1:, r0:r1] = 0.0  # what add_upper_gram leaves below the block diagonal
+    torch.testing.assert_close(symmetric_from_upper(upper), full, rtol=1e-13, atol=1e-11)
+    assert upper_gram_norm(upper) == pytest.approx(float(torch.linalg.norm(full)), rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [BLOCKED_CHOLESKY_MIN_DIM + 37, 1600])
+def test_blocked_cholesky_is_the_cholesky_factor(generator, n):
+    x = torch.randn(n + 200, n, generator=generator, dtype=F64)
+    spd = x.T @ x / n
+    factor, info = cholesky(spd)
+    assert info == 0
+    torch.testing.assert_close(factor, torch.linalg.cholesky(spd), rtol=1e-9, atol=1e-11)
+    assert torch.equal(factor, factor.tril())
+    # an indefinite matrix fails at the same pivot as LAPACK's
+    broken = spd.clone()
+    broken[n - 300, n - 300] = -1.0
+    assert cholesky(broken)[1] == int(torch.linalg.cholesky_ex(broken).info)
+    # the solver built on it: float32 solve ≤ 1e-5 of float64 lstsq; a rank-deficient Gram is singular
+    rhs = torch.randn(n, 7, generator=generator, dtype=F64)
+    solution, info = symmetric_solve(spd.float(), rhs.float())
+    exact = torch.linalg.solve(spd, rhs)
+    assert info.method == "cholesky"
+    assert float(torch.linalg.norm(solution.double() - exact) / torch.linalg.norm(exact)) < 1e-4
+    low_rank = x[: n // 2].T @ x[: n // 2]
+    assert gram_is_singular(low_rank.float()) and not gram_is_singular(spd.float())
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_fast_mode_products_stay_close_to_exact(generator, direct):
+    """bf16 product factors (fast mode) with float32 sums: a Gram and right-hand side within a few
+    bf16 roundings of exact float32, on the blocked path; the sums stay float32."""
+    tasks = [{k: v.float() for k, v in t.items()} for t in _tasks(generator, 1100, 300 if direct else 900, n=400)]
+    exact = _accumulate(tasks, 0.25, direct, dtype=torch.float32)
+    fast = LinearGroupStatistics(("m",), 1100, dtype=torch.float32, device=torch.device("cpu"), epsilon=1e-8,
+                                 direct_rhs=direct, product_dtype=torch.bfloat16)
+    for t in tasks:
+        target = {"m": LinearTargets(t["weight"], t["bias"])}
+        fast.accumulate_mixture(t["x_s"][:, None], t["x_e"][:, None], 0.25, t["w"][:, None], target)
+        fast.finish_task(target)
+    assert fast.gram_sum.dtype == torch.float32 and fast.rhs_sum["m"].dtype == torch.float32
+    for got, want in ((fast.gram_sum, exact.gram_sum), (fast.rhs_sum["m"], exact.rhs_sum["m"])):
+        error = float(torch.linalg.norm(got - want) / torch.linalg.norm(want))
+        assert 1e-5 < error < 2e-2  # bf16 has 8 bits of mantissa: ~4e-3 per rounding
+
+
+@pytest.mark.parametrize("n", [300, 1500])
+def test_objective_decrease_from_the_factor_equals_the_gram_product(generator, n):
+    """‖ΔL‖² with the solve's Cholesky factor (blocked when wide) equals tr(Δ H Δᵀ) from the Gram."""
+    from hf_featcal.solver import linear_objective_decrease, solve_linear_weights
+
+    x = torch.randn(n + 100, n, generator=generator, dtype=F64)
+    gram = x.T @ x / n
+    anchor = torch.randn(40, n, generator=generator, dtype=F64)
+    (new,), info = solve_linear_weights(gram, [torch.randn(n, 40, generator=generator, dtype=F64)], [anchor], 0.05, 1e-8)
+    assert info.method == "cholesky" and info.factor is not None
+    old = anchor + 0.1 * torch.randn(40, n, generator=generator, dtype=F64)
+    want = linear_objective_decrease(gram, old, new, 0.05, 1e-8)
+    assert linear_objective_decrease(gram, old, new, 0.05, 1e-8, factor=info.factor) == pytest.approx(want, rel=1e-10)
