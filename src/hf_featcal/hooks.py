@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -108,14 +111,35 @@ def eval_mode(*modules: nn.Module) -> Iterator[None]:
             module.training = training
 
 
+#: what `restore_on_failure` accepts as `snapshot`
+SNAPSHOT_PLACES = ("memory", "disk")
+#: a disk snapshot is written in files of about this size, so that a model on an accelerator passes
+#: through host memory one file at a time
+SNAPSHOT_FILE_BYTES = 256 * 2**20
+#: dtypes a safetensors file holds (anything else, e.g. a complex buffer, stays in host memory)
+_SAFETENSORS_DTYPES = {
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool,
+}
+
+
 @contextlib.contextmanager
-def restore_on_failure(model: nn.Module, parameter_names: Iterable[str], parameters: Any = None) -> Iterator[None]:
+def restore_on_failure(
+    model: nn.Module, parameter_names: Iterable[str], parameters: Any = None, snapshot: str = "memory"
+) -> Iterator[None]:
     """If the body raises, put `model` back exactly as it was: every parameter and buffer, also those
     outside the blocks, as the same tensor objects in the same modules, with their values, devices and
-    dtypes (a CPU copy of each is kept while the body runs), whatever the body did — e.g. a move to
+    dtypes (a copy of each is kept while the body runs), whatever the body did — e.g. a move to
     the meta device, which replaces the tensor objects. Tensors accelerate had offloaded (on the meta
     device before the body) keep their hooks' placement; of those, the named parameters' values are
-    restored through `parameters` (a `ModelParameters`), which reaches the offloaded copy."""
+    restored through `parameters` (a `ModelParameters`), which reaches the offloaded copy.
+
+    `snapshot` says where the copy is kept: "memory" (a CPU copy in host RAM; fastest) or "disk"
+    (safetensors files in a new temporary folder under `tempfile.gettempdir()`, i.e. `TMPDIR`,
+    read back memory-mapped only to restore). The folder is removed on exit, on success and on
+    failure alike."""
+    if snapshot not in SNAPSHOT_PLACES:
+        raise ValueError(f"`snapshot` must be one of {SNAPSHOT_PLACES}, got {snapshot!r}.")
     if parameters is None:
         from .offload import ModelParameters
 
@@ -128,28 +152,132 @@ def restore_on_failure(model: nn.Module, parameter_names: Iterable[str], paramet
         for attr, tensor in getattr(module, kind).items()
         if tensor is not None and not tensor.is_meta
     ]
-    saved = {id(t): (t.device, t.dtype, t.detach().to("cpu", copy=True)) for _, _, _, t in slots}
+    unique = {id(t): t for _, _, _, t in slots}  # tied weights: one tensor object in several slots
     placement = {name: t.device for name, t in _named_tensors(model)}
-    offloaded = {
-        name: parameters.read(name).to("cpu", copy=True)
-        for name in parameter_names
-        if placement.get(name) == torch.device("meta")
-    }
+    offloaded = [name for name in parameter_names if placement.get(name) == torch.device("meta")]
+    store = _DiskSnapshot() if snapshot == "disk" else _MemorySnapshot()
     try:
+        layout = {}  # id(tensor) → (device, dtype)
+        for index, (ident, tensor) in enumerate(unique.items()):
+            layout[ident] = (tensor.device, tensor.dtype)
+            store.add(f"tensor.{index}", tensor)
+        for name in offloaded:
+            store.add(f"offloaded.{name}", parameters.read(name))
+        store.finish()
+        try:
+            yield
+        except BaseException:
+            with torch.no_grad(), store.reading():
+                for module, kind, attr, tensor in slots:
+                    getattr(module, kind)[attr] = tensor
+                for index, (ident, tensor) in enumerate(unique.items()):
+                    device, dtype = layout[ident]
+                    value = store.read(f"tensor.{index}")
+                    if tensor.is_meta or tensor.device != device or tensor.dtype != dtype or tensor.shape != value.shape:
+                        tensor.data = value.to(device=device, dtype=dtype)
+                    else:
+                        tensor.copy_(value)
+                for name in offloaded:
+                    parameters.write(name, store.read(f"offloaded.{name}"))
+            raise
+    finally:
+        store.close()
+
+
+class _MemorySnapshot:
+    """Copies of tensors in host memory."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, Tensor] = {}
+
+    def add(self, key: str, tensor: Tensor) -> None:
+        self._values[key] = tensor.detach().to("cpu", copy=True)
+
+    def finish(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
         yield
-    except BaseException:
-        with torch.no_grad():
-            for module, kind, attr, tensor in slots:
-                getattr(module, kind)[attr] = tensor
-            for tensor in {id(t): t for _, _, _, t in slots}.values():
-                device, dtype, value = saved[id(tensor)]
-                if tensor.is_meta or tensor.device != device or tensor.dtype != dtype or tensor.shape != value.shape:
-                    tensor.data = value.to(device=device, dtype=dtype)
-                else:
-                    tensor.copy_(value)
-            for name, value in offloaded.items():
-                parameters.write(name, value)
-        raise
+
+    def read(self, key: str) -> Tensor:
+        return self._values[key]
+
+    def close(self) -> None:
+        self._values.clear()
+
+
+class _DiskSnapshot:
+    """Copies of tensors in safetensors files of a new temporary folder (removed by `close`). Files are
+    written about `SNAPSHOT_FILE_BYTES` at a time: CPU tensors are written from their own memory, others
+    copied to the host one file's worth at a time; `reading()` maps the files for `read`."""
+
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="hf_featcal-restore-")
+        self._files: dict[str, str] = {}  # key → file
+        self._in_memory = _MemorySnapshot()  # dtypes safetensors does not store
+        self._pending: dict[str, Tensor] = {}
+        self._pending_bytes = 0
+        self._pending_storages: set[tuple[int, int]] = set()
+        self._tensors: Any = None
+
+    def add(self, key: str, tensor: Tensor) -> None:
+        tensor = tensor.detach()
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            self._in_memory.add(key, tensor)
+            return
+        storage = (tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or storage in self._pending_storages:
+            # a host copy of its own (safetensors refuses tensors sharing memory in one file)
+            tensor = tensor.to("cpu").clone(memory_format=torch.contiguous_format)
+        else:
+            self._pending_storages.add(storage)
+        self._pending[key] = tensor
+        self._pending_bytes += tensor.numel() * tensor.element_size()
+        if self._pending_bytes >= SNAPSHOT_FILE_BYTES:
+            self._flush()
+
+    def finish(self) -> None:
+        self._flush()
+
+    def _flush(self) -> None:
+        from safetensors import SafetensorError
+        from safetensors.torch import save_file
+
+        if not self._pending:
+            return
+        path = os.path.join(self.folder, f"snapshot-{len(set(self._files.values())):05d}.safetensors")
+        try:
+            save_file(self._pending, path)
+        except (OSError, SafetensorError) as err:
+            raise OSError(
+                f"FeatCalConfig.restore_snapshot='disk': cannot write the restore snapshot in {self.folder!r} "
+                f"({err}); free space there, set TMPDIR to a larger folder, or use restore_snapshot='memory'."
+            ) from err
+        self._files.update(dict.fromkeys(self._pending, path))
+        self._pending, self._pending_bytes, self._pending_storages = {}, 0, set()
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        from .model_io import LazyTensors
+
+        with LazyTensors(self._files) as tensors:  # one memory-mapped handle per file while restoring
+            self._tensors = tensors
+            try:
+                yield
+            finally:
+                self._tensors = None
+
+    def read(self, key: str) -> Tensor:
+        if key not in self._files:
+            return self._in_memory.read(key)
+        assert self._tensors is not None, "read() outside reading()"
+        return self._tensors.read(key).clone()  # safetensors' tensor maps the file, which `close` removes
+
+    def close(self) -> None:
+        self._pending.clear()
+        self._in_memory.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _named_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:

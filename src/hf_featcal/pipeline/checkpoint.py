@@ -23,6 +23,12 @@ class ResumedRun:
     drift: DriftLog | None
 
 
+#: `FeatCalConfig` fields that only say where things are kept, never what is computed: a run may be
+#: resumed with other values of them (streams loaded from a checkpoint keep their saved placement
+#: until the next block parks its own)
+PLACEMENT_ONLY_FIELDS = ("stream_placement", "restore_snapshot")
+
+
 def open_checkpoint(
     ctx: RunContext,
     path: str | os.PathLike,
@@ -32,11 +38,11 @@ def open_checkpoint(
     experts: Mapping[str, ModelSource],
     base: ModelSource | None,
 ) -> CheckpointFolder:
-    """The run's checkpoint folder, fingerprinted by config, layer map, processes, tasks, data and
-    the contents of every model."""
+    """The run's checkpoint folder, fingerprinted by config (less `PLACEMENT_ONLY_FIELDS`), layer map,
+    processes, tasks, data and the contents of every model."""
     digest = fingerprint(
         [
-            ("config", ctx.config.to_dict()),
+            ("config", {k: v for k, v in ctx.config.to_dict().items() if k not in PLACEMENT_ONLY_FIELDS}),
             ("layer_map", type(ctx.layer_map).__name__),
             ("processes", ctx.process.num_processes),
             ("tasks", tasks),
