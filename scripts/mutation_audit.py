@@ -57,7 +57,12 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "statistics.py", "        mu_t = torch.lerp(mu_s, mu_e, alpha)\n", "        mu_t = mu_s\n",
     ),
     "cholesky_without_trailing_update": (
-        "solver.py", "            trailing.addmm_(panel, panel.T, alpha=-1.0)\n", "            pass\n",
+        "solver.py", "            work[row0:row1, stop:row1].addmm_(rows, panel[: row1 - stop].T, alpha=-1.0)\n",
+        "            pass\n",
+    ),
+    "objective_decrease_from_diagonal_blocks_only": (
+        "solver.py", "        torch.mm(a[:, start:], lower[start:, start:stop], out=out[:, start:stop])\n",
+        "        torch.mm(a[:, start:stop], lower[start:stop, start:stop], out=out[:, start:stop])\n",
     ),
     "anchor_is_merged": ("pipeline/solve.py", "        return anchor(merged, base, rho)\n",
                          "        return anchor(merged, None, rho)\n"),

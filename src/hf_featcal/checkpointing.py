@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
 from .streams import StreamBatch
@@ -104,11 +104,12 @@ def check_writable_folder(path: str | os.PathLike, argument: str) -> str:
 
 @dataclass
 class ResumePoint:
-    """What a checkpoint folder says: the last finished block (1-based over all stacks), the calibrated
-    parameters of every finished block, and this process's streams entering the next block."""
+    """What a checkpoint folder says: the last finished block (1-based over all stacks) and this
+    process's streams entering the next block. The finished blocks' parameters are not held here:
+    their files were checked (headers only) and are read one block at a time by
+    `CheckpointFolder.read_block`, so a resume never holds more than one block of them."""
 
     finished_blocks: int
-    parameters: dict[str, Tensor]
     streams: dict[str, Any]
 
 
@@ -130,9 +131,12 @@ class CheckpointFolder:
         return ValueError(f"`checkpoint_dir` {self.path!r} is damaged ({what}: {err}); delete it to start over.")
 
     # ------------------------------------------------------------------ read
-    def load(self) -> ResumePoint | None:
+    def load(self, parameter_shapes: Mapping[str, tuple[int, ...]]) -> ResumePoint | None:
         """The resume point, None for a fresh folder; refuses a checkpoint of a different run, of an
-        older format, or a damaged one (naming the file)."""
+        older format, or a damaged one (naming the file) — including a block file holding a name
+        that is not in `parameter_shapes` (the model's parameters) or a tensor of another shape.
+        Only headers of the block files are read here; nothing is loaded for the caller to write
+        until every block file has passed."""
         state_path = os.path.join(self.path, STATE_NAME)
         if not os.path.isfile(state_path):
             return None
@@ -156,14 +160,36 @@ class CheckpointFolder:
         finished = state.get("finished_blocks")
         if isinstance(finished, bool) or not isinstance(finished, int) or finished < 1:
             raise self._damaged(STATE_NAME, f"finished_blocks is {finished!r}")
-        parameters: dict[str, Tensor] = {}
         for index in range(1, finished + 1):
-            path = self._block_file(index)
-            try:
-                parameters.update(load_file(path))
-            except (OSError, SafetensorError) as err:
-                raise self._damaged(os.path.basename(path), err) from None
-        return ResumePoint(finished, parameters, self._load_streams(finished))
+            self._check_block(index, parameter_shapes)
+        return ResumePoint(finished, self._load_streams(finished))
+
+    def _check_block(self, index: int, parameter_shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Refuse block file `index` unless it opens and every tensor in it names a parameter of
+        the model, with the parameter's shape (header only: no tensor data is read)."""
+        path = self._block_file(index)
+        name = os.path.basename(path)
+        try:
+            with safe_open(path, framework="pt") as handle:
+                shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+        except (OSError, SafetensorError) as err:
+            raise self._damaged(name, err) from None
+        for key, shape in shapes.items():
+            if key not in parameter_shapes:
+                raise self._damaged(name, f"{key!r} is not a parameter of the model")
+            if shape != tuple(parameter_shapes[key]):
+                raise self._damaged(name, f"{key!r} has shape {list(shape)}, the model's parameter {list(parameter_shapes[key])}")
+
+    def read_block(self, index: int) -> dict[str, Tensor]:
+        """The calibrated parameters of finished block `index` (1-based), checked by `load` before.
+        The tensors are views of the memory-mapped file, which stays mapped exactly as long as the
+        caller holds any of them: drop them before reading the next block."""
+        path = self._block_file(index)
+        try:
+            with safe_open(path, framework="pt") as handle:
+                return {key: handle.get_tensor(key) for key in handle.keys()}
+        except (OSError, SafetensorError) as err:  # e.g. the file went away after `load`
+            raise self._damaged(os.path.basename(path), err) from None
 
     def _load_streams(self, finished: int) -> dict[str, Any]:
         path = self._streams_file(finished)

@@ -62,6 +62,7 @@ def capture_block(
         if new_given is not None:
             new_given[task] = []
         with (
+            ctx.precision(),
             eval_mode(expert_block),
             lm.capture_context(block),
             lm.capture_context(expert_block),

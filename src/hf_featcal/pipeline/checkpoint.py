@@ -7,6 +7,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from ..checkpointing import CheckpointFolder, fingerprint
 from ..experts import ModelSource
 from .context import RunContext
@@ -56,17 +58,28 @@ def open_checkpoint(
 
 
 def resume(ctx: RunContext, folder: CheckpointFolder) -> ResumedRun | None:
-    """Load the folder's resume point (None for a fresh folder): the finished blocks' parameters are
-    written into the merged model and the solve log so far replaces `ctx.solve_log`."""
-    point = folder.load()
+    """Load the folder's resume point (None for a fresh folder): once every block file has been
+    checked, the finished blocks' parameters are written into the merged model one block at a time
+    (at most one block's file pages are held: about one block's size, not the tower's), and the
+    solve log so far replaces `ctx.solve_log`."""
+    # meta (offloaded) parameters keep their shapes; tied aliases are names of their own
+    shapes = {name: tuple(p.shape) for name, p in ctx.parameters.model.named_parameters(remove_duplicate=False)}
+    point = folder.load(shapes)
     if point is None:
         return None
-    for name, value in point.parameters.items():
-        ctx.parameters.write(name, value)
+    for index in range(1, point.finished_blocks + 1):
+        _write_parameters(ctx, folder.read_block(index))
     saved = point.streams
     ctx.solve_log = saved["solve_log"]
     drift = None if saved["report"] is None else DriftLog(saved["report"])
     return ResumedRun(point.finished_blocks, Streams(saved["student"], saved["expert"], saved["given"]), drift)
+
+
+def _write_parameters(ctx: RunContext, parameters: dict[str, Tensor]) -> None:
+    """Write one block's parameters; they (and the file mapping behind them) are released on return,
+    as no reference outlives this call."""
+    for name, value in parameters.items():
+        ctx.parameters.write(name, value)
 
 
 def save_block(

@@ -99,11 +99,17 @@ class RunContext:
         name = self.config.forward_dtype
         return None if name is None else getattr(torch, name)
 
+    def precision(self) -> contextlib.AbstractContextManager:
+        """Fast mode's `torch.autocast` (a no-op context in exact mode). Held around a loop over
+        batches, it keeps autocast's cache of the weights' low-precision copies for the whole loop
+        (the cache is dropped when the outermost autocast context exits)."""
+        if self.forward_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.forward_dtype)
+
     def forward(self, block: nn.Module, index: int, state: StreamBatch) -> StreamBatch:
         """One block on a stream batch on the compute device; in fast mode under `torch.autocast`."""
-        if self.forward_dtype is None:
-            return self.layer_map.run_block(block, index, state)
-        with torch.autocast(device_type=self.device.type, dtype=self.forward_dtype):
+        with self.precision():
             return self.layer_map.run_block(block, index, state)
 
     def run_block(self, block: nn.Module, index: int, parked: StreamBatch) -> StreamBatch:

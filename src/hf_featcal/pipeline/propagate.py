@@ -10,4 +10,5 @@ from .enter import TaskStreams
 
 def propagate(ctx: RunContext, block: nn.Module, block_index: int, student: TaskStreams) -> TaskStreams:
     """Every task's student batches through `block` (already calibrated), parked for the next block."""
-    return {task: [ctx.run_block(block, block_index, state) for state in states] for task, states in student.items()}
+    with ctx.precision():
+        return {task: [ctx.run_block(block, block_index, state) for state in states] for task, states in student.items()}
