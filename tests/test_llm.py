@@ -192,3 +192,19 @@ def test_keys_and_values_see_every_attended_position(generator, monkeypatch):
     assert torch.equal(seen[("self_attn.k_proj", "self_attn.v_proj")], attended)
     assert torch.equal(seen[("self_attn.q_proj",)], counted)
     assert torch.equal(seen[("mlp.gate_proj", "mlp.up_proj")], counted)
+
+
+def test_the_layer_map_is_specialised_for_the_batches_not_changed(generator):
+    """Batches that select positions give k/v their own token weights in a copy of the layer map; the
+    map the calibrator started from (and any other calibrator's) is left as it was."""
+    from hf_featcal.architectures import get_layer_map
+
+    base = AutoModelForCausalLM.from_config(llm_config("llama")).eval()
+    batch = lm_batch(generator, n=2, length=8, pad=True)
+    labels = torch.full_like(batch["input_ids"], -100)
+    labels[:, -2:] = 5
+    plain = get_layer_map(base, "model")
+    selecting = plain.for_batches({"a": [{**batch, "labels": labels}]})
+    assert selecting is not plain and selecting.weight_source("self_attn.k_proj") == "attended"
+    assert plain.weight_source("self_attn.k_proj") == "tokens"
+    assert plain.for_batches({"a": [batch]}) is plain

@@ -157,7 +157,7 @@ class FeatCalCalibrator:
         }
         check_batches_enter_model(self.context, self.batches)
         # the layer map may group statistics by what the batches select (e.g. LLM response tokens)
-        self.layer_map.observe_batches(self.batches)
+        self.layer_map = self.context.layer_map = self.layer_map.for_batches(self.batches)
         self._plans: Plan = plan_blocks(self.layer_map, selection)
         if checkpoint_dir is not None:
             check_writable_folder(checkpoint_dir, "checkpoint_dir")

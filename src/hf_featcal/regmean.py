@@ -51,8 +51,7 @@ def expert_grams(
 ) -> dict[tuple[int, int, str], Tensor]:
     """Σ w·x xᵀ of the input of every Linear spec inside the blocks of `expert`, over its own forward
     on `batches`; keyed by (stack, block, spec name)."""
-    layer_map = get_layer_map(expert, "experts")
-    layer_map.observe_batches({"task": list(batches)})
+    layer_map = get_layer_map(expert, "experts").for_batches({"task": list(batches)})
     tower = layer_map.tower(expert)
     grams: dict[tuple[int, int, str], Tensor] = {}
     with torch.no_grad(), eval_mode(expert):

@@ -241,8 +241,11 @@ class LayerMap:
         weight sources get separate statistics. Default: one source for every module."""
         return "tokens"
 
-    def observe_batches(self, batches: Mapping[str, list[Mapping[str, Any]]]) -> None:
-        """Called with every task's calibration batches before the blocks are planned."""
+    def for_batches(self, batches: Mapping[str, list[Mapping[str, Any]]]) -> LayerMap:
+        """The layer map to plan and run with for these calibration batches (every task's), asked
+        once before the blocks are planned. A map whose statistics grouping depends on the batches
+        returns a specialised copy; the map itself is never changed. Default: itself."""
+        return self
 
     def check_batch(self, model: nn.Module, batch: Mapping[str, Any]) -> None:
         """Raise ValueError if a calibration batch lacks something `model` needs."""

@@ -12,6 +12,8 @@ included) and gate/up share their statistics.
 
 from __future__ import annotations
 
+import copy
+
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,8 +54,14 @@ class LlamaFamilyLayerMap(LayerMap):
     def __init__(self) -> None:
         self.restricted_positions = False
 
-    def observe_batches(self, batches: Mapping[str, list[Mapping[str, Any]]]) -> None:
-        self.restricted_positions = any(key in b for bs in batches.values() for b in bs for key in self._SELECTORS)
+    def for_batches(self, batches: Mapping[str, list[Mapping[str, Any]]]) -> LlamaFamilyLayerMap:
+        # batches that select positions (labels / loss_mask) give k/v their own token weights
+        restricted = any(key in b for bs in batches.values() for b in bs for key in self._SELECTORS)
+        if restricted == self.restricted_positions:
+            return self
+        specialised = copy.copy(self)
+        specialised.restricted_positions = restricted
+        return specialised
 
     def weight_source(self, module_name: str) -> str:
         if self.restricted_positions and module_name in self.key_value_modules:

@@ -2,7 +2,7 @@
 
 Pure functions of the layer map, the merged tower and the config. `select_modules` runs before any
 model is loaded (a config that selects nothing fails there); `plan_blocks` groups the selection once,
-after the layer map has seen the batches (`LayerMap.observe_batches`), since grouping may depend on them.
+with the layer map specialised for the batches (`LayerMap.for_batches`), since grouping may depend on them.
 """
 
 from __future__ import annotations
