@@ -22,13 +22,23 @@ import argparse
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported from elsewhere
+
+from bench_common import (  # noqa: E402
+    matmul_throughput,
+    peak_rss_gib,
+    rate_report,
+    stage_dtypes,
+    triangle_fraction,
+)
+from bench_common import stage_table as common_stage_table  # noqa: E402
 
 VIT_B32 = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                image_size=224, patch_size=32, num_channels=3)
@@ -125,59 +135,6 @@ def prepare(workdir: str, tasks: int, layers: int, library: _Library) -> None:
         json.dump({"tasks": tasks}, handle)
 
 
-#: dtype of each timed stage's products, by mode: block forwards run in the forward dtype (fast mode's
-#: autocast dtype, else the model's); statistics accumulate in float32 except that fast mode's Gram
-#: products take forward-dtype inputs; solving is float32 (`compute_dtype`).
-FORWARD_STAGES = ("block forwards", "propagating", "drift (merged-as-given stream)")
-
-
-def stage_dtypes(model_dtype: str, forward_dtype: str | None) -> dict[str, str]:
-    """The dtype whose matmul peak each stage is measured against."""
-    forward = forward_dtype or model_dtype
-    return {**{stage: forward for stage in FORWARD_STAGES}, "statistics": forward_dtype or "float32", "solving": "float32"}
-
-
-def matmul_throughput(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] | None = None, seconds: float = 0.3) -> float:
-    """This machine's matmul throughput (FLOP/s) in `dtype`: the best of square products of a few sizes
-    (larger on a GPU, where 3072² products do not fill the device), each repeated for about `seconds`."""
-    if sizes is None:
-        sizes = (2048, 4096, 8192) if device.type == "cuda" else (1024, 2048, 3072)
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    best = 0.0
-    for size in sizes:
-        a = torch.randn(size, size, device=device).to(dtype)
-        b = torch.randn(size, size, device=device).to(dtype)
-        a @ b  # warm-up (and, on a slow path, how many repeats fit in `seconds`)
-        sync()
-        start = time.perf_counter()
-        a @ b
-        sync()
-        repeats = max(1, min(50, int(seconds / max(time.perf_counter() - start, 1e-6))))
-        start = time.perf_counter()
-        for _ in range(repeats):
-            a @ b
-        sync()
-        best = max(best, 2 * size**3 * repeats / (time.perf_counter() - start))
-        del a, b
-    return best
-
-
-def triangle_fraction(dim: int) -> float:
-    """The share of a full `dim`-wide Gram product x_sᵀx_s the library computes: it accumulates the
-    block upper triangle of `hf_featcal.statistics.gram_blocks` (block j against blocks ≥ j; 8 equal
-    blocks: (8+1)/(2·8) = 9/16, 4 blocks: 5/8, one block: 1) and mirrors it at task end. 9/16 when the
-    library does not say."""
-    try:
-        from hf_featcal.statistics import gram_blocks
-    except ImportError:
-        return 9 / 16
-    return sum((stop - start) * (dim - start) for start, stop in gram_blocks(dim)) / dim**2
-
-
 def flop_count(
     tasks: int, samples: int, layers: int, d: int = 768, ff: int = 3072, tokens: int = 50, gram_fraction: float | None = None
 ) -> dict[str, float]:
@@ -215,39 +172,13 @@ def flop_count(
     }
 
 
-def stage_rows(result: dict) -> list[tuple[str, float, float | None, float | None, float | None, str | None]]:
-    """(stage, seconds, TFLOP, TFLOP/s, fraction of its dtype's peak, dtype) for every timed stage."""
-    rows = []
-    for stage, seconds in result["seconds_per_stage"].items():
-        tflop = result["tflop"].get(stage)
-        dtype = result["stage_dtypes"].get(stage)
-        rate = tflop / seconds if tflop is not None and seconds > 0 else None
-        fraction = result["fraction_of_matmul_peak_per_stage"].get(stage)
-        rows.append((stage, seconds, tflop, rate, fraction, dtype))
-    return rows
-
-
 def stage_table(result: dict) -> str:
-    """A markdown table of `stage_rows`, then the run's total, memory and measured peaks."""
-    def fmt(value: float | None, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
-
-    lines = [
+    """The per-stage table (`bench_common.stage_table`) under this run's description."""
+    title = (
         f"{result['library']} · {result['tasks']} tasks × {result['samples_per_task']} samples · {result['layers']} layers · "
-        f"{result['device']} · model {result['dtype']} · forward dtype {result['forward_dtype'] or 'none (exact)'}",
-        "| stage | seconds | TFLOP | TFLOP/s | fraction of peak | peak dtype |",
-        "|---|---:|---:|---:|---:|---|",
-    ]
-    for stage, seconds, tflop, rate, fraction, dtype in stage_rows(result):
-        lines.append(f"| {stage} | {seconds:.2f} | {fmt(tflop, '.3f')} | {fmt(rate, '.3f')} | {fmt(fraction, '.3f')} | {dtype or '-'} |")
-    device_mem = "-" if result["peak_device_gib"] is None else f"{result['peak_device_gib']:.2f} GiB"
-    peaks = ", ".join(f"{k} {v:.2f}" for k, v in result["measured_matmul_tflops"].items())
-    lines.append(
-        f"total {result['seconds_total']:.2f} s · {sum(result['tflop'].values()):.2f} TFLOP · fraction of peak (counted stages) "
-        f"{fmt(result['block_work_fraction_of_matmul_peak'], '.3f')} · peak RSS {result['peak_rss_gib']:.2f} GiB · "
-        f"peak device {device_mem} · measured matmul peak (TFLOP/s): {peaks}"
+        f"{result['device']} · model {result['dtype']} · forward dtype {result['forward_dtype'] or 'none (exact)'}"
     )
-    return "\n".join(lines)
+    return common_stage_table(result, title)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -278,15 +209,12 @@ def measure(args: argparse.Namespace) -> dict:
     calibrator.calibrate()
     total = time.perf_counter() - start
     # memory first: the throughput probe below allocates its own matrices
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    peak_rss = peak_rss_gib()
     peak_device = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     dtypes = stage_dtypes(args.dtype, forward_dtype)
     peaks = {name: matmul_throughput(device, getattr(torch, name)) for name in sorted(set(dtypes.values()))}
     flops = flop_count(args.tasks, args.samples, args.layers, gram_fraction=args.gram_fraction)
     timings = calibrator.timings
-    counted = [k for k in flops if timings.get(k)]
-    work = sum(timings[k] for k in counted)
-    ideal = sum(flops[k] / peaks[dtypes[k]] for k in counted)  # seconds at each stage's dtype peak
     return {
         "library": args.library,
         "tasks": args.tasks,
@@ -300,12 +228,7 @@ def measure(args: argparse.Namespace) -> dict:
         "seconds_per_stage": timings,
         "peak_rss_gib": peak_rss,
         "peak_device_gib": peak_device,
-        "tflop": {k: v / 1e12 for k, v in flops.items()},
-        "stage_dtypes": dtypes,
-        "measured_matmul_tflops": {k: v / 1e12 for k, v in peaks.items()},
-        # Σ (stage FLOPs / its dtype's peak) ÷ Σ stage seconds, over the stages that are counted
-        "block_work_fraction_of_matmul_peak": ideal / work if work else None,
-        "fraction_of_matmul_peak_per_stage": {k: flops[k] / timings[k] / peaks[dtypes[k]] for k in counted},
+        **rate_report(flops, timings, dtypes, peaks),
         "last_block_drift_before_after": [
             sum(s["before"][-1] for s in calibrator.report.tasks.values()) / args.tasks,
             sum(s["after"][-1] for s in calibrator.report.tasks.values()) / args.tasks,

@@ -2,10 +2,17 @@
 
 Shows that a multi-billion-parameter merge fits one machine: peak memory ≈ merged model + its
 snapshot + one block of the base and of one expert + the streams, whatever the number of experts.
+Prints per run (JSON, then a table) seconds per stage, the arithmetic count per stage (`flop_count`),
+the achieved fraction of this machine's measured matmul peak for the dtype each stage runs in, peak
+RSS (this process's `VmHWM`) and peak device memory (GPU).
 
     python benchmarks/bench_llama.py --geometry 1b --sweep 1,4 --sequences 4 --length 128      # CPU memory
     python benchmarks/bench_llama.py --geometry 3b --device cuda --dtype bfloat16 --tasks 4 \\
         --sequences 64 --length 512                                                         # GPU variant
+    python benchmarks/bench_llama.py --geometry 1b --device cuda --forward-dtype bfloat16 \\
+        --restore-snapshot disk --tasks 4 --sequences 64 --length 512                       # fast mode, snapshot on disk
+    python benchmarks/bench_llama.py --geometry tiny --tasks 2 --sequences 4 --length 64    # try the script
+    python benchmarks/bench_llama.py --check-flops      # `flop_count` against torch's FlopCounterMode, per stage
 
 Writing the random-init checkpoints takes disk: about (tasks + 2) × model size.
 """
@@ -13,15 +20,27 @@ Writing the random-init checkpoints takes disk: about (tasks + 2) × model size.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported from elsewhere
+
+from bench_common import (  # noqa: E402
+    lower_triangular_fraction,
+    matmul_throughput,
+    peak_rss_gib,
+    rate_report,
+    stage_dtypes,
+    stage_table,
+    triangle_fraction,
+)
 
 GEOMETRIES = {
     # ~1.1 B parameters (Llama-3.2-1B layout with a 32k vocabulary)
@@ -33,6 +52,10 @@ GEOMETRIES = {
     # a small one to try the script
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=4, vocab_size=1000),
+    # `--check-flops`: every input width blocked into a Gram triangle (≥ 512) and below the blocked
+    # Cholesky (< 1024), whose CPU panels FlopCounterMode would partly see
+    "check": dict(hidden_size=512, intermediate_size=768, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=4, vocab_size=1000),
 }
 
 
@@ -75,13 +98,91 @@ def prepare(workdir: str, geometry: str, tasks: int, dtype: torch.dtype) -> None
         json.dump({"tasks": tasks}, handle)
 
 
-def measure(args: argparse.Namespace) -> dict:
-    from transformers import LlamaForCausalLM
+def statistics_groups(geometry: dict) -> list[tuple[int, list[int]]]:
+    """(input width, output width of each module) of every statistics group of one decoder block, as
+    the Llama layer map groups them: q/k/v share the hidden input, o_proj reads the heads, gate/up
+    share the hidden input, down_proj reads the intermediate features."""
+    d, ff = geometry["hidden_size"], geometry["intermediate_size"]
+    heads, kv_heads = geometry["num_attention_heads"], geometry["num_key_value_heads"]
+    head_dim = geometry.get("head_dim") or d // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return [(d, [q, kv, kv]), (q, [d]), (d, [ff, ff]), (ff, [d])]
 
+
+def flop_count(
+    geometry: dict,
+    tasks: int,
+    sequences: int,
+    length: int,
+    batch_size: int,
+    layers: int | None = None,
+    counted_tokens: int | None = None,
+    teacher_alpha: float = 0.25,
+    report_drift: bool = True,
+    causal: bool = True,
+    products_only: bool = False,
+) -> dict[str, float]:
+    """Arithmetic (2 × multiply-adds) of one FeatCal run on a Llama geometry, per timed stage, as the
+    library does it (RMS norms, rotary embeddings, element-wise work and mat-vecs left out).
+
+    `counted_tokens`: non-padding positions per task (default: all `sequences × length`); only they
+    enter the statistics, every position is forwarded. `causal`: attention counted as the causal half
+    (position p against p + 1 keys: 4·(p+1)·q_width per token for QKᵀ and PV), the work a causal
+    kernel must do; False: the full L × L products (what torch's FlopCounterMode counts for SDPA).
+    `products_only`: solving counted without the Cholesky factorisations and triangular solves
+    (FlopCounterMode sees matrix products only; true for widths below the CPU-blocked Cholesky).
+
+    Per block and stream (M positions): the student (merged) pass stops once mlp.down_proj's input
+    is captured — except the first batch of every block (the stopping module is not known yet) and
+    block 0 with the drift report (the student is also the merged-as-given stream there); the expert
+    runs the whole block. Statistics per group of input width n: the Gram's block upper triangle
+    (`triangle_fraction(n)` of 2·M·n²), the cross moment 2·M·n² (α ≠ 0) and at task end the fold
+    X_i W_iᵀ (2·n²·outputs); a group whose outputs are narrower than n (down_proj) accumulates its
+    right-hand side directly (2·M·n·out for x_t W_iᵀ and as much for x_sᵀ y). Solving per group: two
+    Cholesky factorisations (n³/3 each: the singularity check, when the tokens are at least n, and
+    the solve), the triangular solves (2·n²·outputs) and each module's objective decrease
+    (`lower_triangular_fraction(n)` of 2·out·n²).
+    """
+    layers = geometry["num_hidden_layers"] if layers is None else layers
+    d, ff = geometry["hidden_size"], geometry["intermediate_size"]
+    groups = statistics_groups(geometry)
+    q_width = groups[1][0]
+    positions = tasks * sequences * length  # per stream
+    rows = tasks * (sequences * length if counted_tokens is None else counted_tokens)  # statistics rows
+    per_sequence_keys = length * (length + 1) / 2 if causal else length * length
+    attention = tasks * sequences * 4 * q_width * per_sequence_keys
+    linears = 2 * sum(n * sum(outs) for n, outs in groups)  # per position
+    down = 2 * ff * d
+    block_forward = positions * linears + attention
+    merged_until_down = block_forward - positions * down
+    first_batch_rest = min(batch_size, sequences) * length * down
+    forwards = layers * block_forward + (layers - 1) * (merged_until_down + first_batch_rest)
+    forwards += block_forward if report_drift else merged_until_down + first_batch_rest
+    statistics = solving = 0.0
+    for n, outs in groups:
+        out = sum(outs)
+        statistics += triangle_fraction(n) * 2 * rows * n * n
+        if out < n:  # direct right-hand side
+            statistics += 2 * (2 * rows * n * out)
+        elif teacher_alpha != 0.0:
+            statistics += 2 * rows * n * n + tasks * 2 * n * n * out
+        else:
+            statistics += tasks * 2 * n * n * out
+        decreases = sum(lower_triangular_fraction(n) * 2 * o * n * n for o in outs)
+        factorisations = (2 if rows >= n else 1) * n**3 / 3 + 2 * n * n * out
+        solving += decreases + (0.0 if products_only else factorisations)
+    return {
+        "block forwards": forwards,
+        "statistics": layers * statistics,
+        "solving": layers * solving,
+        "propagating": layers * block_forward,
+        "drift (merged-as-given stream)": (layers - 1) * block_forward if report_drift else 0.0,
+    }
+
+
+def _calibrator(args: argparse.Namespace, merged: torch.nn.Module, device: torch.device):
     from hf_featcal import FeatCalCalibrator, FeatCalConfig
 
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    merged = LlamaForCausalLM.from_pretrained(os.path.join(args.workdir, f"merged-{args.tasks}"), dtype=dtype).eval()
     experts = {f"task{i}": os.path.join(args.workdir, f"expert-{i}") for i in range(args.tasks)}
     vocab = GEOMETRIES[args.geometry]["vocab_size"]
     gen = torch.Generator().manual_seed(0)
@@ -91,14 +192,37 @@ def measure(args: argparse.Namespace) -> dict:
                for s in range(0, args.sequences, args.batch_size)]
         for task in experts
     }
-    calibrator = FeatCalCalibrator(merged, os.path.join(args.workdir, "base"), experts, data,
-                                   FeatCalConfig(num_samples_per_task=args.sequences), device=device,
-                                   show_progress=False)
+    config = FeatCalConfig(num_samples_per_task=args.sequences, forward_dtype=_forward_dtype(args),
+                           restore_snapshot=args.restore_snapshot)
+    return FeatCalCalibrator(merged, os.path.join(args.workdir, "base"), experts, data, config, device=device,
+                             show_progress=False)
+
+
+def _forward_dtype(args: argparse.Namespace) -> str | None:
+    return None if args.forward_dtype == "none" else args.forward_dtype
+
+
+def measure(args: argparse.Namespace) -> dict:
+    from transformers import LlamaForCausalLM
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    merged = LlamaForCausalLM.from_pretrained(os.path.join(args.workdir, f"merged-{args.tasks}"), dtype=dtype).eval()
+    calibrator = _calibrator(args, merged, device)
     calibrator.profile = True
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     calibrator.calibrate()
+    total = time.perf_counter() - start
+    # memory first: the throughput probe below allocates its own matrices
+    peak_rss = peak_rss_gib()
+    peak_device = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    forward_dtype = _forward_dtype(args)
+    dtypes = stage_dtypes(args.dtype, forward_dtype)
+    peaks = {name: matmul_throughput(device, getattr(torch, name)) for name in sorted(set(dtypes.values()))}
+    config = calibrator.config
+    flops = flop_count(GEOMETRIES[args.geometry], args.tasks, args.sequences, args.length, args.batch_size,
+                       teacher_alpha=config.teacher_alpha, report_drift=config.report_drift)
     return {
         "geometry": args.geometry,
         "parameters_billion": sum(p.numel() for p in merged.parameters()) / 1e9,
@@ -107,11 +231,72 @@ def measure(args: argparse.Namespace) -> dict:
         "tokens_per_sequence": args.length,
         "device": str(device),
         "dtype": args.dtype,
-        "seconds_total": time.perf_counter() - start,
+        "forward_dtype": forward_dtype,
+        "restore_snapshot": args.restore_snapshot,
+        "seconds_total": total,
         "seconds_per_stage": calibrator.timings,
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "peak_device_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "peak_rss_gib": peak_rss,
+        "peak_device_gib": peak_device,
+        **rate_report(flops, calibrator.timings, dtypes, peaks),
     }
+
+
+def _table_title(result: dict) -> str:
+    return (
+        f"llama {result['geometry']} ({result['parameters_billion']:.3f} B) · {result['tasks']} tasks × "
+        f"{result['sequences_per_task']} sequences × {result['tokens_per_sequence']} tokens · {result['device']} · "
+        f"model {result['dtype']} · forward dtype {result['forward_dtype'] or 'none (exact)'} · "
+        f"snapshot {result['restore_snapshot']}"
+    )
+
+
+def check_flops(args: argparse.Namespace) -> None:
+    """One `calibrate()` on the `check` geometry with torch's FlopCounterMode opened around each timed
+    stage; prints its count per stage next to `flop_count`'s (full attention, products only: what
+    FlopCounterMode sees). torch's counter knows neither the CPU SDPA kernel nor the in-place
+    `addmm_` the accumulators add each later batch with: they get torch's SDPA formula and 2·m·k·n."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+    from transformers import LlamaForCausalLM
+
+    from hf_featcal.pipeline.context import RunContext
+
+    prepare(args.workdir, args.geometry, args.tasks, torch.float32)
+    merged = LlamaForCausalLM.from_pretrained(os.path.join(args.workdir, f"merged-{args.tasks}"), dtype=torch.float32).eval()
+    calibrator = _calibrator(args, merged, torch.device("cpu"))
+    aten = torch.ops.aten
+
+    def full_attention(query, key, value, *args, out_shape=None, **kwargs) -> int:  # shapes: FlopCounterMode wraps it
+        return sdpa_flop_count(query, key, value)
+
+    def inplace_addmm(self_, a, b, *args, out_shape=None, **kwargs) -> int:  # the accumulators' `addmm_`
+        return 2 * a[0] * a[1] * b[1]
+
+    missing = {aten._scaled_dot_product_flash_attention_for_cpu: full_attention, aten.addmm_: inplace_addmm}
+    counted: dict[str, int] = {}
+    timed = RunContext.timed
+
+    @contextlib.contextmanager
+    def counting(self, stage: str):
+        with timed(self, stage), FlopCounterMode(display=False, custom_mapping=missing) as counter:
+            yield
+        counted[stage] = counted.get(stage, 0) + counter.get_total_flops()
+
+    RunContext.timed = counting
+    try:
+        calibrator.calibrate()
+    finally:
+        RunContext.timed = timed
+    config = calibrator.config
+    model = flop_count(GEOMETRIES[args.geometry], args.tasks, args.sequences, args.length, args.batch_size,
+                       teacher_alpha=config.teacher_alpha, report_drift=config.report_drift, causal=False, products_only=True)
+    print(f"geometry {args.geometry} · {args.tasks} tasks × {args.sequences} sequences × {args.length} tokens · batches of {args.batch_size}")
+    print("| stage | flop_count (GFLOP) | FlopCounterMode (GFLOP) | ratio |\n|---|---:|---:|---:|")
+    for stage in dict.fromkeys([*model, *counted]):
+        ours, torchs = model.get(stage, 0.0), counted.get(stage, 0)
+        ratio = f"{ours / torchs:.6f}" if torchs else "-"
+        print(f"| {stage} | {ours / 1e9:.4f} | {torchs / 1e9:.4f} | {ratio} |")
+    ours, torchs = sum(model.values()), sum(counted.values())
+    print(f"| total | {ours / 1e9:.4f} | {torchs / 1e9:.4f} | {ours / torchs:.6f} |")
 
 
 def main() -> None:
@@ -123,12 +308,29 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--forward-dtype", default="none", choices=["none", "bfloat16", "float16"],
+                        help="FeatCalConfig.forward_dtype: none (exact mode) or the fast mode's autocast dtype")
+    parser.add_argument("--restore-snapshot", default="memory", choices=["memory", "disk"],
+                        help="FeatCalConfig.restore_snapshot: where the merged model's restore copy is kept")
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "hf_featcal_bench_llama"))
     parser.add_argument("--sweep", default=None, help="comma-separated numbers of experts, e.g. 1,4")
+    parser.add_argument("--output", default=None, help="also write the results (a JSON list) to this file")
+    parser.add_argument("--check-flops", action="store_true",
+                        help="compare flop_count with torch's FlopCounterMode on one in-process CPU run "
+                             "(default geometry then: check, 2 tasks × 4 sequences × 64 tokens)")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    argv = sys.argv[1:]
+    if "--check-flops" in argv:  # its own defaults, unless given
+        defaults = {"--geometry": "check", "--tasks": "2", "--sequences": "4", "--length": "64", "--batch-size": "2"}
+        given = {a.split("=")[0] for a in argv}
+        argv = [*(x for k, v in defaults.items() if k not in given for x in (k, v)), *argv]
+    args = parser.parse_args(argv)
     workdir = os.path.join(args.workdir, f"{args.geometry}-{args.dtype}")
     os.makedirs(workdir, exist_ok=True)
+    if args.check_flops:
+        args.workdir = workdir
+        check_flops(args)
+        return
     if args.measure:
         args.workdir = workdir
         print("RESULT " + json.dumps(measure(args)), flush=True)
@@ -142,15 +344,25 @@ def main() -> None:
     for tasks in counts:
         cmd = [sys.executable, __file__, "--measure", "--geometry", args.geometry, "--tasks", str(tasks),
                "--sequences", str(args.sequences), "--length", str(args.length), "--batch-size", str(args.batch_size),
-               "--device", args.device, "--dtype", args.dtype, "--workdir", args.workdir]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        rows.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))
+               "--device", args.device, "--dtype", args.dtype, "--forward-dtype", args.forward_dtype,
+               "--restore-snapshot", args.restore_snapshot, "--workdir", args.workdir]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode != 0:
+            sys.stderr.write(run.stdout + run.stderr)
+            raise SystemExit(f"the measured run ({tasks} experts) failed with exit status {run.returncode}")
+        rows.append(json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:]))
         print(json.dumps(rows[-1], indent=2), flush=True)
+        print("\n" + stage_table(rows[-1], _table_title(rows[-1])) + "\n", flush=True)
+        if args.output:
+            with open(args.output, "w", encoding="utf-8") as handle:
+                json.dump(rows, handle, indent=2)
     if len(rows) > 1:
-        print("\n| experts | seconds | peak RSS (GiB) | peak device (GiB) |\n|---:|---:|---:|---:|")
+        print("\n| experts | seconds | peak RSS (GiB) | peak device (GiB) | fraction of matmul peak |\n|---:|---:|---:|---:|---:|")
         for r in rows:
             device_mem = f"{r['peak_device_gib']:.2f}" if r["peak_device_gib"] is not None else "-"
-            print(f"| {r['tasks']} | {r['seconds_total']:.1f} | {r['peak_rss_gib']:.2f} | {device_mem} |")
+            fraction = r["block_work_fraction_of_matmul_peak"]
+            print(f"| {r['tasks']} | {r['seconds_total']:.1f} | {r['peak_rss_gib']:.2f} | {device_mem} | "
+                  f"{'-' if fraction is None else format(fraction, '.2f')} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,143 @@
+"""Reporting shared by the benchmarks (`bench_clip.py`, `bench_llama.py`): this process's peak RSS,
+the machine's measured matmul peak per dtype, the library's arithmetic shares (blocked Gram
+triangles, triangular products) and the per-stage table of seconds, TFLOP, TFLOP/s and fraction of
+the peak of each stage's dtype.
+
+The scripts run with their own folder on `sys.path`, so they import this module as `bench_common`.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+
+#: dtype of each timed stage's products, by mode: block forwards run in the forward dtype (fast mode's
+#: autocast dtype, else the model's); statistics accumulate in float32 except that fast mode's Gram
+#: products take forward-dtype inputs; solving is float32 (`compute_dtype`).
+FORWARD_STAGES = ("block forwards", "propagating", "drift (merged-as-given stream)")
+
+
+def stage_dtypes(model_dtype: str, forward_dtype: str | None) -> dict[str, str]:
+    """The dtype whose matmul peak each stage is measured against."""
+    forward = forward_dtype or model_dtype
+    return {**{stage: forward for stage in FORWARD_STAGES}, "statistics": forward_dtype or "float32", "solving": "float32"}
+
+
+def peak_rss_gib() -> float:
+    """This process's own peak RSS (`VmHWM`): `ru_maxrss` survives `execve`, so a child started right
+    after `prepare()` would report the parent's peak."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def matmul_throughput(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] | None = None, seconds: float = 0.3) -> float:
+    """This machine's matmul throughput (FLOP/s) in `dtype`: the best of square products of a few sizes
+    (larger on a GPU, where 3072² products do not fill the device), each repeated for about `seconds`."""
+    if sizes is None:
+        sizes = (2048, 4096, 8192) if device.type == "cuda" else (1024, 2048, 3072)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    best = 0.0
+    for size in sizes:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        a @ b  # warm-up (and, on a slow path, how many repeats fit in `seconds`)
+        sync()
+        start = time.perf_counter()
+        a @ b
+        sync()
+        repeats = max(1, min(50, int(seconds / max(time.perf_counter() - start, 1e-6))))
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        sync()
+        best = max(best, 2 * size**3 * repeats / (time.perf_counter() - start))
+        del a, b
+    return best
+
+
+def triangle_fraction(dim: int) -> float:
+    """The share of a full `dim`-wide Gram product x_sᵀx_s the library computes: it accumulates the
+    block upper triangle of `hf_featcal.statistics.gram_blocks` (block j against blocks ≥ j; 8 equal
+    blocks: (8+1)/(2·8) = 9/16, 4 blocks: 5/8, one block: 1) and mirrors it at task end. 9/16 when the
+    library does not say."""
+    try:
+        from hf_featcal.statistics import gram_blocks
+    except ImportError:
+        return 9 / 16
+    return sum((stop - start) * (dim - start) for start, stop in gram_blocks(dim)) / dim**2
+
+
+def lower_triangular_fraction(dim: int) -> float:
+    """The share of a full product a @ L (L: `dim`×`dim` lower triangular) that
+    `hf_featcal.solver.lower_triangular_product` computes: one full product below
+    `BLOCKED_CHOLESKY_MIN_DIM`, else column blocks of 384 against the rows at and below each block."""
+    try:
+        from hf_featcal.solver import BLOCKED_CHOLESKY_MIN_DIM
+    except ImportError:
+        BLOCKED_CHOLESKY_MIN_DIM = 1024
+    if dim < BLOCKED_CHOLESKY_MIN_DIM:
+        return 1.0
+    return sum((dim - start) * (min(start + 384, dim) - start) for start in range(0, dim, 384)) / dim**2
+
+
+def rate_report(flops: dict[str, float], timings: dict[str, float], dtypes: dict[str, str], peaks: dict[str, float]) -> dict:
+    """The result keys shared by the benchmarks, from FLOPs and seconds per stage, each stage's dtype
+    and the measured matmul peak (FLOP/s) per dtype: TFLOP per stage, the stages' dtypes, the peaks in
+    TFLOP/s, the counted stages' overall fraction of peak and each one's own."""
+    counted = [k for k in flops if timings.get(k)]
+    work = sum(timings[k] for k in counted)
+    ideal = sum(flops[k] / peaks[dtypes[k]] for k in counted)  # seconds at each stage's dtype peak
+    return {
+        "tflop": {k: v / 1e12 for k, v in flops.items()},
+        "stage_dtypes": dtypes,
+        "measured_matmul_tflops": {k: v / 1e12 for k, v in peaks.items()},
+        # Σ (stage FLOPs / its dtype's peak) ÷ Σ stage seconds, over the stages that are counted
+        "block_work_fraction_of_matmul_peak": ideal / work if work else None,
+        "fraction_of_matmul_peak_per_stage": {k: flops[k] / timings[k] / peaks[dtypes[k]] for k in counted},
+    }
+
+
+def stage_rows(result: dict) -> list[tuple[str, float, float | None, float | None, float | None, str | None]]:
+    """(stage, seconds, TFLOP, TFLOP/s, fraction of its dtype's peak, dtype) for every timed stage."""
+    rows = []
+    for stage, seconds in result["seconds_per_stage"].items():
+        tflop = result["tflop"].get(stage)
+        dtype = result["stage_dtypes"].get(stage)
+        rate = tflop / seconds if tflop is not None and seconds > 0 else None
+        fraction = result["fraction_of_matmul_peak_per_stage"].get(stage)
+        rows.append((stage, seconds, tflop, rate, fraction, dtype))
+    return rows
+
+
+def stage_table(result: dict, title: str) -> str:
+    """A markdown table of `stage_rows` under `title`, then the run's total, memory and measured peaks."""
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    lines = [
+        title,
+        "| stage | seconds | TFLOP | TFLOP/s | fraction of peak | peak dtype |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for stage, seconds, tflop, rate, fraction, dtype in stage_rows(result):
+        lines.append(f"| {stage} | {seconds:.2f} | {fmt(tflop, '.3f')} | {fmt(rate, '.3f')} | {fmt(fraction, '.3f')} | {dtype or '-'} |")
+    device_mem = "-" if result["peak_device_gib"] is None else f"{result['peak_device_gib']:.2f} GiB"
+    peaks = ", ".join(f"{k} {v:.2f}" for k, v in result["measured_matmul_tflops"].items())
+    lines.append(
+        f"total {result['seconds_total']:.2f} s · {sum(result['tflop'].values()):.2f} TFLOP · fraction of peak (counted stages) "
+        f"{fmt(result['block_work_fraction_of_matmul_peak'], '.3f')} · peak RSS {result['peak_rss_gib']:.2f} GiB · "
+        f"peak device {device_mem} · measured matmul peak (TFLOP/s): {peaks}"
+    )
+    return "\n".join(lines)
