@@ -155,3 +155,26 @@ def test_objective_decrease_from_the_factor_equals_the_gram_product(generator, n
     old = anchor + 0.1 * torch.randn(40, n, generator=generator, dtype=F64)
     want = linear_objective_decrease(gram, old, new, 0.05, 1e-8)
     assert linear_objective_decrease(gram, old, new, 0.05, 1e-8, factor=info.factor) == pytest.approx(want, rel=1e-10)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("alpha", [0.0, 0.25])
+def test_a_process_without_batches_of_a_task_reduces_the_same_sums(generator, direct, alpha):
+    """In a multi-process run one process may hold no batch of a task: it must still hand the
+    reduction the same list of tensors (count, shapes, dtypes) as a process with batches, or the
+    collective would mismatch; its contribution is zeros."""
+    tasks = _tasks(generator, 600, 40 if direct else 700, n=50, tasks=1)
+    target = {"m": LinearTargets(tasks[0]["weight"], tasks[0]["bias"])}
+    seen = []
+
+    def recording(tensors):
+        seen.append([(tuple(t.shape), t.dtype) for t in tensors])
+        return [t * 2 if i else t + 1 for i, t in enumerate(tensors)]  # stands for the other process's sums
+
+    kw = dict(dtype=F64, device=torch.device("cpu"), epsilon=1e-8, direct_rhs=direct, teacher_alpha=alpha)
+    busy = LinearGroupStatistics(("m",), 600, **kw)
+    busy.accumulate_mixture(tasks[0]["x_s"][:, None], tasks[0]["x_e"][:, None], alpha, tasks[0]["w"][:, None], target)
+    busy.finish_task(target, recording)
+    idle = LinearGroupStatistics(("m",), 600, **kw)
+    idle.finish_task(target, recording)
+    assert seen[0] == seen[1]

@@ -135,6 +135,9 @@ class LinearGroupStatistics:
     direct_rhs: bool = False
     #: Fast mode: the dtype the products' factors are cast to (None: the accumulation dtype).
     product_dtype: torch.dtype | None = None
+    #: α of a task that saw no batch here (another process holds them): every process must hand the
+    #: same sums to the cross-process reduction. 1.0 matches `accumulate` (its input is the teacher).
+    teacher_alpha: float = 1.0
     # running sums of the current task
     _w: Tensor = field(init=False)
     _count: int = field(init=False, default=0)
@@ -235,7 +238,7 @@ class LinearGroupStatistics:
 
     def finish_task(self, targets: dict[str, LinearTargets], reduce: SumReducer = _identity_reducer) -> None:
         """Fold the current task into the task sums, using the task's expert parameters."""
-        alpha = 0.0 if self._alpha is None else self._alpha
+        alpha = self.teacher_alpha if self._alpha is None else self._alpha
         count = torch.tensor(float(self._count), dtype=self.dtype, device=self.device)
         if self.direct_rhs:
             for name in self.modules:  # a process without batches of this task contributes zeros

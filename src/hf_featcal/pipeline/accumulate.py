@@ -35,7 +35,8 @@ def new_statistics(ctx: RunContext, plan: BlockPlan, block: nn.Module) -> BlockS
         dim = specs[names[0]].shape(block)[1]
         outputs = sum(specs[n].shape(block)[0] for n in names)
         linear[key] = LinearGroupStatistics(
-            tuple(names), dim, epsilon=ctx.config.epsilon, direct_rhs=outputs < dim, product_dtype=ctx.forward_dtype, **kw
+            tuple(names), dim, epsilon=ctx.config.epsilon, direct_rhs=outputs < dim, product_dtype=ctx.forward_dtype,
+            teacher_alpha=ctx.config.teacher_alpha, **kw
         )
     norms = {}
     for name, weighted in plan.norms:
