@@ -60,10 +60,10 @@ def gram_blocks(dim: int) -> list[tuple[int, int]]:
 
 
 def product(a: Tensor, b: Tensor, low: torch.dtype | None, out: Tensor | None = None) -> Tensor:
-    """a @ b, added into `out` when given. With `low` (fast mode) the factors are cast to that dtype:
-    on CUDA the product is returned in float32 (`torch.mm(..., out_dtype=)`); elsewhere (this torch
-    has no CPU kernel for it) it comes back in `low` and is added to the float32 sums (rounded once
-    per batch, as the inputs already are)."""
+    """a @ b (float32 or better), added into `out` when given. With `low` (fast mode) the factors
+    are cast to that dtype: on CUDA the product comes out in float32 (`torch.mm(..., out_dtype=)`);
+    elsewhere (torch has no CPU kernel for that) the product is rounded to `low` once per batch, as
+    the inputs already are, and converted back before it is added to the float32 sums."""
     if low is None:
         return torch.mm(a, b) if out is None else out.addmm_(a, b)
     a, b = a.to(low), b.to(low)
