@@ -436,9 +436,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     build the scenario and print the exact match of the base, each expert, the Task Arithmetic merge
     (0.3) and the merge after FeatCal (default `FeatCalConfig`, base as anchor); returns the table."""
     import argparse
-    import warnings
-
-    from hf_featcal import FeatCalCalibrator, FeatCalConfig
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--seed", type=int, default=0)
@@ -451,17 +448,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows, merged = scenario.score_rows()
     reports = {}
     for positions in CALIBRATION_POSITIONS if args.positions == "both" else (args.positions,):
-        start = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # tiny vocabulary: early-block Grams are rank-deficient
-            calibrator = FeatCalCalibrator(
-                merged, scenario.base, scenario.experts, scenario.calibration_data(positions), config=FeatCalConfig(),
-                show_progress=False,
-            )
-            calibrated = calibrator.calibrate()
-        print(f"FeatCal ({positions} positions) in {time.perf_counter() - start:.1f} s")
+        calibrated, reports[positions], seconds = scenario.calibrate_with_defaults(merged, scenario.calibration_data(positions))
+        print(f"FeatCal ({positions} positions) in {seconds:.1f} s")
         rows[f"TA 0.3 + FeatCal ({positions})"] = scenario.evaluate(calibrated)
-        reports[positions] = calibrator.report
     scenario.print_scores(rows)
     for positions, report in reports.items():
         if report is not None:
