@@ -58,3 +58,47 @@ def register_tiny_model_config(folder, name: str) -> str:
     path.write_text(json.dumps(cfg))
     open_clip.add_model_config(path)
     return name
+
+
+def write_open_clip_recipe_world(folder, generator, model_name: str, names: dict, split_sizes: dict,
+                                 featcal_batch_size: int, num_examples: int):
+    """An offline open_clip recipe world under `folder`: the tiny `model_name` as base (norms
+    randomised), one perturbed expert and one local image dataset (`split_sizes`: split → examples)
+    per task of `names` (task → class names), all as folders; returns the path of `recipe.yaml`."""
+    import datasets
+    import numpy as np
+    import yaml
+    from PIL import Image
+
+    from hf_featcal.architectures.openclip import OpenCLIPVisionLayerMap, load_open_clip
+
+    base = load_open_clip(model_name)  # a full CLIP: its text tower builds the zero-shot heads
+    randomise_norms(base, generator)
+    OpenCLIPVisionLayerMap().save_model(base, folder / "base")
+    rng = np.random.default_rng(0)
+    for task, classes in names.items():
+        expert = copy.deepcopy(base)
+        with torch.no_grad():
+            for p in expert.visual.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=generator))
+        OpenCLIPVisionLayerMap().save_model(expert, folder / "experts" / task)
+        features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
+        datasets.DatasetDict({
+            split: datasets.Dataset.from_dict(
+                {"image": [Image.fromarray(rng.integers(0, 255, (10, 10, 3), dtype=np.uint8)) for _ in range(n)],
+                 "label": [i % len(classes) for i in range(n)]}, features=features)
+            for split, n in split_sizes.items()
+        }).save_to_disk(str(folder / "data" / task))
+    recipe = {
+        "model_family": "open_clip",
+        "base": "local-dir:./base",
+        "experts": {task: f"local-dir:./experts/{task}" for task in names},
+        "merge": {"method": "task_arithmetic", "scaling_factor": 0.3},
+        "featcal": {"batch_size": featcal_batch_size},
+        "calibration": {"default": {"dataset": "./data/{task}", "split": "train", "num_examples": num_examples}},
+        "evaluation": {"split": "test", "batch_size": 4, "class_names": names},
+        "output_dir": str(folder / "out"),
+    }
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path

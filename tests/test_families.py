@@ -3,16 +3,14 @@ family, and a `hf-featcal --help` that loads no heavy library."""
 
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys
 
 import pytest
-import torch
 from transformers import BertConfig, BertModel, CLIPVisionModel, T5Config, T5ForConditionalGeneration
 
-from conftest import randomise_norms, tiny_vision_config
+from conftest import tiny_vision_config
 from hf_featcal import cli
 from hf_featcal.architectures.families import detect_family, family_names, get_family, image_family_names
 
@@ -82,43 +80,11 @@ def tiny_open_clip_name(tmp_path):
 def test_open_clip_recipe_prints_the_zero_shot_label(generator, tmp_path, tiny_open_clip_name, capsys):
     """`hf-featcal run` on an open_clip recipe labels its table as zero-shot accuracy (it printed "GLUE
     headline score": the CLI chose the label by a family test of its own)."""
-    import datasets
-    import numpy as np
-    import yaml
-    from PIL import Image
-
-    from hf_featcal.architectures.openclip import OpenCLIPVisionLayerMap, load_open_clip
+    from openclip_models import write_open_clip_recipe_world
 
     names = {"zorbs": ["red", "green"], "glyphs": ["cat", "dog"]}
-    base = load_open_clip(tiny_open_clip_name)
-    randomise_norms(base, generator)
-    OpenCLIPVisionLayerMap().save_model(base, tmp_path / "base")
-    rng = np.random.default_rng(0)
-    for task, classes in names.items():
-        expert = copy.deepcopy(base)
-        with torch.no_grad():
-            for p in expert.visual.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=generator))
-        OpenCLIPVisionLayerMap().save_model(expert, tmp_path / "experts" / task)
-        features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
-        datasets.DatasetDict({
-            split: datasets.Dataset.from_dict(
-                {"image": [Image.fromarray(rng.integers(0, 255, (10, 10, 3), dtype=np.uint8)) for _ in range(n)],
-                 "label": [i % len(classes) for i in range(n)]}, features=features)
-            for split, n in (("train", 6), ("test", 4))
-        }).save_to_disk(str(tmp_path / "data" / task))
-    recipe = {
-        "model_family": "open_clip",
-        "base": "local-dir:./base",
-        "experts": {task: f"local-dir:./experts/{task}" for task in names},
-        "merge": {"method": "task_arithmetic", "scaling_factor": 0.3},
-        "featcal": {"batch_size": 3},
-        "calibration": {"default": {"dataset": "./data/{task}", "split": "train", "num_examples": 6}},
-        "evaluation": {"split": "test", "batch_size": 4, "class_names": names},
-        "output_dir": str(tmp_path / "out"),
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    path = write_open_clip_recipe_world(tmp_path, generator, tiny_open_clip_name, names, {"train": 6, "test": 4},
+                                        featcal_batch_size=3, num_examples=6)
     assert cli.main(["run", str(path), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "zero-shot top-1 accuracy (%), split test" in out

@@ -24,7 +24,9 @@ from transformers import CLIPVisionModel
 
 from conftest import perturbed, randomise_norms, tiny_vision_config
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
-from openclip_models import HEADS, IMAGE, LAYERS, MLP, PATCH, WIDTH, open_clip_setting, register_tiny_model_config, tiny_tower
+from openclip_models import (
+    HEADS, IMAGE, LAYERS, MLP, PATCH, WIDTH, open_clip_setting, register_tiny_model_config, tiny_tower, write_open_clip_recipe_world,
+)
 from reference_featcal import reference_featcal
 from test_reference_agreement import check_steps_from_the_merged_model
 
@@ -300,47 +302,15 @@ def test_open_clip_recipe_and_commands_end_to_end(generator, tmp_path, tiny_mode
     """`hf-featcal run` with `model_family: open_clip` (base and experts as open_clip folders, local
     datasets), then `merge` / `calibrate` / `evaluate` on the same folders."""
     import datasets
-    import numpy as np
-    import yaml
     from huggingface_hub import ModelCard
-    from PIL import Image
 
     from hf_featcal import cli
-    from hf_featcal.architectures.openclip import OpenCLIPVisionLayerMap, load_open_clip
     from hf_featcal.evaluation import evaluate_clip_zeroshot
     from hf_featcal.merging import task_arithmetic
 
     names = {"zorbs": ["red", "green", "blue"], "glyphs": ["cat", "dog"]}
-    base = load_open_clip(tiny_model_name)  # a full CLIP: its text tower builds the zero-shot heads
-    randomise_norms(base, generator)
-    OpenCLIPVisionLayerMap().save_model(base, tmp_path / "base")
-    rng = np.random.default_rng(0)
-    for index, (task, classes) in enumerate(names.items()):
-        expert = copy.deepcopy(base)
-        with torch.no_grad():
-            for p in expert.visual.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=generator))
-        OpenCLIPVisionLayerMap().save_model(expert, tmp_path / "experts" / task)
-        features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
-        splits = {
-            split: datasets.Dataset.from_dict(
-                {"image": [Image.fromarray(rng.integers(0, 255, (10, 10, 3), dtype=np.uint8)) for _ in range(n)],
-                 "label": [i % len(classes) for i in range(n)]}, features=features)
-            for split, n in (("train", 12), ("test", 8))
-        }
-        datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "data" / task))
-    recipe = {
-        "model_family": "open_clip",
-        "base": "local-dir:./base",
-        "experts": {task: f"local-dir:./experts/{task}" for task in names},
-        "merge": {"method": "task_arithmetic", "scaling_factor": 0.3},
-        "featcal": {"batch_size": 4},
-        "calibration": {"default": {"dataset": "./data/{task}", "split": "train", "num_examples": 8}},
-        "evaluation": {"split": "test", "batch_size": 4, "class_names": names},
-        "output_dir": str(tmp_path / "out"),
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    path = write_open_clip_recipe_world(tmp_path, generator, tiny_model_name, names, {"train": 12, "test": 8},
+                                        featcal_batch_size=4, num_examples=8)
     assert cli.main(["run", str(path), "--quiet"]) == 0
     assert "task_arithmetic (scaling_factor=0.3) + FeatCal" in capsys.readouterr().out
 
