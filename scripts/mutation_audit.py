@@ -40,7 +40,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "alpha_is_1": ("pipeline/accumulate.py", "    alpha = ctx.config.teacher_alpha\n", "    alpha = 1.0\n"),
     "alpha_is_0": ("pipeline/accumulate.py", "    alpha = ctx.config.teacher_alpha\n", "    alpha = 0.0\n"),
-    "task_scale_1": ("statistics.py", "        s_i = 1.0 / max(upper_gram_norm(c_i), self.epsilon)\n", "        s_i = 1.0\n"),
+    "task_scale_1": ("statistics.py", "        s_i = task_scale(upper_gram_norm(c_i), self.epsilon)\n", "        s_i = 1.0\n"),
     # exact-mode arithmetic (blocked Gram triangle, cross moment from the expert's inputs, blocked Cholesky)
     "gram_lower_blocks_not_mirrored": (
         "statistics.py", "            full[c0:c1, r0:r1] = upper[r0:r1, c0:c1].T\n", "            pass\n",

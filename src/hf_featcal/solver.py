@@ -13,9 +13,10 @@ import torch
 from torch import Tensor
 
 
-def task_scale(gram: Tensor, epsilon: float) -> float:
-    """s_i = 1 / max(‖C_i‖_F, ε): puts tasks with different feature scales on an equal footing."""
-    return 1.0 / max(float(torch.linalg.matrix_norm(gram, ord="fro")), epsilon)
+def task_scale(gram_norm: float, epsilon: float) -> float:
+    """s_i = 1 / max(‖C_i‖_F, ε), from the Frobenius norm ‖C_i‖_F: puts tasks with different feature
+    scales on an equal footing."""
+    return 1.0 / max(gram_norm, epsilon)
 
 
 def anchor(merged: Tensor, base: Tensor | None, rho: float) -> Tensor:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .solver import task_scale
+
 
 # A reduction applied to a task's raw sums before they are turned into means (e.g. an all-reduce
 # across processes). Identity on one process.
@@ -78,22 +80,9 @@ def product(a: Tensor, b: Tensor, low: torch.dtype | None, out: Tensor | None = 
     return result if out is None else out.add_(result)
 
 
-def upper_gram(a: Tensor, b: Tensor, low: torch.dtype | None = None) -> Tensor:
-    """aᵀ b on the block upper triangle of `gram_blocks` only (a Gram is symmetric;
-    `symmetric_from_upper` restores the rest), zeros below it. a, b: (M, d)."""
-    dim = a.shape[1]
-    acc = torch.empty(dim, dim, dtype=a.dtype if low is None else torch.float32, device=a.device)
-    for start, stop in gram_blocks(dim):
-        if low is None:
-            torch.mm(a[:, start:stop].T, b[:, start:], out=acc[start:stop, start:])
-        else:
-            acc[start:stop, start:] = product(a[:, start:stop].T, b[:, start:], low)
-        acc[stop:, start:stop] = 0.0
-    return acc
-
-
 def add_upper_gram(acc: Tensor, a: Tensor, b: Tensor, low: torch.dtype | None = None) -> None:
-    """acc += aᵀ b on the block upper triangle of `gram_blocks(acc.shape[0])` only."""
+    """acc += aᵀ b on the block upper triangle of `gram_blocks(acc.shape[0])` only (a Gram is
+    symmetric; `symmetric_from_upper` restores the rest). a, b: (M, d)."""
     for start, stop in gram_blocks(acc.shape[0]):
         product(a[:, start:stop].T, b[:, start:], low, out=acc[start:stop, start:])
 
@@ -144,7 +133,7 @@ class LinearGroupStatistics:
     _alpha: float | None = field(init=False, default=None)
     _sx_s: Tensor = field(init=False)
     _sx_e: Tensor = field(init=False)
-    _gram: Tensor | None = field(init=False, default=None)
+    _gram: Tensor = field(init=False)
     _cross: Tensor | None = field(init=False, default=None)
     _rhs_task: dict[str, Tensor] = field(init=False, default_factory=dict)
     # folded over finished tasks (the Gram sum as its block upper triangle)
@@ -174,7 +163,7 @@ class LinearGroupStatistics:
         self._alpha = None
         self._sx_s = torch.zeros(d, **kw)
         self._sx_e = torch.zeros(d, **kw)
-        self._gram = None  # allocated by the first batch (an empty task: zeros at task end)
+        self._gram = torch.zeros(d, d, **kw)  # its block upper triangle
         self._cross = None
         self._rhs_task = {}
 
@@ -219,10 +208,7 @@ class LinearGroupStatistics:
         if low is not None:  # fast mode: the products' factors cast once per batch, not once per block
             x_s, x_e = x_s.to(low), x_e.to(low)
             weighted = x_s if unit else weighted.to(low)
-        if self._gram is None:
-            self._gram = upper_gram(weighted, x_s, low).to(self.dtype)
-        else:
-            add_upper_gram(self._gram, weighted, x_s, low)
+        add_upper_gram(self._gram, weighted, x_s, low)
         if self.direct_rhs:
             for name in self.modules:
                 y = product(x_t, targets[name].weight.to(device=self.device, dtype=self.dtype).T, low)
@@ -253,14 +239,12 @@ class LinearGroupStatistics:
             moments = [self._cross]
         else:
             moments = []
-        if self._gram is None:  # a process without batches of this task
-            self._gram = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
         w, sx_s, sx_e, gram, count, *moments = reduce([self._w, self._sx_s, self._sx_e, self._gram, count, *moments])
         total = float(w)
         if total <= 0:
             raise ValueError(f"modules {list(self.modules)}: the task has no token with non-zero weight")
         c_i = gram.div_(total)  # the block upper triangle of C_i
-        s_i = 1.0 / max(upper_gram_norm(c_i), self.epsilon)
+        s_i = task_scale(upper_gram_norm(c_i), self.epsilon)
         mu_s, mu_e = sx_s / total, sx_e / total
         mu_t = torch.lerp(mu_s, mu_e, alpha)
         cross = None
