@@ -179,7 +179,7 @@ def test_exact_mode_unaffected_by_a_fast_run(generator):
 
 
 class _MatrixProducts(TorchDispatchMode):
-    """Records (input dtypes, output shape, contracted length) of every aten mm/addmm."""
+    """Records (input dtypes, output shape, contracted length) of every aten mm/addmm/addmm_."""
 
     def __init__(self):
         super().__init__()
@@ -187,7 +187,7 @@ class _MatrixProducts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
             a, b = (args[0], args[1]) if func.overloadpacket is torch.ops.aten.mm else (args[1], args[2])
             self.products.append(((a.dtype, b.dtype), tuple(out.shape), a.shape[1]))
         return out

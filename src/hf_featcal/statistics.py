@@ -164,7 +164,7 @@ class LinearGroupStatistics:
         self._sx_s = torch.zeros(d, **kw)
         self._sx_e = torch.zeros(d, **kw)
         self._gram = torch.zeros(d, d, **kw)  # its block upper triangle
-        self._cross = None
+        self._cross = None if self.direct_rhs else torch.zeros(d, d, **kw)
         self._rhs_task = {}
 
     def accumulate(
@@ -217,10 +217,7 @@ class LinearGroupStatistics:
                 else:
                     self._rhs_task[name] = product(weighted.T, y, low).to(self.dtype)
         elif alpha != 0.0:
-            if self._cross is None:
-                self._cross = product(weighted.T, x_e, low).to(self.dtype)
-            else:
-                product(weighted.T, x_e, low, out=self._cross)
+            product(weighted.T, x_e, low, out=self._cross)
 
     def finish_task(self, targets: dict[str, LinearTargets], reduce: SumReducer = _identity_reducer) -> None:
         """Fold the current task into the task sums, using the task's expert parameters."""
@@ -234,8 +231,6 @@ class LinearGroupStatistics:
                     )
             moments = [self._rhs_task[name] for name in self.modules]
         elif alpha != 0.0:
-            if self._cross is None:
-                self._cross = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
             moments = [self._cross]
         else:
             moments = []
