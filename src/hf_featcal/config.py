@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CONFIG_NAME = "featcal_config.json"
+#: `FeatCalConfig.forward_dtype` values besides None (fast mode)
+FORWARD_DTYPES = ("bfloat16", "float16")
+#: where `FeatCalConfig.restore_snapshot` may keep the restore copy
+RESTORE_SNAPSHOTS = ("memory", "disk")
 
 
 @dataclass
@@ -104,16 +108,18 @@ class FeatCalConfig:
         metadata={
             "help": "Fast mode (off by default). None: block forwards in the model's own dtype (exact). "
             "'bfloat16' or 'float16': block forwards under torch.autocast in that dtype (AMX on CPU, tensor "
-            "cores on GPU) and the Gram products take those low-precision inputs with float32 outputs; "
-            "statistics are still accumulated and solved in `compute_dtype`. Changes results slightly."
+            "cores on GPU) and the statistics' products take factors in that dtype (float32 outputs on CUDA; "
+            "on CPU each batch's product is rounded once); statistics are still accumulated and solved in "
+            "`compute_dtype`. Changes results slightly."
         },
     )
     restore_snapshot: str = field(
         default="memory",
         metadata={
             "help": "Where the copy of the merged model kept to restore it if calibration fails is held: "
-            "'memory' (host RAM; fastest) or 'disk' (a memory-mapped safetensors file in a temporary "
-            "folder, removed at the end; for models larger than host RAM). Does not change results."
+            "'memory' (host RAM; fastest) or 'disk' (safetensors files in a temporary folder, read back "
+            "memory-mapped only to restore and removed at the end; for models larger than host RAM). "
+            "Does not change results."
         },
     )
     granularity: str = field(
@@ -217,11 +223,11 @@ class FeatCalConfig:
             )
         if self.compute_dtype not in ("float32", "float64"):
             raise ValueError(f"FeatCalConfig.compute_dtype must be 'float32' or 'float64', got {self.compute_dtype!r}.")
-        if self.forward_dtype not in (None, "bfloat16", "float16"):
+        if self.forward_dtype is not None and self.forward_dtype not in FORWARD_DTYPES:
             raise ValueError(
                 f"FeatCalConfig.forward_dtype must be None, 'bfloat16' or 'float16', got {self.forward_dtype!r}."
             )
-        if self.restore_snapshot not in ("memory", "disk"):
+        if self.restore_snapshot not in RESTORE_SNAPSHOTS:
             raise ValueError(f"FeatCalConfig.restore_snapshot must be 'memory' or 'disk', got {self.restore_snapshot!r}.")
         if self.granularity not in ("block", "module"):
             raise ValueError(f"FeatCalConfig.granularity must be 'block' or 'module', got {self.granularity!r}.")

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .config import RESTORE_SNAPSHOTS
 from .streams import StopForward, module_input
 
 
@@ -111,8 +112,6 @@ def eval_mode(*modules: nn.Module) -> Iterator[None]:
             module.training = training
 
 
-#: what `restore_on_failure` accepts as `snapshot`
-SNAPSHOT_PLACES = ("memory", "disk")
 #: a disk snapshot is written in files of about this size, so that a model on an accelerator passes
 #: through host memory one file at a time
 SNAPSHOT_FILE_BYTES = 256 * 2**20
@@ -138,8 +137,8 @@ def restore_on_failure(
     (safetensors files in a new temporary folder under `tempfile.gettempdir()`, i.e. `TMPDIR`,
     read back memory-mapped only to restore). The folder is removed on exit, on success and on
     failure alike."""
-    if snapshot not in SNAPSHOT_PLACES:
-        raise ValueError(f"`snapshot` must be one of {SNAPSHOT_PLACES}, got {snapshot!r}.")
+    if snapshot not in RESTORE_SNAPSHOTS:
+        raise ValueError(f"`snapshot` must be one of {RESTORE_SNAPSHOTS}, got {snapshot!r}.")
     if parameters is None:
         from .offload import ModelParameters
 
