@@ -101,3 +101,48 @@ def test_folder_with_missing_block_tensors_is_refused(clip_setting, tmp_path):
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"`experts\['cars'\]`.*lacks parameters of the merged model's tower"):
         FeatCalCalibrator(merged, base, {**experts, "cars": str(folder)}, data)
+
+
+def test_a_block_read_from_a_folder_holds_the_checkpoints_tensors_and_leaves_the_merged_block_alone(clip_setting, tmp_path):
+    """`CheckpointSource.block` gives the expert's block (its tensors taken from the checkpoint
+    without a copy of the merged block's), in eval mode, converted to the merged model's dtype;
+    the merged model's own block keeps its values and shares no memory with it."""
+    from hf_featcal.architectures import get_layer_map
+
+    base, experts, merged, _ = clip_setting
+    copy.deepcopy(experts["cars"]).half().save_pretrained(tmp_path / "cars16")  # float16 into a float32 model
+    source = CheckpointSource(str(tmp_path / "cars16"), "experts['cars']", "cars16")
+    layer_map = get_layer_map(merged)
+    merged_block = layer_map.stacks(layer_map.tower(merged))[0].blocks[1]
+    before = {k: v.clone() for k, v in merged_block.state_dict().items()}
+    block = source.block(layer_map, merged, 0, 1, torch.device("cpu"))
+    expert = copy.deepcopy(experts["cars"]).half().float()  # what the float16 file holds
+    expert_block = layer_map.stacks(layer_map.tower(expert))[0].blocks[1]
+    assert not block.training and block is not merged_block
+    merged_pointers = {p.data_ptr() for p in merged_block.parameters()}
+    for (name, got), (_, want) in zip(block.named_parameters(), expert_block.named_parameters()):
+        assert isinstance(got, torch.nn.Parameter) and got.dtype == torch.float32, name
+        assert got.data_ptr() not in merged_pointers, name
+        assert torch.equal(got, want), name
+    for name, value in merged_block.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    hidden = torch.randn(2, 5, merged.config.hidden_size)
+    torch.testing.assert_close(block(hidden, None)[0], expert_block(hidden, None)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_a_block_tensor_of_the_wrong_shape_is_refused_by_name(clip_setting, tmp_path):
+    from safetensors.torch import save_file
+
+    from hf_featcal.architectures import get_layer_map
+
+    _, experts, merged, _ = clip_setting
+    folder = tmp_path / "odd"
+    experts["cars"].config.save_pretrained(folder)
+    state = {k: v.contiguous() for k, v in experts["cars"].state_dict().items()}
+    key = next(k for k in state if k.endswith("layers.0.mlp.fc1.weight"))
+    state[key] = state[key][:-1].contiguous()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    source = CheckpointSource(str(folder), "experts['cars']", "odd")
+    layer_map = get_layer_map(merged)
+    with pytest.raises(ValueError, match=r"`experts\['cars'\]`.*fc1\.weight has shape .*, the merged model's"):
+        source.block(layer_map, merged, 0, 0, torch.device("cpu"))

@@ -178,3 +178,69 @@ def test_a_process_without_batches_of_a_task_reduces_the_same_sums(generator, di
     idle = LinearGroupStatistics(("m",), 600, **kw)
     idle.finish_task(target, recording)
     assert seen[0] == seen[1]
+
+
+def test_the_gram_sum_read_between_tasks_stays_the_sum_of_every_task(generator):
+    """`gram_sum` mirrors the sum's lower blocks in place: a task folded after a read must still
+    land in the next read (the mirror is redone from the upper blocks), and the per-task buffers
+    reused from task to task must start each task at zero."""
+    tasks = _tasks(generator, 600, 700, n=120, tasks=3)
+    stats = LinearGroupStatistics(("m",), 600, dtype=F64, device=torch.device("cpu"), epsilon=1e-8)
+    for count, t in enumerate(tasks, start=1):
+        target = {"m": LinearTargets(t["weight"], t["bias"])}
+        stats.accumulate_mixture(t["x_s"][:, None], t["x_e"][:, None], 0.25, t["w"][:, None], target)
+        stats.finish_task(target)
+        gram, rhs, _, _ = _brute_force(tasks[:count], 0.25, 1e-8)
+        torch.testing.assert_close(stats.gram_sum, gram, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(stats.rhs_sum["m"], rhs, rtol=1e-10, atol=1e-10)
+
+
+def _spd(generator, n, dtype=F64):
+    x = torch.randn(n + 50, n, generator=generator, dtype=F64)
+    return (x.T @ x / n).to(dtype)
+
+
+@pytest.mark.parametrize("n", [300, BLOCKED_CHOLESKY_MIN_DIM + 37])
+def test_factorisations_in_a_work_matrix_leave_the_gram_alone(generator, n):
+    """The solve stage factors in one reused work matrix: the Gram it reads is never changed, the
+    answers are those of a fresh copy, and the factor handed back is the work matrix (blocked path)."""
+    from hf_featcal.solver import cholesky_solve, shifted
+
+    spd = _spd(generator, n)
+    kept = spd.clone()
+    work = torch.full_like(spd, float("nan"))  # whatever a previous user left
+    rhs = torch.randn(n, 5, generator=generator, dtype=F64)
+    solution, info = symmetric_solve(spd, rhs, shift=0.05, work=work)
+    assert torch.equal(spd, kept)
+    want = torch.linalg.solve(spd + 0.05 * torch.eye(n, dtype=F64), rhs)
+    torch.testing.assert_close(solution, want, rtol=1e-9, atol=1e-10)
+    fresh, _ = symmetric_solve(shifted(spd, 0.05), rhs)
+    assert torch.equal(solution, fresh)
+    if n >= BLOCKED_CHOLESKY_MIN_DIM:
+        assert info.factor is work
+    torch.testing.assert_close(info.factor @ info.factor.T, spd + 0.05 * torch.eye(n, dtype=F64), rtol=1e-9, atol=1e-10)
+    # in place on request, and the two triangular solves equal torch's cholesky_solve
+    own = shifted(spd, 0.05)
+    factor, status = cholesky(own, out=own)
+    assert status == 0 and (factor is own or n < BLOCKED_CHOLESKY_MIN_DIM)
+    assert torch.equal(cholesky_solve(rhs, factor), torch.cholesky_solve(rhs, factor))
+    # the singularity test in the same work matrix: same verdicts, Gram untouched
+    low_rank = (lambda x: x.T @ x)(torch.randn(n // 2, n, generator=generator, dtype=F64))
+    assert gram_is_singular(low_rank, work=work) and not gram_is_singular(spd, work=work)
+    assert torch.equal(spd, kept)
+
+
+def test_a_failed_factorisation_in_the_work_matrix_is_retried_from_the_gram(generator):
+    """The first Cholesky overwrites the work matrix and fails: the damped retries and the
+    least-squares fallback rebuild the system from the untouched Gram and its shift."""
+    n = BLOCKED_CHOLESKY_MIN_DIM + 10
+    singular = _spd(generator, n, torch.float32)
+    singular[-1, -1] = -0.5  # indefinite: the factorisation fails at the last pivot, in its last block
+    kept = singular.clone()
+    rhs = torch.randn(n, 3, generator=generator, dtype=torch.float32)
+    work = torch.empty_like(singular)
+    got, info = symmetric_solve(singular, rhs, shift=0.0, work=work)
+    want, want_info = symmetric_solve(singular.clone(), rhs)
+    assert info.method == want_info.method == "cholesky+damping"
+    assert torch.equal(singular, kept) and torch.equal(got, want)
+    assert bool(torch.isfinite(got).all())

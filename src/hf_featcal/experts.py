@@ -173,21 +173,48 @@ class CheckpointSource(ModelSource):
         skeleton = layer_map.stacks(tower)[stack].blocks[index]
         prefix = _qualified_name(tower, skeleton)
         keys = self._keys(layer_map, reference)
-        clone = copy.deepcopy(skeleton)
-        if any(p.is_meta for p in clone.parameters()):  # an offloaded block of a dispatched merged model
-            from accelerate.hooks import remove_hook_from_module
+        if any(p.is_meta for p in skeleton.parameters()):  # an offloaded block of a dispatched merged model
+            return self._block_into_copy(skeleton, prefix, keys).to(device).eval()
+        # The checkpoint's tensors become the copy's own: safetensors hands out views of its memory map,
+        # so nothing is read until a forward touches it, and the merged block's data is never copied
+        # (deepcopy takes them from `memo`).
+        memo: dict[int, Any] = {}
+        with self._tensors:
+            for name, tensor in list(skeleton.named_parameters()) + list(skeleton.named_buffers()):
+                value = self._block_tensor(keys, prefix, name, tensor)
+                if value is not None:
+                    memo[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value
+        return copy.deepcopy(skeleton, memo).to(device).eval()
 
-            remove_hook_from_module(clone, recurse=True)
-            clone = clone.to_empty(device="cpu")
-        with torch.no_grad():
+    def _block_tensor(self, keys: dict[str, str], prefix: str, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The checkpoint's value of the block tensor `name` in the tensor's dtype (None: a buffer the
+        checkpoint does not store)."""
+        key = keys.get(f"{prefix}.{name}")
+        if key is None:
+            if isinstance(tensor, nn.Parameter):
+                raise ValueError(f"`{self.argument}` ({self.name}) has no tensor for {prefix}.{name}")
+            return None
+        value = self._read(key)
+        if value.shape != tensor.shape:
+            raise ValueError(
+                f"`{self.argument}` ({self.name}): {key} has shape {tuple(value.shape)}, the merged model's "
+                f"{prefix}.{name} has {tuple(tensor.shape)}"
+            )
+        return value.to(tensor.dtype)
+
+    def _block_into_copy(self, skeleton: nn.Module, prefix: str, keys: dict[str, str]) -> nn.Module:
+        """A block of a dispatched model (parameters on the meta device): an empty copy filled in."""
+        from accelerate.hooks import remove_hook_from_module
+
+        clone = copy.deepcopy(skeleton)
+        remove_hook_from_module(clone, recurse=True)
+        clone = clone.to_empty(device="cpu")
+        with torch.no_grad(), self._tensors:
             for name, tensor in list(clone.named_parameters()) + list(clone.named_buffers()):
-                key = keys.get(f"{prefix}.{name}")
-                if key is None:
-                    if isinstance(tensor, nn.Parameter):
-                        raise ValueError(f"`{self.argument}` ({self.name}) has no tensor for {prefix}.{name}")
-                    continue
-                tensor.copy_(self._read(key).to(tensor.dtype))
-        return clone.to(device).eval()
+                value = self._block_tensor(keys, prefix, name, tensor)
+                if value is not None:
+                    tensor.copy_(value)
+        return clone
 
     @contextlib.contextmanager
     def entry_tower(self, layer_map: Any, reference: nn.Module) -> Iterator[nn.Module]:

@@ -271,13 +271,19 @@ class LazyTensors:
         self.files, self.argument = dict(files), argument
         self._handles: dict[str, Any] | None = None
         self._stack: contextlib.ExitStack | None = None
+        self._depth = 0  # nested `with`: the files close when the outermost exits
 
     def __enter__(self) -> "LazyTensors":
-        self._stack = contextlib.ExitStack()
-        self._handles = {}
+        self._depth += 1
+        if self._depth == 1:
+            self._stack = contextlib.ExitStack()
+            self._handles = {}
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth:
+            return
         stack, self._stack, self._handles = self._stack, None, None
         if stack is not None:
             stack.close()

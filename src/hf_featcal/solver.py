@@ -40,20 +40,28 @@ class SolveInfo:
 #: From this size on, CPU factorisations are blocked (LAPACK's unblocked-looking potrf runs far below
 #: the matmul rate with few threads); below it, or on accelerators, torch's own is used.
 BLOCKED_CHOLESKY_MIN_DIM = 1024
-_CHOLESKY_BLOCK = 512
+_CHOLESKY_BLOCK = 384
 
 
-def cholesky(lhs: Tensor) -> tuple[Tensor, int]:
+def cholesky(lhs: Tensor, out: Tensor | None = None) -> tuple[Tensor, int]:
     """Lower Cholesky factor of a symmetric matrix (its lower triangle is read) and LAPACK's info
     (0: success, else the order of the first non-positive leading minor). On CPU, large matrices are
-    factored by blocks of 512 (right-looking): each diagonal block by LAPACK, the panel below it by
+    factored by blocks of 384 (right-looking): each diagonal block by LAPACK, the panel below it by
     a triangular solve, and the lower triangle of the trailing matrix updated block row by block row
-    with matrix products — the same factor, with most of the arithmetic in matmuls."""
+    with matrix products — the same factor, with most of the arithmetic in matmuls.
+
+    `out`: a matrix of `lhs`'s shape the blocked factorisation works in (it may be `lhs` itself,
+    factored in place); the factor is then `out`. Without it (and on the unblocked path) the factor
+    is a new tensor."""
     n = lhs.shape[0]
     if lhs.device.type != "cpu" or n < BLOCKED_CHOLESKY_MIN_DIM:
         factor, info = torch.linalg.cholesky_ex(lhs)
         return factor, int(info)
-    work = lhs.tril()
+    if out is None:
+        work = lhs.tril()
+    else:
+        work = out if out is lhs else out.copy_(lhs)
+        work.tril_()
     edges = list(range(0, n, _CHOLESKY_BLOCK)) + [n]
     for k, (start, stop) in enumerate(zip(edges, edges[1:])):
         diagonal, info = torch.linalg.cholesky_ex(work[start:stop, start:stop])
@@ -62,34 +70,56 @@ def cholesky(lhs: Tensor) -> tuple[Tensor, int]:
         work[start:stop, start:stop] = diagonal
         if stop == n:
             break
-        # the panel L21 = A21 L11⁻ᵀ, then A22 −= L21 L21ᵀ on the lower triangle's block rows only
-        panel = torch.linalg.solve_triangular(diagonal.T, work[stop:, start:stop], upper=True, left=False)
+        # the panel L21 = A21 L11⁻ᵀ, then A22 −= L21 L21ᵀ on the lower triangle's block rows only; the
+        # panel as (L11⁻¹ A21ᵀ)ᵀ: a left-side triangular solve runs ~3× faster than a right-side one
+        panel = torch.linalg.solve_triangular(diagonal, work[stop:, start:stop].T, upper=False).T
         work[stop:, start:stop] = panel
         for row0, row1 in zip(edges[k + 1 :], edges[k + 2 :]):
             rows = panel[row0 - stop : row1 - stop]
             work[row0:row1, stop:row1].addmm_(rows, panel[: row1 - stop].T, alpha=-1.0)
-    return work.tril_(), 0
+    return work, 0
 
 
-def symmetric_solve(lhs: Tensor, rhs: Tensor, max_tries: int = 8) -> tuple[Tensor, SolveInfo]:
-    """Solve `lhs @ X = rhs` for a symmetric positive (semi-)definite `lhs`.
+def cholesky_solve(rhs: Tensor, factor: Tensor) -> Tensor:
+    """X with L Lᵀ X = rhs for a lower factor L: the two triangular solves LAPACK's potrs makes (the
+    same result bit for bit, measured), without `torch.cholesky_solve`'s column-major copy of L."""
+    return torch.linalg.solve_triangular(factor.T, torch.linalg.solve_triangular(factor, rhs, upper=False), upper=True)
+
+
+def shifted(matrix: Tensor, shift: float, out: Tensor | None = None) -> Tensor:
+    """matrix + shift·I, as a new tensor or written into `out` (a matrix of the same shape)."""
+    result = matrix.clone() if out is None else out.copy_(matrix)
+    if shift:
+        result.diagonal().add_(shift)
+    return result
+
+
+def symmetric_solve(
+    lhs: Tensor, rhs: Tensor, max_tries: int = 8, *, shift: float = 0.0, work: Tensor | None = None
+) -> tuple[Tensor, SolveInfo]:
+    """Solve `(lhs + shift·I) @ X = rhs` for a symmetric positive (semi-)definite `lhs`.
 
     Cholesky first; if the factorisation fails, add a growing multiple of the mean diagonal and retry;
     as a last resort a least-squares solve. Never returns non-finite values without saying so: the
-    caller checks the result.
+    caller checks the result. `lhs` is not changed. `work`: a matrix of `lhs`'s shape and dtype the
+    factorisation may overwrite instead of allocating one (`SolveInfo.factor` is then `work`, valid
+    until `work` is used again).
     """
-    factor, info = cholesky(lhs)
+    system = shifted(lhs, shift, work)
+    factor, info = cholesky(system, out=system)
     if info == 0:
-        return torch.cholesky_solve(rhs, factor), SolveInfo("cholesky", factor=factor)
-    scale = float(lhs.diagonal().abs().mean()) or 1.0
-    eye = torch.eye(lhs.shape[0], dtype=lhs.dtype, device=lhs.device)
+        return cholesky_solve(rhs, factor), SolveInfo("cholesky", factor=factor)
+    scale = float((lhs.diagonal() + shift).abs().mean()) or 1.0
     damping = scale * torch.finfo(lhs.dtype).eps * lhs.shape[0]
     for _ in range(max_tries):
-        factor, info = cholesky(lhs + damping * eye)
+        system = shifted(lhs, shift, work)
+        system.diagonal().add_(damping)
+        factor, info = cholesky(system, out=system)
         if info == 0:
-            return torch.cholesky_solve(rhs, factor), SolveInfo("cholesky+damping", damping)
+            return cholesky_solve(rhs, factor), SolveInfo("cholesky+damping", damping)
         damping *= 10.0
-    solution = torch.linalg.lstsq(lhs.cpu().double(), rhs.cpu().double()).solution
+    system = shifted(lhs, shift)
+    solution = torch.linalg.lstsq(system.cpu().double(), rhs.cpu().double()).solution
     return solution.to(dtype=lhs.dtype, device=lhs.device), SolveInfo("lstsq")
 
 
@@ -99,17 +129,17 @@ def solve_linear_weights(
     anchor_weights: list[Tensor],
     lambda_ratio: float,
     epsilon: float,
+    work: Tensor | None = None,
 ) -> tuple[list[Tensor], SolveInfo]:
     """Weights of Linears that share one input (and so one Gram), with one factorisation:
     (Σ s_i C_i + (λ+ε) I) Wᵀ = Σ s_i X_i W_iᵀ + λ A_Wᵀ for every module.
 
-    `gram_sum` is Σ s_i C_i (in×in); each `rhs_sums[k]` is Σ s_i X_i W_iᵀ (in×out_k).
+    `gram_sum` is Σ s_i C_i (in×in, not changed); each `rhs_sums[k]` is Σ s_i X_i W_iᵀ (in×out_k);
+    `work` as in `symmetric_solve`.
     """
-    lhs = gram_sum.clone()
-    lhs.diagonal().add_(lambda_ratio + epsilon)
     # (the anchor transposed into a contiguous copy first: an add reading it transposed is ~3× slower)
     rhs = torch.cat([torch.add(r, a.T.to(r.dtype).contiguous(), alpha=lambda_ratio) for r, a in zip(rhs_sums, anchor_weights)], dim=1)
-    solution, info = symmetric_solve(lhs, rhs)
+    solution, info = symmetric_solve(gram_sum, rhs, shift=lambda_ratio + epsilon, work=work)
     widths = [r.shape[1] for r in rhs_sums]
     return [part.T.contiguous() for part in torch.split(solution, widths, dim=1)], info
 
@@ -219,11 +249,12 @@ def solve_scale_only_norm(
     return numerator / (second_moment_sum + lambda_ratio).clamp_min(epsilon)
 
 
-def gram_is_singular(gram: Tensor, rtol: float = 1e-5) -> bool:
+def gram_is_singular(gram: Tensor, rtol: float = 1e-5, work: Tensor | None = None) -> bool:
     """Cheap test for a numerically singular PSD Gram: a Cholesky pivot of `gram + δI` that is tiny.
 
     With δ well below `rtol`·max(diag), a null direction leaves a pivot of order δ; a well-conditioned
-    Gram keeps every pivot of order its eigenvalues.
+    Gram keeps every pivot of order its eigenvalues. `work`: a matrix of the Gram's shape and dtype
+    the factorisation may overwrite (`gram` itself is not changed).
     """
     diag_max = float(gram.diagonal().max())
     if diag_max <= 0.0:
@@ -231,10 +262,8 @@ def gram_is_singular(gram: Tensor, rtol: float = 1e-5) -> bool:
     if float(gram.diagonal().min()) <= rtol * diag_max:
         return True  # a dead (or nearly dead) input dimension
     # in the Gram's own dtype: float32 round-off (~1e-7 relative) sits well below `rtol`
-    delta = 1e-3 * rtol * diag_max
-    shifted = gram.clone()
-    shifted.diagonal().add_(delta)
-    factor, info = cholesky(shifted)
+    system = shifted(gram, 1e-3 * rtol * diag_max, work)
+    factor, info = cholesky(system, out=system)
     if info != 0:
         return True
     return float(factor.diagonal().square().min()) <= rtol * diag_max

@@ -89,12 +89,18 @@ def add_upper_gram(acc: Tensor, a: Tensor, b: Tensor, low: torch.dtype | None = 
 
 def symmetric_from_upper(upper: Tensor) -> Tensor:
     """The full symmetric matrix of a block upper triangle kept by `add_upper_gram` (a new tensor)."""
+    return mirror_upper_(upper.clone())
+
+
+def mirror_upper_(upper: Tensor) -> Tensor:
+    """Overwrite the blocks below the block diagonal with the mirror of those above it, in place:
+    the full symmetric matrix of a block upper triangle, without allocating another (a fresh matrix
+    of the fc2 Gram's size costs more in page faults than the mirroring itself)."""
     blocks = gram_blocks(upper.shape[0])
-    full = upper.clone()
     for i, (r0, r1) in enumerate(blocks):
         for c0, c1 in blocks[i + 1 :]:
-            full[c0:c1, r0:r1] = upper[r0:r1, c0:c1].T
-    return full
+            upper[c0:c1, r0:r1] = upper[r0:r1, c0:c1].T
+    return upper
 
 
 def upper_gram_norm(upper: Tensor) -> float:
@@ -133,7 +139,7 @@ class LinearGroupStatistics:
     _alpha: float | None = field(init=False, default=None)
     _sx_s: Tensor = field(init=False)
     _sx_e: Tensor = field(init=False)
-    _gram: Tensor = field(init=False)
+    _gram: Tensor | None = field(init=False, default=None)
     _cross: Tensor | None = field(init=False, default=None)
     _rhs_task: dict[str, Tensor] = field(init=False, default_factory=dict)
     # folded over finished tasks (the Gram sum as its block upper triangle)
@@ -151,9 +157,10 @@ class LinearGroupStatistics:
 
     @property
     def gram_sum(self) -> Tensor | None:
-        """Σ s_i C_i over the finished tasks (full and symmetric)."""
+        """Σ s_i C_i over the finished tasks (full and symmetric). The sum's own buffer, its lower
+        blocks mirrored in place: read it, do not write it (a task folded later re-mirrors them)."""
         if self._gram_sum is None and self._gram_sum_upper is not None:
-            self._gram_sum = symmetric_from_upper(self._gram_sum_upper)
+            self._gram_sum = mirror_upper_(self._gram_sum_upper)
         return self._gram_sum
 
     def _reset_task(self) -> None:
@@ -163,8 +170,15 @@ class LinearGroupStatistics:
         self._alpha = None
         self._sx_s = torch.zeros(d, **kw)
         self._sx_e = torch.zeros(d, **kw)
-        self._gram = torch.zeros(d, d, **kw)  # its block upper triangle
-        self._cross = None if self.direct_rhs else torch.zeros(d, d, **kw)
+        # the d×d sums are allocated once per group and zeroed for each task: a fresh buffer per task
+        # is page-faulted in again, which at the fc2 Gram's size costs ~10× the zeroing
+        if self._gram is None:
+            self._gram = torch.zeros(d, d, **kw)  # its block upper triangle
+            self._cross = None if self.direct_rhs else torch.zeros(d, d, **kw)
+        else:
+            self._gram.zero_()
+            if self._cross is not None:
+                self._cross.zero_()
         self._rhs_task = {}
 
     def accumulate(
@@ -253,7 +267,7 @@ class LinearGroupStatistics:
         self.task_scales.append(s_i)
         self.weighted_tokens += int(count)
         if self._gram_sum_upper is None:
-            self._gram_sum_upper = c_i.mul_(s_i)
+            self._gram_sum_upper = c_i.mul(s_i)
         else:
             self._gram_sum_upper.add_(c_i, alpha=s_i)
         self._gram_sum = None

@@ -56,6 +56,7 @@ class RunContext:
     profile: bool = False
     solve_log: list[dict[str, Any]] = field(default_factory=list)
     logger: logging.Logger = LOGGER
+    _workspaces: dict[tuple, Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def tower(self) -> nn.Module:
@@ -115,6 +116,16 @@ class RunContext:
     def run_block(self, block: nn.Module, index: int, parked: StreamBatch) -> StreamBatch:
         """A parked batch through `block`, parked again."""
         return self.park(self.forward(block, index, self.fetch(parked)))
+
+    def workspace(self, like: Tensor) -> Tensor:
+        """A scratch matrix of `like`'s shape, dtype and device, kept for the run and handed out again
+        for every matrix of that shape; its content is whatever its last user left. The solve stage
+        factors in it: a fresh matrix of the fc2 Gram's size per solve costs more in page faults
+        than the factorisation's own copy."""
+        key = (tuple(like.shape), like.dtype, like.device)
+        if key not in self._workspaces:
+            self._workspaces[key] = torch.empty_like(like, memory_format=torch.contiguous_format)
+        return self._workspaces[key]
 
     def reduce(self, tensors: list[Tensor]) -> list[Tensor]:
         """Sum tensors across processes (identity on one process)."""

@@ -52,6 +52,7 @@ def solve_block(
     updates: BlockUpdates = {}
     for stats in linear.values():
         names = list(stats.modules)
+        work = ctx.workspace(stats.gram_sum)  # the singularity test's and the solve's factorisations
         check_finite(stats.gram_sum, f"features entering {where}, module {', '.join(names)}")
         if stats.weighted_tokens < stats.dim:
             warnings.warn(
@@ -60,7 +61,7 @@ def solve_block(
                 FeatCalWarning,
                 stacklevel=_WARNING_STACKLEVEL,
             )
-        elif gram_is_singular(stats.gram_sum):
+        elif gram_is_singular(stats.gram_sum, work=work):
             warnings.warn(
                 f"{where}, modules {names}: the input Gram is numerically singular; the solution in its "
                 "null directions is set by the ridge.",
@@ -68,7 +69,8 @@ def solve_block(
                 stacklevel=_WARNING_STACKLEVEL,
             )
         weights, info = solve_linear_weights(
-            stats.gram_sum, [stats.rhs_sum[name] for name in names], [anchor_of(name, "weight") for name in names], lam, eps
+            stats.gram_sum, [stats.rhs_sum[name] for name in names], [anchor_of(name, "weight") for name in names], lam, eps,
+            work=work,
         )
         for name, weight in zip(names, weights):
             old = read_spec(ctx.parameters, block, specs[name], "weight").to(ctx.device)
