@@ -43,7 +43,23 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     "task_scale_1": ("statistics.py", "        s_i = task_scale(upper_gram_norm(c_i), self.epsilon)\n", "        s_i = 1.0\n"),
     # exact-mode arithmetic (blocked Gram triangle, cross moment from the expert's inputs, blocked Cholesky)
     "gram_lower_blocks_not_mirrored": (
-        "statistics.py", "            full[c0:c1, r0:r1] = upper[r0:r1, c0:c1].T\n", "            pass\n",
+        "statistics.py", "            upper[c0:c1, r0:r1] = upper[r0:r1, c0:c1].T\n", "            pass\n",
+    ),
+    # buffers reused instead of reallocated (the Gram per task, the solve's work matrix, mapped checkpoint tensors)
+    "gram_buffer_not_zeroed_between_tasks": ("statistics.py", "            self._gram.zero_()\n", "            pass\n"),
+    "gram_sum_not_remirrored_after_a_task": ("statistics.py", "        self._gram_sum = None\n", "        pass\n"),
+    "solve_factors_the_gram_in_place": (
+        "solver.py", "    system = shifted(lhs, shift, work)\n    factor, info = cholesky(system, out=system)\n    if info == 0:",
+        "    system = shifted(lhs, shift, lhs)\n    factor, info = cholesky(system, out=system)\n    if info == 0:",
+    ),
+    "damped_retry_from_the_failed_work_matrix": (
+        "solver.py", "        system = shifted(lhs, shift, work)\n        system.diagonal().add_(damping)\n",
+        "        system = work if work is not None else shifted(lhs, shift)\n        system.diagonal().add_(damping)\n",
+    ),
+    "checkpoint_block_keeps_the_merged_tensors": (
+        "experts.py",
+        "                    memo[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value\n",
+        "                    pass\n",
     ),
     "gram_norm_of_upper_only": (
         "statistics.py", "    return max(2.0 * float(torch.linalg.matrix_norm(upper).square()) - diagonal, 0.0) ** 0.5\n",
@@ -76,7 +92,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
 }
 
 DEFAULT_TESTS = ["tests/test_reference_blockwise.py", "tests/test_t5.py", "tests/test_llm.py",
-                 "tests/test_encoders.py", "tests/test_reference_agreement.py", "tests/test_statistics_arithmetic.py"]
+                 "tests/test_encoders.py", "tests/test_reference_agreement.py", "tests/test_statistics_arithmetic.py",
+                 "tests/test_lazy_experts.py"]
 
 
 def run_mutation(name: str, tests: list[str], workers: int) -> list[str]:
