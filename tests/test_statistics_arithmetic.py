@@ -244,3 +244,33 @@ def test_a_failed_factorisation_in_the_work_matrix_is_retried_from_the_gram(gene
     assert info.method == want_info.method == "cholesky+damping"
     assert torch.equal(singular, kept) and torch.equal(got, want)
     assert bool(torch.isfinite(got).all())
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_solve_stages_work_matrices_live_as_long_as_the_run(clip_setting, monkeypatch, fail):
+    """`RunContext.workspace` matrices are handed out during calibrate() and dropped when it ends,
+    also when it fails, so a calibrator kept afterwards holds none of them."""
+    import copy
+
+    import hf_featcal.pipeline.solve as solve_stage
+    from hf_featcal import FeatCalCalibrator
+
+    _, experts, merged, data = clip_setting
+    calibrator = FeatCalCalibrator(copy.deepcopy(merged), None, experts, data, show_progress=False)
+    handed_out = []
+    original = solve_stage.solve_linear_weights
+
+    def solve(*args, **kwargs):
+        handed_out.append(kwargs["work"])
+        if fail:
+            raise RuntimeError("stop here")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(solve_stage, "solve_linear_weights", solve)
+    if fail:
+        with pytest.raises(RuntimeError, match="stop here"):
+            calibrator.calibrate()
+    else:
+        calibrator.calibrate()
+    assert handed_out and all(isinstance(w, torch.Tensor) for w in handed_out)
+    assert calibrator.context._workspaces == {}

@@ -243,7 +243,12 @@ class FeatCalCalibrator:
             raise RuntimeError("calibrate() was already run on this calibrator; build a new one to calibrate again.")
         self._check_config_unchanged()
         names = self._parameter_names()
-        with restore_on_failure(self.model, names, self.parameters, self.config.restore_snapshot), eval_mode(self.model, *self._reference_models()), torch.no_grad():
+        with (
+            restore_on_failure(self.model, names, self.parameters, self.config.restore_snapshot),
+            eval_mode(self.model, *self._reference_models()),
+            torch.no_grad(),
+            self.context.workspaces(),
+        ):
             if not self.parameters.dispatched:  # a dispatched model keeps its placement: its hooks onload each block
                 self.model.to(self.device)
             report = self._sweep()

@@ -118,14 +118,22 @@ class RunContext:
         return self.park(self.forward(block, index, self.fetch(parked)))
 
     def workspace(self, like: Tensor) -> Tensor:
-        """A scratch matrix of `like`'s shape, dtype and device, kept for the run and handed out again
-        for every matrix of that shape; its content is whatever its last user left. The solve stage
-        factors in it: a fresh matrix of the fc2 Gram's size per solve costs more in page faults
-        than the factorisation's own copy."""
+        """A scratch matrix of `like`'s shape, dtype and device, kept until the run ends
+        (`workspaces()`) and handed out again for every matrix of that shape; its content is whatever
+        its last user left. The solve stage factors in it: a fresh matrix of the fc2 Gram's size per
+        solve costs more in page faults than the factorisation's own copy."""
         key = (tuple(like.shape), like.dtype, like.device)
         if key not in self._workspaces:
             self._workspaces[key] = torch.empty_like(like, memory_format=torch.contiguous_format)
         return self._workspaces[key]
+
+    @contextlib.contextmanager
+    def workspaces(self) -> Iterator[None]:
+        """The lifetime of `workspace()`'s matrices: they are dropped on exit, also on error."""
+        try:
+            yield
+        finally:
+            self._workspaces.clear()
 
     def reduce(self, tensors: list[Tensor]) -> list[Tensor]:
         """Sum tensors across processes (identity on one process)."""
