@@ -18,6 +18,16 @@ from hf_featcal.checkpointing import STATE_NAME
 
 
 # ============================================================================ helpers
+def damage_outside_the_blocks(model) -> None:
+    """What a failure late in calibrate() may leave behind in a CLIP vision model: parameters and a
+    buffer outside the blocks (embeddings, final norm, position ids) changed, and the dtype changed."""
+    with torch.no_grad():
+        model.embeddings.patch_embedding.weight.zero_()
+        model.post_layernorm.bias.add_(1.0)
+        model.embeddings.position_ids.fill_(0)
+    model.half()
+
+
 def _model_state(model: torch.nn.Module) -> dict:
     """Every parameter and buffer: value, dtype, device (and the tensor objects the caller holds)."""
     tensors = dict(model.named_parameters())
@@ -310,11 +320,7 @@ def test_a_failure_restores_tensors_outside_the_blocks(clip_setting, monkeypatch
 
     def sweep_then_fail():
         original()
-        with torch.no_grad():  # outside the blocks: embeddings, final norm, a buffer
-            model.embeddings.patch_embedding.weight.zero_()
-            model.post_layernorm.bias.add_(1.0)
-            model.embeddings.position_ids.fill_(0)
-        model.half()
+        damage_outside_the_blocks(model)
         raise RuntimeError("late failure")
 
     monkeypatch.setattr(calibrator, "_sweep", sweep_then_fail)

@@ -52,14 +52,21 @@ def test_offloaded_merged_model_matches_in_memory(clip_setting, tmp_path, kind, 
         torch.testing.assert_close(params.read(name), value.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
 
+def base_failing_in_block_2(base):
+    """A copy of the base whose anchor turns NaN in block 2's norm: calibration fails there, after
+    block 1 was written."""
+    broken = copy.deepcopy(base)
+    with torch.no_grad():
+        broken.encoder.layers[1].layer_norm2.bias[0] = float("nan")
+    return broken
+
+
 def test_failure_restores_offloaded_weights(clip_setting, tmp_path):
     base, experts, merged, data = clip_setting
     model = _dispatched(merged, "disk", tmp_path)
     params = ModelParameters(model)
     state = {name: params.read(name).clone() for name, _ in model.named_parameters()}
-    broken = copy.deepcopy(base)
-    with torch.no_grad():
-        broken.encoder.layers[1].layer_norm2.bias[0] = float("nan")
+    broken = base_failing_in_block_2(base)
     with pytest.raises(FeatCalError):
         FeatCalCalibrator(model, broken, experts, data, show_progress=False).calibrate()
     for name, value in state.items():

@@ -18,8 +18,8 @@ import hf_featcal.pipeline.solve as solve_stage
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalError
 from hf_featcal.hooks import restore_on_failure
 from hf_featcal.offload import ModelParameters
-from test_failsafe import _assert_bit_identical, _assert_same_result, _Fault, _model_state
-from test_offload import _dispatched
+from test_failsafe import _assert_bit_identical, _assert_same_result, _Fault, _model_state, damage_outside_the_blocks
+from test_offload import _dispatched, base_failing_in_block_2
 
 
 @pytest.fixture
@@ -126,10 +126,7 @@ def test_a_late_failure_after_a_dtype_change_restores_from_disk_in_small_files(c
         original()
         (folder,) = os.listdir(snapshot_tmpdir)
         files.append(len(os.listdir(snapshot_tmpdir / folder)))
-        with torch.no_grad():
-            model.embeddings.patch_embedding.weight.zero_()
-            model.embeddings.position_ids.fill_(0)
-        model.half()
+        damage_outside_the_blocks(model)
         raise RuntimeError("late failure")
 
     monkeypatch.setattr(calibrator, "_sweep", sweep_then_fail)
@@ -190,9 +187,7 @@ def test_a_failure_restores_offloaded_weights_from_the_disk_snapshot(clip_settin
     model = _dispatched(merged, "disk", tmp_path)
     params = ModelParameters(model)
     state = {name: params.read(name).clone() for name, _ in model.named_parameters()}
-    broken = copy.deepcopy(base)
-    with torch.no_grad():
-        broken.encoder.layers[1].layer_norm2.bias[0] = float("nan")  # fails in block 2, after block 1 is written
+    broken = base_failing_in_block_2(base)
     calibrator = FeatCalCalibrator(model, broken, experts, data, FeatCalConfig(restore_snapshot="disk"), show_progress=False)
     watch = _FolderWatch(snapshot_tmpdir)
     watch.wrap(monkeypatch, calibrator.layer_map, "run_block")
