@@ -87,6 +87,13 @@ def add_upper_gram(acc: Tensor, a: Tensor, b: Tensor, low: torch.dtype | None = 
         product(a[:, start:stop].T, b[:, start:], low, out=acc[start:stop, start:])
 
 
+def upper_blocks(upper: Tensor) -> list[Tensor]:
+    """Views of the block rows of a block upper triangle kept by `add_upper_gram` (from the diagonal
+    block rightwards): the only part written, so the only part element-wise updates need to touch
+    (the blocks below stay zero, or hold a mirror that the next read rewrites)."""
+    return [upper[start:stop, start:] for start, stop in gram_blocks(upper.shape[0])]
+
+
 def symmetric_from_upper(upper: Tensor) -> Tensor:
     """The full symmetric matrix of a block upper triangle kept by `add_upper_gram` (a new tensor)."""
     return mirror_upper_(upper.clone())
@@ -173,10 +180,11 @@ class LinearGroupStatistics:
         # the d×d sums are allocated once per group and zeroed for each task: a fresh buffer per task
         # is page-faulted in again, which at the fc2 Gram's size costs ~10× the zeroing
         if self._gram is None:
-            self._gram = torch.zeros(d, d, **kw)  # its block upper triangle
+            self._gram = torch.zeros(d, d, **kw)  # its block upper triangle (the blocks below stay zero)
             self._cross = None if self.direct_rhs else torch.zeros(d, d, **kw)
         else:
-            self._gram.zero_()
+            for block in upper_blocks(self._gram):
+                block.zero_()
             if self._cross is not None:
                 self._cross.zero_()
         self._rhs_task = {}
@@ -252,7 +260,9 @@ class LinearGroupStatistics:
         total = float(w)
         if total <= 0:
             raise ValueError(f"modules {list(self.modules)}: the task has no token with non-zero weight")
-        c_i = gram.div_(total)  # the block upper triangle of C_i
+        c_i = gram  # the block upper triangle of C_i
+        for block in upper_blocks(c_i):
+            block.div_(total)
         s_i = task_scale(upper_gram_norm(c_i), self.epsilon)
         mu_s, mu_e = sx_s / total, sx_e / total
         mu_t = torch.lerp(mu_s, mu_e, alpha)
@@ -269,7 +279,8 @@ class LinearGroupStatistics:
         if self._gram_sum_upper is None:
             self._gram_sum_upper = c_i.mul(s_i)
         else:
-            self._gram_sum_upper.add_(c_i, alpha=s_i)
+            for acc, block in zip(upper_blocks(self._gram_sum_upper), upper_blocks(c_i)):
+                acc.add_(block, alpha=s_i)
         self._gram_sum = None
         self.student_mean_sum = s_i * mu_s if self.student_mean_sum is None else self.student_mean_sum.add_(mu_s, alpha=s_i)
         self.scale_sum += s_i
@@ -332,8 +343,12 @@ class NormStatistics:
         w = w.to(self.dtype)[:, None]
         self._w += w.sum()
         self._count += int(w.numel())
-        self._sz += (w * z).sum(0)
-        self._sz2 += (w * z.square()).sum(0)
+        if bool((w == 1).all()):  # unit weights: w·z is z itself, no weighted copy needed
+            self._sz += z.sum(0)
+            self._sz2 += z.square_().sum(0)
+        else:
+            self._sz += (w * z).sum(0)
+            self._sz2 += (w * z.square()).sum(0)
 
     def finish_task(self, gamma: Tensor, beta: Tensor | None, reduce: SumReducer = _identity_reducer) -> None:
         """Fold the current task, given the task expert's (γ_i, β_i)."""
