@@ -219,3 +219,99 @@ def test_a_snapshot_that_cannot_be_written_fails_before_any_work_and_leaves_noth
     assert blocks == []  # refused before the first block
     _assert_bit_identical(model, before)
     assert os.listdir(snapshot_tmpdir) == []
+
+
+# ======================================================= the memory snapshot keeps the original memory
+class _Handover(nn.Module):
+    """A plain Linear, a tied copy of it, a parameter whose memory a buffer views, and a parameter
+    that is not among those written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(5)
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 3)
+        self.b.weight = self.a.weight
+        self.p = nn.Parameter(torch.randn(5, 2, generator=gen))
+        self.register_buffer("p_rows", self.p.data[1:3])  # a view into p's memory
+        self.q = nn.Parameter(torch.randn(3, generator=gen))
+
+
+_WRITTEN = ["a.weight", "a.bias", "p"]
+
+
+def _write_everything(model: _Handover) -> None:
+    with torch.no_grad():
+        model.a.weight.mul_(-2.0)
+        model.a.bias.add_(1.0)
+        model.p.add_(10.0)
+        model.q.add_(10.0)
+
+
+def test_the_memory_snapshot_keeps_the_original_memory_and_the_run_writes_a_private_copy():
+    model = _Handover()
+    original = {name: t.detach() for name, t in model.named_parameters()}  # aliases of the memory as it was
+    values = {name: t.clone() for name, t in original.items()}
+    pointers = {name: t.data_ptr() for name, t in original.items()}
+    with restore_on_failure(model, _WRITTEN):
+        assert model.a.weight.data_ptr() != pointers["a.weight"]  # a private copy...
+        assert torch.equal(model.a.weight, values["a.weight"])  # ...of the same values
+        assert model.p.data_ptr() == pointers["p"]  # its memory is shared with a buffer: kept in place
+        assert model.q.data_ptr() == pointers["q"]  # not written: copied into the snapshot as before
+        _write_everything(model)
+    assert torch.equal(original["a.weight"], values["a.weight"])  # the original memory was never written
+    assert torch.equal(original["a.bias"], values["a.bias"])
+    assert torch.equal(model.a.weight, -2.0 * values["a.weight"])  # the run's writes stay
+    assert model.b.weight is model.a.weight  # still tied
+    assert torch.equal(model.p_rows, model.p[1:3])  # the view still sees p's values
+    assert torch.equal(model.p, values["p"] + 10.0)
+
+
+def test_a_failure_hands_the_original_memory_back(snapshot_tmpdir):
+    model = _Handover()
+    before = _model_state(model)
+    pointers = {name: t.data_ptr() for name, t in model.named_parameters()}
+    with pytest.raises(ValueError, match="body failed"):
+        with restore_on_failure(model, _WRITTEN):
+            _write_everything(model)
+            model.double()
+            raise ValueError("body failed")
+    _assert_bit_identical(model, before)
+    for name in ("a.weight", "a.bias"):  # the parameters that went on in a private copy
+        assert model.get_parameter(name).data_ptr() == pointers[name], name
+    assert model.b.weight is model.a.weight
+    assert torch.equal(model.p_rows, model.p[1:3])
+
+
+def _mapped_ranges(path: str) -> list[tuple[int, int]]:
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith(path):
+                start, stop = line.split()[0].split("-")
+                ranges.append((int(start, 16), int(stop, 16)))
+    return ranges
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_calibrating_a_memory_mapped_checkpoint_writes_outside_the_files_pages(clip_setting, tmp_path):
+    """from_pretrained maps the safetensors file; the calibrated weights must not be written into its
+    pages (a copy-on-write fault per page the forwards have read)."""
+    from transformers import CLIPVisionModel
+
+    base, experts, merged, data = clip_setting
+    merged.save_pretrained(tmp_path / "merged")
+    model = CLIPVisionModel.from_pretrained(tmp_path / "merged").eval()
+    path = str(tmp_path / "merged" / "model.safetensors")
+
+    def in_file(tensor: torch.Tensor) -> bool:
+        return any(start <= tensor.data_ptr() < stop for start, stop in _mapped_ranges(path))
+
+    written = [p for name, p in model.named_parameters() if "encoder.layers." in name]
+    if not all(in_file(p) for p in written):
+        pytest.skip("this transformers does not map the checkpoint's tensors")
+    FeatCalCalibrator(model, base, experts, data, show_progress=False).calibrate()
+    assert not any(in_file(p) for p in written)
+    expected = copy.deepcopy(merged)
+    FeatCalCalibrator(expected, base, experts, data, show_progress=False).calibrate()
+    for name, value in expected.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
