@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..activations import lean_activations
 from ..architectures import LayerMap
 from ..config import FeatCalConfig
 from ..experts import module_device
@@ -109,8 +110,9 @@ class RunContext:
         return torch.autocast(device_type=self.device.type, dtype=self.forward_dtype)
 
     def forward(self, block: nn.Module, index: int, state: StreamBatch) -> StreamBatch:
-        """One block on a stream batch on the compute device; in fast mode under `torch.autocast`."""
-        with self.precision():
+        """One block on a stream batch on the compute device; in fast mode under `torch.autocast`.
+        The block's activations run allocation-lean (`hf_featcal.activations`, bit-identical)."""
+        with self.precision(), lean_activations(block):
             return self.layer_map.run_block(block, index, state)
 
     def run_block(self, block: nn.Module, index: int, parked: StreamBatch) -> StreamBatch:

@@ -1,0 +1,83 @@
+"""Allocation-lean forwards of common activation modules, for FeatCal's block forwards.
+
+An activation written as a chain of tensor expressions, e.g. QuickGELU's `x * sigmoid(1.702 * x)`,
+allocates a new tensor for every step. At the width of an MLP's hidden layer each is megabytes, and
+on the CPU a fresh buffer of that size is page-faulted in again and again (the allocator hands such
+buffers back to the system when they are freed). The forwards here compute the same operations in
+the same order on one or two new tensors, updated in place, so their results are equal bit for bit
+(checked in `tests/test_activations.py` for float64 down to bfloat16, under autocast, with
+infinities and NaN). They are used only while gradients are off; with gradients on, the module's
+own forward runs.
+
+Modules are matched by their exact class (module and name), so a subclass that changes `forward`
+keeps its own; nothing is imported to match them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+
+def quick_gelu(x: Tensor) -> Tensor:
+    """`x * torch.sigmoid(1.702 * x)` (transformers' QuickGELUActivation, open_clip's QuickGELU) in one new tensor."""
+    out = torch.mul(x, 1.702)
+    out.sigmoid_()
+    return out.mul_(x)
+
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def new_gelu(x: Tensor) -> Tensor:
+    """`0.5 * x * (1.0 + tanh(sqrt(2/π) * (x + 0.044715 * x**3)))` (transformers' NewGELUActivation,
+    `gelu_new`, used by T5 and GPT-2) in two new tensors instead of eight."""
+    inner = torch.pow(x, 3.0)
+    inner.mul_(0.044715).add_(x).mul_(_SQRT_2_OVER_PI).tanh_().add_(1.0)
+    out = torch.mul(x, 0.5)
+    return out.mul_(inner)
+
+
+#: "module.ClassName" of an activation module → its lean forward
+LEAN_FORWARDS: dict[str, Callable[[Tensor], Tensor]] = {
+    "transformers.activations.QuickGELUActivation": quick_gelu,
+    "open_clip.transformer.QuickGELU": quick_gelu,
+    "transformers.activations.NewGELUActivation": new_gelu,
+}
+
+
+def _class_name(module: nn.Module) -> str:
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _lean_forward(module: nn.Module, lean: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    own = type(module).forward.__get__(module)
+
+    def forward(x: Tensor) -> Tensor:
+        return own(x) if torch.is_grad_enabled() else lean(x)
+
+    return forward
+
+
+@contextlib.contextmanager
+def lean_activations(root: nn.Module) -> Iterator[None]:
+    """While active, every activation module in `root` that `LEAN_FORWARDS` names runs its lean
+    forward (bit-identical; see the module docstring). Modules whose `forward` was already replaced
+    on the instance are left alone. The class's forward is back on exit, also on error."""
+    patched = []
+    try:
+        for module in root.modules():
+            lean = LEAN_FORWARDS.get(_class_name(module))
+            if lean is None or "forward" in module.__dict__:
+                continue
+            module.forward = _lean_forward(module, lean)  # an instance attribute shadows the method
+            patched.append(module)
+        yield
+    finally:
+        for module in patched:
+            module.__dict__.pop("forward", None)
