@@ -46,7 +46,26 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "statistics.py", "            upper[c0:c1, r0:r1] = upper[r0:r1, c0:c1].T\n", "            pass\n",
     ),
     # buffers reused instead of reallocated (the Gram per task, the solve's work matrix, mapped checkpoint tensors)
-    "gram_buffer_not_zeroed_between_tasks": ("statistics.py", "            self._gram.zero_()\n", "            pass\n"),
+    "gram_buffer_not_zeroed_between_tasks": (
+        "statistics.py", "            for block in upper_blocks(self._gram):\n                block.zero_()\n",
+        "            for block in upper_blocks(self._gram):\n                pass\n",
+    ),
+    "task_gram_divided_on_its_first_block_row_only": (
+        "statistics.py", "        for block in upper_blocks(c_i):\n            block.div_(total)\n",
+        "        for block in upper_blocks(c_i)[:1]:\n            block.div_(total)\n",
+    ),
+    # allocation-lean activations (bit-identical) and the snapshot's memory handover
+    "lean_quick_gelu_constant": ("activations.py", "    out = torch.mul(x, 1.702)\n", "    out = torch.mul(x, 1.7)\n"),
+    "lean_new_gelu_order": (
+        "activations.py", "    inner.mul_(0.044715).add_(x)", "    inner.add_(x).mul_(0.044715)",
+    ),
+    "lean_forward_with_gradients_on": (
+        "activations.py", "        return own(x) if torch.is_grad_enabled() else lean(x)\n", "        return lean(x)\n",
+    ),
+    "handover_of_a_parameter_sharing_memory": (
+        "hooks.py", " and owners.get(p.untyped_storage().data_ptr()) == 1", "",
+    ),
+    "handover_snapshot_is_the_live_parameter": ("hooks.py", "                tensor.data = original.clone()\n", "                pass\n"),
     "gram_sum_not_remirrored_after_a_task": ("statistics.py", "        self._gram_sum = None\n", "        pass\n"),
     "solve_factors_the_gram_in_place": (
         "solver.py", "    system = shifted(lhs, shift, work)\n    factor, info = cholesky(system, out=system)\n    if info == 0:",
@@ -93,7 +112,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
 
 DEFAULT_TESTS = ["tests/test_reference_blockwise.py", "tests/test_t5.py", "tests/test_llm.py",
                  "tests/test_encoders.py", "tests/test_reference_agreement.py", "tests/test_statistics_arithmetic.py",
-                 "tests/test_lazy_experts.py"]
+                 "tests/test_lazy_experts.py", "tests/test_activations.py", "tests/test_restore_snapshot.py"]
 
 
 def run_mutation(name: str, tests: list[str], workers: int) -> list[str]:
