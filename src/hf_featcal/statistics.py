@@ -345,7 +345,7 @@ class NormStatistics:
         self._count += int(w.numel())
         if bool((w == 1).all()):  # unit weights: w·z is z itself, no weighted copy needed
             self._sz += z.sum(0)
-            self._sz2 += z.square_().sum(0)
+            self._sz2 += z.square_().sum(0)  # z is `normalise`'s own new tensor
         else:
             self._sz += (w * z).sum(0)
             self._sz2 += (w * z.square()).sum(0)
