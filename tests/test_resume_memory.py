@@ -12,24 +12,18 @@ import weakref
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import T5ForConditionalGeneration
 
-from conftest import perturbed, task_arithmetic
 from hf_featcal.checkpointing import CheckpointFolder
 from hf_featcal.offload import ModelParameters
 from test_resume import _run
-from test_t5 import randomise_t5_norms, seq2seq_batch, t5_config
+from test_t5 import build_t5_setting
 
 FINISHED = 3  # of the T5's 4 blocks (2 encoder + 2 decoder): interrupted while calibrating the 4th
 
 
 @pytest.fixture
 def t5_setting(generator):
-    base = T5ForConditionalGeneration(t5_config()).eval()
-    randomise_t5_norms(base, generator)
-    experts = {t: perturbed(base, generator, 0.05).eval() for t in ("a", "b")}
-    merged = task_arithmetic(base, experts)
-    data = {t: [seq2seq_batch(generator), seq2seq_batch(generator)] for t in experts}
+    base, experts, merged, data = build_t5_setting(generator, tasks=("a", "b"))
     return merged, base, experts, data
 
 

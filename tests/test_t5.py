@@ -44,14 +44,19 @@ def seq2seq_batch(generator, n=4, src=7, tgt=4, pad_rows=True):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-@pytest.fixture
-def t5_setting(generator):
+def build_t5_setting(generator, tasks=("cola", "sst2")):
+    """A tiny T5 base, perturbed experts for `tasks`, their Task-Arithmetic merge and two batches per task."""
     base = T5ForConditionalGeneration(t5_config()).eval()
     randomise_t5_norms(base, generator)
-    experts = {t: perturbed(base, generator, 0.05).eval() for t in ("cola", "sst2")}
+    experts = {t: perturbed(base, generator, 0.05).eval() for t in tasks}
     merged = task_arithmetic(base, experts)
     data = {t: [seq2seq_batch(generator), seq2seq_batch(generator)] for t in experts}
     return base, experts, merged, data
+
+
+@pytest.fixture
+def t5_setting(generator):
+    return build_t5_setting(generator)
 
 
 def _block_outputs(model, batch):
