@@ -108,11 +108,27 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        weighted = pooled is not None and spec.name not in lm.key_value_modules\n",
         "        weighted = pooled is not None\n",
     ),
+    "mixed_gemm_beta_ignored": (
+        "mixed_products.py",
+        "a.data_ptr(), lda, b.data_ptr(), ldb, float(beta),",
+        "a.data_ptr(), lda, b.data_ptr(), ldb, 1.0,",
+    ),
+    "mixed_gemm_transpose_flag": (
+        "mixed_products.py",
+        "        return _TRANSPOSE, matrix.stride(1)",
+        "        return _NO_TRANSPOSE, matrix.stride(1)",
+    ),
+    "fast_products_rounded_on_cpu": (
+        "statistics.py",
+        "    elif out is not None and addmm_low_(out, a, b):\n        return out\n",
+        "    elif False:\n        return out\n",
+    ),
 }
 
 DEFAULT_TESTS = ["tests/test_reference_blockwise.py", "tests/test_t5.py", "tests/test_llm.py",
                  "tests/test_encoders.py", "tests/test_reference_agreement.py", "tests/test_statistics_arithmetic.py",
-                 "tests/test_lazy_experts.py", "tests/test_activations.py", "tests/test_restore_snapshot.py"]
+                 "tests/test_lazy_experts.py", "tests/test_activations.py", "tests/test_restore_snapshot.py",
+                 "tests/test_mixed_products.py", "tests/test_fast_mode.py"]
 
 
 def run_mutation(name: str, tests: list[str], workers: int) -> list[str]:

@@ -108,9 +108,9 @@ class FeatCalConfig:
         metadata={
             "help": "Fast mode (off by default). None: block forwards in the model's own dtype (exact). "
             "'bfloat16' or 'float16': block forwards under torch.autocast in that dtype (AMX on CPU, tensor "
-            "cores on GPU) and the statistics' products take factors in that dtype (float32 outputs on CUDA; "
-            "on CPU each batch's product is rounded once); statistics are still accumulated and solved in "
-            "`compute_dtype`. Changes results slightly."
+            "cores on GPU) and the statistics' products take factors in that dtype with float32 outputs (CUDA's "
+            "`out_dtype`; on CPU the mixed-precision GEMM of the MKL inside torch, else each product rounded "
+            "once); statistics are still accumulated and solved in `compute_dtype`. Changes results slightly."
         },
     )
     restore_snapshot: str = field(

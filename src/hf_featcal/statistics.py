@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .mixed_products import addmm_low_
 from .solver import task_scale
 
 
@@ -63,9 +64,10 @@ def gram_blocks(dim: int) -> list[tuple[int, int]]:
 
 def product(a: Tensor, b: Tensor, low: torch.dtype | None, out: Tensor | None = None) -> Tensor:
     """a @ b (float32 or better), added into `out` when given. With `low` (fast mode) the factors
-    are cast to that dtype: on CUDA the product comes out in float32 (`torch.mm(..., out_dtype=)`);
-    elsewhere (torch has no CPU kernel for that) the product is rounded to `low` once per batch, as
-    the inputs already are, and converted back before it is added to the float32 sums."""
+    are cast to that dtype and the product comes out in float32: on CUDA by `torch.mm(...,
+    out_dtype=)`, on the CPU by MKL's mixed-precision GEMM (`hf_featcal.mixed_products`, which adds
+    it into a float32 `out` in place). Where neither is available the product is rounded to `low`
+    once per batch, as the inputs already are, and converted back before it is added to the sums."""
     if low is None:
         return torch.mm(a, b) if out is None else out.addmm_(a, b)
     a, b = a.to(low), b.to(low)
@@ -74,7 +76,12 @@ def product(a: Tensor, b: Tensor, low: torch.dtype | None, out: Tensor | None = 
             result = torch.mm(a, b, out_dtype=torch.float32)
         except (TypeError, RuntimeError):  # a torch without out_dtype
             result = torch.mm(a, b)
+    elif out is not None and addmm_low_(out, a, b):
+        return out
     else:
+        result = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+        if out is None and addmm_low_(result, a, b, beta=0.0):
+            return result
         result = torch.mm(a, b)
     result = result.float()  # (converting first, then a float32 add, is ~2× faster than a mixed-dtype add)
     return result if out is None else out.add_(result)

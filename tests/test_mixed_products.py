@@ -1,0 +1,131 @@
+"""`hf_featcal.mixed_products`: low-precision factors, float32 results (MKL's mixed GEMM on the CPU),
+checked against float64 products of the same low-precision factors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_featcal import mixed_products
+from hf_featcal import statistics as statistics_module
+from hf_featcal.mixed_products import addmm_low_, available
+
+needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
+LOW_DTYPES = [torch.bfloat16, pytest.param(torch.float16, id="float16")]
+
+
+def _reference(out_before, a, b, beta):
+    """beta·out + a @ b in float64 (the low-precision factors are exact in float64)."""
+    product = a.double() @ b.double()
+    return product if beta == 0.0 else beta * out_before.double() + product
+
+
+def _relative(x, ref):
+    return float((x.double() - ref).norm() / ref.norm())
+
+
+@needs_mkl
+def test_the_bfloat16_kernel_is_found_in_torchs_library():
+    # fast mode's CPU statistics rely on it; without it they fall back to products rounded to bfloat16
+    assert available(torch.bfloat16)
+    assert not available(torch.float32)
+
+
+@needs_mkl
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("layout", ["plain", "a transposed", "b transposed", "both transposed", "block of out", "strided rows"])
+@pytest.mark.parametrize("beta", [1.0, 0.0, 0.5])
+def test_addmm_low_equals_the_float64_product(generator, dtype, layout, beta):
+    if not available(dtype):
+        pytest.skip(f"no MKL kernel for {dtype}")
+    m, k, n = 37, 203, 29
+    a = torch.randn(m, k, generator=generator).to(dtype)
+    b = torch.randn(k, n, generator=generator).to(dtype)
+    if layout in ("a transposed", "both transposed"):
+        a = a.T.contiguous().T  # column-major storage: a transposed operand for BLAS
+    if layout in ("b transposed", "both transposed"):
+        b = b.T.contiguous().T
+    if layout == "strided rows":
+        a = torch.randn(m, 2 * k, generator=generator).to(dtype)[:, ::2]  # neither stride is 1: copied first
+        b = torch.randn(2 * k, n, generator=generator).to(dtype)[::2]  # rows of stride 2n
+    big = torch.randn(m + 5, n + 11, generator=generator)
+    out = big[3 : 3 + m, 7 : 7 + n] if layout == "block of out" else torch.randn(m, n, generator=generator)
+    if beta == 0.0:
+        out.fill_(float("nan"))  # beta = 0: the old values are not read
+    before, big_before = out.clone(), big.clone()
+    assert addmm_low_(out, a, b, beta=beta)
+    reference = _reference(before, a, b, beta)
+    assert torch.isfinite(out).all()
+    assert _relative(out, reference) < 1e-6  # float32 sums; a bfloat16-rounded result is ~1e-3 off
+    if layout == "block of out":  # nothing outside the block is written
+        mask = torch.ones_like(big, dtype=torch.bool)
+        mask[3 : 3 + m, 7 : 7 + n] = False
+        assert torch.equal(big[mask], big_before[mask])
+
+
+@needs_mkl
+def test_accumulation_over_batches_stays_in_float32(generator):
+    """Many small products added into one float32 sum: the sum keeps float32 precision (a product
+    rounded to bfloat16 before each addition would carry ~2⁻⁹ of relative error)."""
+    total = torch.zeros(48, 48)
+    reference = torch.zeros(48, 48, dtype=torch.float64)
+    for _ in range(20):
+        x = torch.randn(64, 48, generator=generator).bfloat16()
+        assert addmm_low_(total, x.T, x)
+        reference += x.double().T @ x.double()
+    assert _relative(total, reference) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["float32 factors", "mixed factors", "float64 out", "transposed out", "empty contraction", "shape mismatch", "vector"],
+)
+def test_refused_operands_leave_out_untouched(generator, case):
+    a = torch.randn(6, 5, generator=generator).bfloat16()
+    b = torch.randn(5, 4, generator=generator).bfloat16()
+    out = torch.randn(6, 4, generator=generator)
+    if case == "float32 factors":
+        a, b = a.float(), b.float()
+    elif case == "mixed factors":
+        b = b.half()
+    elif case == "float64 out":
+        out = out.double()
+    elif case == "transposed out":
+        out = torch.randn(4, 6, generator=generator).T
+    elif case == "empty contraction":
+        a, b = a[:, :0], b[:0]
+    elif case == "shape mismatch":
+        b = torch.randn(4, 4, generator=generator).bfloat16()
+    elif case == "vector":
+        b = b[:, 0]
+    before = out.clone()
+    assert not addmm_low_(out, a, b)
+    assert torch.equal(out, before)
+
+
+def test_without_the_kernel_nothing_is_done(generator, monkeypatch):
+    monkeypatch.setattr(mixed_products, "_kernel", lambda dtype: None)
+    out = torch.zeros(3, 3)
+    assert not addmm_low_(out, torch.ones(3, 2).bfloat16(), torch.ones(2, 3).bfloat16())
+    assert torch.equal(out, torch.zeros(3, 3))
+
+
+@needs_mkl
+def test_fast_mode_products_come_out_in_float32(generator, monkeypatch):
+    """`statistics.product` in fast mode on the CPU: float32 results of the bfloat16 factors, new
+    or added into the sums; without the kernel, torch's products rounded to bfloat16 (the fallback)."""
+    a = torch.randn(300, 40, generator=generator)
+    b = torch.randn(300, 24, generator=generator)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    reference = a16.double().T @ b16.double()
+    new = statistics_module.product(a.T, b, torch.bfloat16)
+    assert new.dtype == torch.float32
+    assert _relative(new, reference) < 1e-6
+    acc = torch.ones(40, 24)
+    statistics_module.product(a.T, b, torch.bfloat16, out=acc)
+    assert _relative(acc, reference + 1.0) < 1e-6
+
+    monkeypatch.setattr(statistics_module, "addmm_low_", lambda *args, **kwargs: False)
+    fallback = statistics_module.product(a.T, b, torch.bfloat16)
+    assert fallback.dtype == torch.float32
+    assert 1e-4 < _relative(fallback, reference) < 1e-2  # rounded to bfloat16 once
