@@ -136,14 +136,16 @@ def prepare(workdir: str, tasks: int, layers: int, library: _Library) -> None:
 
 
 def flop_count(
-    tasks: int, samples: int, layers: int, d: int = 768, ff: int = 3072, tokens: int = 50, gram_fraction: float | None = None
+    tasks: int, samples: int, layers: int, d: int = 768, ff: int = 3072, tokens: int = 50, gram_fraction: float | None = None,
+    exact: bool = True,
 ) -> dict[str, float]:
     """Arithmetic (2 × multiply-adds) of one FeatCal run with the default settings, per timed stage,
     as the library does it.
 
     `gram_fraction`: the share of a full Gram product counted for every Gram; None: per input width as
     the library blocks it (`triangle_fraction`: 5/8 at 768, 9/16 at 3072). Cross moments E[x_s x_eᵀ]
-    are not symmetric and count in full.
+    are not symmetric and count in full. `exact`: exact mode, where fc2's right-hand side comes from
+    the expert's outputs once a task has more than `ff` tokens (`expert_outputs_pay`).
     """
     gram_d = (triangle_fraction(d) if gram_fraction is None else gram_fraction) * 2 * d * d
     gram_ff = (triangle_fraction(ff) if gram_fraction is None else gram_fraction) * 2 * ff * ff
@@ -154,8 +156,12 @@ def flop_count(
     # per token: Gram + cross moment (2·d²) of q/k/v, out_proj and fc1; fc2's Gram and its right-hand side
     # accumulated directly (projection x_t·W_iᵀ, then x_sᵀ·y: 2·ff·d each); the last block has one more
     # q/k/v-input group (k/v with their own token weights)
-    stats = layers * m * (3 * (gram_d + 2 * d * d) + gram_ff + 4 * ff * d) + m * (gram_d + 2 * d * d)
+    from_outputs = exact and samples * tokens > ff  # fc2: x_sᵀ·y_e per token, the Gram times W_iᵀ per task
+    fc2_rhs = 2 * ff * d if from_outputs else 4 * ff * d
+    stats = layers * m * (3 * (gram_d + 2 * d * d) + gram_ff + fc2_rhs) + m * (gram_d + 2 * d * d)
     fold = layers * tasks * 2 * d * d * (3 * d + d + ff)  # X_i W_iᵀ of the cross-moment groups
+    if from_outputs:
+        fold += layers * tasks * 2 * ff * ff * d
     chol = lambda n: n**3 / 3  # noqa: E731
     per_block = (
         3 * chol(d) + chol(ff)  # factorisations: q/k/v, out_proj, fc1 | fc2
@@ -213,7 +219,7 @@ def measure(args: argparse.Namespace) -> dict:
     peak_device = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     dtypes = stage_dtypes(args.dtype, forward_dtype)
     peaks = {name: matmul_throughput(device, getattr(torch, name)) for name in sorted(set(dtypes.values()))}
-    flops = flop_count(args.tasks, args.samples, args.layers, gram_fraction=args.gram_fraction)
+    flops = flop_count(args.tasks, args.samples, args.layers, gram_fraction=args.gram_fraction, exact=forward_dtype is None)
     timings = calibrator.timings
     return {
         "library": args.library,

@@ -121,6 +121,7 @@ def flop_count(
     report_drift: bool = True,
     causal: bool = True,
     products_only: bool = False,
+    exact: bool = True,
 ) -> dict[str, float]:
     """Arithmetic (2 × multiply-adds) of one FeatCal run on a Llama geometry, per timed stage, as the
     library does it (RMS norms, rotary embeddings, element-wise work and mat-vecs left out).
@@ -131,6 +132,8 @@ def flop_count(
     kernel must do; False: the full L × L products (what torch's FlopCounterMode counts for SDPA).
     `products_only`: solving counted without the Cholesky factorisations and triangular solves
     (FlopCounterMode sees matrix products only; true for widths below the CPU-blocked Cholesky).
+    `exact`: exact mode, where a down projection's right-hand side comes from the expert's outputs
+    once that pays (`LinearGroupStatistics.expert_outputs_pay`: more tokens per task than n at 0 < α < 1).
 
     Per block and stream (M positions): the student (merged) pass stops once mlp.down_proj's input
     is captured — except the first batch of every block (the stopping module is not known yet) and
@@ -162,7 +165,12 @@ def flop_count(
     for n, outs in groups:
         out = sum(outs)
         statistics += triangle_fraction(n) * 2 * rows * n * n
-        if out < n:  # direct right-hand side
+        tokens = rows / tasks
+        student_term, expert_term = teacher_alpha != 1.0, teacher_alpha != 0.0
+        if out < n and exact and expert_term * 2 * tokens * n + student_term * 2 * n * n < 4 * tokens * n:
+            # from the expert's outputs: x_sᵀ·y_e per token, the Gram times W_iᵀ once per task
+            statistics += expert_term * 2 * rows * n * out + student_term * tasks * 2 * n * n * out
+        elif out < n:  # direct right-hand side
             statistics += 2 * (2 * rows * n * out)
         elif teacher_alpha != 0.0:
             statistics += 2 * rows * n * n + tasks * 2 * n * n * out
@@ -222,7 +230,7 @@ def measure(args: argparse.Namespace) -> dict:
     peaks = {name: matmul_throughput(device, getattr(torch, name)) for name in sorted(set(dtypes.values()))}
     config = calibrator.config
     flops = flop_count(GEOMETRIES[args.geometry], args.tasks, args.sequences, args.length, args.batch_size,
-                       teacher_alpha=config.teacher_alpha, report_drift=config.report_drift)
+                       teacher_alpha=config.teacher_alpha, report_drift=config.report_drift, exact=forward_dtype is None)
     return {
         "geometry": args.geometry,
         "parameters_billion": sum(p.numel() for p in merged.parameters()) / 1e9,
@@ -288,7 +296,8 @@ def check_flops(args: argparse.Namespace) -> None:
         RunContext.timed = timed
     config = calibrator.config
     model = flop_count(GEOMETRIES[args.geometry], args.tasks, args.sequences, args.length, args.batch_size,
-                       teacher_alpha=config.teacher_alpha, report_drift=config.report_drift, causal=False, products_only=True)
+                       teacher_alpha=config.teacher_alpha, report_drift=config.report_drift, causal=False, products_only=True,
+                       exact=config.forward_dtype is None)
     print(f"geometry {args.geometry} · {args.tasks} tasks × {args.sequences} sequences × {args.length} tokens · batches of {args.batch_size}")
     print("| stage | flop_count (GFLOP) | FlopCounterMode (GFLOP) | ratio |\n|---|---:|---:|---:|")
     for stage in dict.fromkeys([*model, *counted]):

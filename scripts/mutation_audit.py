@@ -123,12 +123,24 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    elif out is not None and addmm_low_(out, a, b):\n        return out\n",
         "    elif False:\n        return out\n",
     ),
+    "outputs_rhs_no_bias_correction": (
+        "statistics.py",
+        "            if alpha != 0.0 and expert.bias is not None:",
+        "            if False:",
+    ),
+    "outputs_rhs_student_weight": (
+        "statistics.py",
+        "rhs = symmetric_upper_product(self._gram, w_i.T).mul_(1.0 - alpha)",
+        "rhs = symmetric_upper_product(self._gram, w_i.T).mul_(alpha)",
+    ),
+    "outputs_captured_are_inputs": ("hooks.py", "                store[_name] = output", "                store[_name] = args[0]"),
 }
 
 DEFAULT_TESTS = ["tests/test_reference_blockwise.py", "tests/test_t5.py", "tests/test_llm.py",
                  "tests/test_encoders.py", "tests/test_reference_agreement.py", "tests/test_statistics_arithmetic.py",
                  "tests/test_lazy_experts.py", "tests/test_activations.py", "tests/test_restore_snapshot.py",
-                 "tests/test_mixed_products.py", "tests/test_fast_mode.py"]
+                 "tests/test_mixed_products.py", "tests/test_fast_mode.py",
+                 "tests/test_expert_outputs_rhs.py"]
 
 
 def run_mutation(name: str, tests: list[str], workers: int) -> list[str]:

@@ -180,9 +180,9 @@ def test_keys_and_values_see_every_attended_position(generator, monkeypatch):
     seen = {}
     original = LinearGroupStatistics.accumulate_mixture
 
-    def record(self, x_s, x_e, alpha, weights, targets=None):
+    def record(self, x_s, x_e, alpha, weights, targets=None, expert_outputs=None):
         seen.setdefault(self.modules, weights.clone())
-        return original(self, x_s, x_e, alpha, weights, targets)
+        return original(self, x_s, x_e, alpha, weights, targets, expert_outputs)
 
     monkeypatch.setattr(LinearGroupStatistics, "accumulate_mixture", record)
     FeatCalCalibrator(task_arithmetic(base, experts), base, experts, {"a": [{**batch, "labels": labels}]},

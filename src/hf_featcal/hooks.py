@@ -54,6 +54,25 @@ def capture_module_inputs(block: nn.Module, names: Iterable[str]) -> Iterator[In
 
 
 @contextlib.contextmanager
+def capture_module_outputs(block: nn.Module, names: Iterable[str]) -> Iterator[dict[str, Tensor]]:
+    """While active, every call of the named submodules of `block` stores its output tensor in the
+    yielded dict (module name → output of its last call). Hooks are removed on exit, also on error."""
+    store: dict[str, Tensor] = {}
+    handles = []
+    try:
+        for name in names:
+
+            def hook(mod: nn.Module, args: tuple, output: Tensor, _name: str = name) -> None:
+                store[_name] = output
+
+            handles.append(block.get_submodule(name).register_forward_hook(hook))
+        yield store
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
 def attention_out_proj_called(root: nn.Module) -> Iterator[None]:
     """While active, every `nn.MultiheadAttention` in `root` computes its attention with the output
     projection as an explicit `out_proj(context)` call, so hooks on `out_proj` see its input

@@ -7,7 +7,7 @@ quantities the solver needs are kept across tasks, so memory does not grow with 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +101,17 @@ def upper_blocks(upper: Tensor) -> list[Tensor]:
     return [upper[start:stop, start:] for start, stop in gram_blocks(upper.shape[0])]
 
 
+def symmetric_upper_product(upper: Tensor, b: Tensor) -> Tensor:
+    """S @ b for the symmetric S whose block upper triangle `upper` holds (`add_upper_gram`'s
+    layout; what lies below it is not read), as a new tensor."""
+    out = torch.empty(upper.shape[0], b.shape[1], dtype=upper.dtype, device=upper.device)
+    for start, stop in gram_blocks(upper.shape[0]):
+        torch.mm(upper[start:stop, start:], b[start:], out=out[start:stop])
+        if start > 0:  # the blocks left of the diagonal are the mirrors of those above it
+            out[start:stop].addmm_(upper[:start, start:stop].T, b[:start])
+    return out
+
+
 def symmetric_from_upper(upper: Tensor) -> Tensor:
     """The full symmetric matrix of a block upper triangle kept by `add_upper_gram` (a new tensor)."""
     return mirror_upper_(upper.clone())
@@ -141,6 +152,8 @@ class LinearGroupStatistics:
     epsilon: float
     #: Accumulate each module's right-hand side Σ w·x_s (W_i x_t)ᵀ directly instead of the d×d cross
     #: moment: cheaper when the modules' outputs together are narrower than their input (down projections).
+    #: A task's batches may bring the expert modules' own outputs y_e = W_i x_e + b_i instead
+    #: (`expert_outputs_pay`), which spares projecting the teacher tokens.
     direct_rhs: bool = False
     #: Fast mode: the dtype the products' factors are cast to (None: the accumulation dtype).
     product_dtype: torch.dtype | None = None
@@ -151,6 +164,7 @@ class LinearGroupStatistics:
     _w: Tensor = field(init=False)
     _count: int = field(init=False, default=0)
     _alpha: float | None = field(init=False, default=None)
+    _from_outputs: bool | None = field(init=False, default=None)  # whether the task's batches bring y_e
     _sx_s: Tensor = field(init=False)
     _sx_e: Tensor = field(init=False)
     _gram: Tensor | None = field(init=False, default=None)
@@ -182,6 +196,7 @@ class LinearGroupStatistics:
         self._w = torch.zeros((), **kw)
         self._count = 0
         self._alpha = None
+        self._from_outputs = None
         self._sx_s = torch.zeros(d, **kw)
         self._sx_e = torch.zeros(d, **kw)
         # the d×d sums are allocated once per group and zeroed for each task: a fresh buffer per task
@@ -195,6 +210,18 @@ class LinearGroupStatistics:
             if self._cross is not None:
                 self._cross.zero_()
         self._rhs_task = {}
+
+    def expert_outputs_pay(self, tokens: int, alpha: float) -> bool:
+        """Whether a task of `tokens` weighted tokens costs less arithmetic with the expert modules'
+        outputs: per module of n outputs, Σ w·x_s (W_i x_t)ᵀ = (1 − α)·(Σ w·x_s x_sᵀ) W_iᵀ +
+        α·Σ w·x_s (y_e − b_i)ᵀ takes 2·M·d·n [α ≠ 0] + 2·d²·n [α ≠ 1] multiply-adds (the first
+        term once per task, from the Gram), projecting every teacher token 4·M·d·n: it pays above
+        d tokens per task at 0 < α < 1. Exact mode only (in fast mode the outputs are rounded)."""
+        if not self.direct_rhs or self.product_dtype is not None:
+            return False
+        d = self.dim
+        from_outputs = (2 * tokens * d if alpha != 0.0 else 0) + (2 * d * d if alpha != 1.0 else 0)
+        return from_outputs < 4 * tokens * d
 
     def accumulate(
         self, x_student: Tensor, x_teacher: Tensor, weights: Tensor, targets: dict[str, LinearTargets] | None = None
@@ -210,13 +237,23 @@ class LinearGroupStatistics:
         alpha: float,
         weights: Tensor,
         targets: dict[str, LinearTargets] | None = None,
+        expert_outputs: Mapping[str, Tensor] | None = None,
     ) -> None:
         """Add one batch whose teacher input is x_t = (1 − α)·x_student + α·x_expert (..., d), with
-        token weights (...); α is the same for every batch of a task."""
+        token weights (...); α is the same for every batch of a task. `expert_outputs` (direct
+        right-hand sides only): module → the expert module's output on x_expert (..., n), given
+        for every batch of a task or for none."""
         if self._alpha is None:
             self._alpha = float(alpha)
         elif self._alpha != float(alpha):
             raise ValueError(f"modules {list(self.modules)}: one task's batches must share α")
+        from_outputs = expert_outputs is not None
+        if from_outputs and not self.direct_rhs:
+            raise ValueError(f"modules {list(self.modules)}: expert outputs serve direct right-hand sides only")
+        if self._from_outputs is None:
+            self._from_outputs = from_outputs
+        elif self._from_outputs != from_outputs:
+            raise ValueError(f"modules {list(self.modules)}: one task's batches must all bring the expert's outputs, or none")
         x_s, w = flatten_tokens(x_student, weights)
         x_e, _ = flatten_tokens(x_expert, weights)
         x_s = x_s.to(self.dtype)
@@ -230,7 +267,7 @@ class LinearGroupStatistics:
         self._count += int(w.numel())
         self._sx_s += weighted.sum(0)
         self._sx_e.addmv_(x_e.T, w)
-        if self.direct_rhs:
+        if self.direct_rhs and not from_outputs:
             if targets is None:
                 raise ValueError("direct right-hand-side accumulation needs the expert's parameters")
             x_t = torch.lerp(x_s, x_e, alpha)
@@ -240,7 +277,12 @@ class LinearGroupStatistics:
         add_upper_gram(self._gram, weighted, x_s, low)
         if self.direct_rhs:
             for name in self.modules:
-                y = product(x_t, targets[name].weight.to(device=self.device, dtype=self.dtype).T, low)
+                if from_outputs:  # Σ w·x_s y_eᵀ (the rest is folded in at task end)
+                    if alpha == 0.0:
+                        continue
+                    y = flatten_tokens(expert_outputs[name], weights)[0].to(self.dtype)
+                else:
+                    y = product(x_t, targets[name].weight.to(device=self.device, dtype=self.dtype).T, low)
                 if name in self._rhs_task:
                     product(weighted.T, y, low, out=self._rhs_task[name])
                 else:
@@ -248,10 +290,29 @@ class LinearGroupStatistics:
         elif alpha != 0.0:
             product(weighted.T, x_e, low, out=self._cross)
 
+    def _rhs_from_outputs(self, targets: dict[str, LinearTargets], alpha: float) -> None:
+        """Σ w·x_s (W_i x_t)ᵀ = (1 − α)·(Σ w·x_s x_sᵀ) W_iᵀ + α·(Σ w·x_s y_eᵀ − (Σ w·x_s) b_iᵀ) for every
+        module, from this process's raw sums: the same quantity the projected path accumulates, so
+        processes may have taken either path before their sums are reduced."""
+        for name in self.modules:
+            expert = targets[name]
+            w_i = expert.weight.to(device=self.device, dtype=self.dtype)
+            if alpha == 1.0:  # the teacher is the expert: no student term
+                rhs = self._rhs_task[name].clone()
+            else:
+                rhs = symmetric_upper_product(self._gram, w_i.T).mul_(1.0 - alpha)
+                if alpha != 0.0:
+                    rhs.add_(self._rhs_task[name], alpha=alpha)
+            if alpha != 0.0 and expert.bias is not None:
+                rhs.addr_(self._sx_s, expert.bias.to(device=self.device, dtype=self.dtype), alpha=-alpha)
+            self._rhs_task[name] = rhs
+
     def finish_task(self, targets: dict[str, LinearTargets], reduce: SumReducer = _identity_reducer) -> None:
         """Fold the current task into the task sums, using the task's expert parameters."""
         alpha = self.teacher_alpha if self._alpha is None else self._alpha
         count = torch.tensor(float(self._count), dtype=self.dtype, device=self.device)
+        if self.direct_rhs and self._from_outputs:
+            self._rhs_from_outputs(targets, alpha)
         if self.direct_rhs:
             for name in self.modules:  # a process without batches of this task contributes zeros
                 if name not in self._rhs_task:

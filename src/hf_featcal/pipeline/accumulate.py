@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..architectures import LAYER_NORM
+from ..architectures import LAYER_NORM, ModuleSpec
 from ..statistics import LinearGroupStatistics, LinearTargets, NormStatistics
 from ..streams import StreamBatch
 from .context import RunContext
@@ -58,6 +58,33 @@ def expert_targets(plan: BlockPlan, statistics: BlockStatistics, expert_block: n
     }
 
 
+def output_groups(
+    ctx: RunContext, plan: BlockPlan, statistics: BlockStatistics, expert_block: nn.Module, batches: list[StreamBatch]
+) -> dict[tuple[str, bool, str], tuple[str, ...]]:
+    """The statistics groups whose right-hand sides one task takes from the expert modules' own
+    outputs (`LinearGroupStatistics.expert_outputs_pay`, for the task's weighted tokens in `batches`,
+    its student stream), each with its modules. Only whole `nn.Linear` modules qualify, whose output
+    is W x + b of the very weight solved for, in the statistics' dtype."""
+    specs = {s.name: s for s in plan.specs}
+    chosen = {}
+    for key, stats in statistics.linear.items():
+        if not stats.direct_rhs or not all(_plain_linear(specs[n], expert_block, stats.dtype) for n in stats.modules):
+            continue
+        tokens = sum(int((module_weights(ctx, plan, stats.modules[0], key[1], b) > 0).sum()) for b in batches)
+        if stats.expert_outputs_pay(tokens, ctx.config.teacher_alpha):
+            chosen[key] = stats.modules
+    return chosen
+
+
+def _plain_linear(spec: ModuleSpec, block: nn.Module, dtype: torch.dtype) -> bool:
+    if spec.rows is not None or spec.module is not None or spec.reads is not None or spec.weight_attr != "weight":
+        return False
+    module = block.get_submodule(spec.name)
+    forward = module.__dict__.get("forward")  # an instance forward only if it is Linear's own (hooks removed)
+    own = forward is None or (getattr(forward, "__func__", None) is nn.Linear.forward and forward.__self__ is module)
+    return type(module) is nn.Linear and own and module.weight.dtype == dtype
+
+
 def accumulate(
     ctx: RunContext,
     plan: BlockPlan,
@@ -66,13 +93,18 @@ def accumulate(
     xe: Mapping[str, Tensor],
     state: StreamBatch,
     targets: dict[str, LinearTargets],
+    ye: Mapping[str, Tensor] | None = None,
+    from_outputs: Mapping[tuple[str, bool, str], tuple[str, ...]] | None = None,
 ) -> None:
     """Add one batch: student inputs `xs`, expert inputs `xe` (by captured module), the student's
-    stream batch `state` (its token weights)."""
+    stream batch `state` (its token weights); for the groups in `from_outputs` (`output_groups`),
+    the expert modules' outputs `ye`."""
     alpha = ctx.config.teacher_alpha
-    for (source, weighted, _), stats in statistics.linear.items():
+    for key, stats in statistics.linear.items():
+        source, weighted, _ = key
         weights = module_weights(ctx, plan, stats.modules[0], weighted, state)
-        stats.accumulate_mixture(xs[source], xe[source], alpha, weights, targets)
+        outputs = {name: ye[name] for name in stats.modules} if from_outputs and key in from_outputs else None
+        stats.accumulate_mixture(xs[source], xe[source], alpha, weights, targets, outputs)
     for (name, weighted), stats in statistics.norms.items():
         stats.accumulate(xs[name], module_weights(ctx, plan, name, weighted, state))
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..experts import ModelSource
-from ..hooks import capture_module_inputs, eval_mode
+from ..hooks import capture_module_inputs, capture_module_outputs, eval_mode
 from ..streams import StopForward
-from .accumulate import BlockStatistics, accumulate, expert_targets, finish_task, new_statistics
+from .accumulate import BlockStatistics, accumulate, expert_targets, finish_task, new_statistics, output_groups
 from .context import RunContext
 from .enter import Streams, TaskStreams
 from .plan import BlockPlan
@@ -58,6 +58,8 @@ def capture_block(
         with ctx.timed("loading expert blocks"):
             expert_block = source.block(lm, ctx.model, plan.stack_index, bi, ctx.device)
             targets = expert_targets(plan, statistics, expert_block)
+            # (a statistics-only pass stops the expert's forward before the last module's output)
+            from_outputs = output_groups(ctx, plan, statistics, expert_block, streams.student[task]) if leaving else {}
         new_student[task], new_expert[task] = [], []
         if new_given is not None:
             new_given[task] = []
@@ -68,6 +70,7 @@ def capture_block(
             lm.capture_context(expert_block),
             capture_module_inputs(block, sources) as xs,
             capture_module_inputs(expert_block, sources) as xe,
+            capture_module_outputs(expert_block, {n for names in from_outputs.values() for n in names}) as ye,
         ):
             for b, parked in enumerate(streams.student[task]):
                 # the student's output of the uncalibrated block is only needed while it is also the
@@ -94,7 +97,7 @@ def capture_block(
                             pass
                 if calibrating:
                     with ctx.timed("statistics"):
-                        accumulate(ctx, plan, statistics, xs, xe, state, targets)
+                        accumulate(ctx, plan, statistics, xs, xe, state, targets, ye, from_outputs)
                 if not leaving:
                     continue
                 new_expert[task].append(ctx.park(out_expert))
