@@ -103,6 +103,19 @@ def test_refused_operands_leave_out_untouched(generator, case):
     assert torch.equal(out, before)
 
 
+def test_a_kernel_giving_wrong_answers_is_not_used(monkeypatch):
+    """The first-use probe: a kernel whose products are wrong (another calling convention) is dropped."""
+    calls = []
+
+    def wrong(*args):
+        calls.append(args)  # writes nothing: `out` keeps its ones, not the product
+
+    assert not mixed_products._answers_right(wrong, torch.bfloat16)
+    assert calls
+    if torch.backends.mkl.is_available():
+        assert mixed_products._answers_right(mixed_products._kernel(torch.bfloat16), torch.bfloat16)
+
+
 def test_without_the_kernel_nothing_is_done(generator, monkeypatch):
     monkeypatch.setattr(mixed_products, "_kernel", lambda dtype: None)
     out = torch.zeros(3, 3)

@@ -35,7 +35,19 @@ def _kernel(dtype: torch.dtype) -> ctypes._CFuncPtr | None:
     integer, pointer, real = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     function.restype = None
     function.argtypes = [integer] * 6 + [real, pointer, integer, pointer, integer, real, pointer, integer]
-    return function
+    return function if _answers_right(function, dtype) else None
+
+
+def _answers_right(function: ctypes._CFuncPtr, dtype: torch.dtype) -> bool:
+    """One small product with an exact answer (small integers, exact in every dtype here): a kernel
+    with another calling convention than the one declared (e.g. 64-bit integers) is not used."""
+    a = torch.arange(1.0, 7.0).reshape(2, 3)
+    b = torch.arange(-4.0, 8.0).reshape(3, 4)
+    out = torch.ones(2, 4)
+    low_a, low_b = a.to(dtype), b.to(dtype)
+    function(_ROW_MAJOR, _NO_TRANSPOSE, _NO_TRANSPOSE, 2, 4, 3, 1.0, low_a.data_ptr(), 3, low_b.data_ptr(), 4, 2.0,
+             out.data_ptr(), 4)
+    return torch.equal(out, a @ b + 2.0)
 
 
 def available(dtype: torch.dtype) -> bool:
