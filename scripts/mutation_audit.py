@@ -120,8 +120,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "fast_products_rounded_on_cpu": (
         "statistics.py",
-        "    elif out is not None and addmm_low_(out, a, b):\n        return out\n",
-        "    elif False:\n        return out\n",
+        "        if addmm_low_(out, a, b):\n            return out\n",
+        "        if False:\n            return out\n",
     ),
     "outputs_rhs_no_bias_correction": (
         "statistics.py",

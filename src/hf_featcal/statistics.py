@@ -76,13 +76,14 @@ def product(a: Tensor, b: Tensor, low: torch.dtype | None, out: Tensor | None = 
             result = torch.mm(a, b, out_dtype=torch.float32)
         except (TypeError, RuntimeError):  # a torch without out_dtype
             result = torch.mm(a, b)
-    elif out is not None and addmm_low_(out, a, b):
-        return out
+    elif out is not None:
+        if addmm_low_(out, a, b):
+            return out
+        result = torch.mm(a, b)
     else:
         result = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
-        if out is None and addmm_low_(result, a, b, beta=0.0):
-            return result
-        result = torch.mm(a, b)
+        if not addmm_low_(result, a, b, beta=0.0):
+            result = torch.mm(a, b)
     result = result.float()  # (converting first, then a float32 add, is ~2× faster than a mixed-dtype add)
     return result if out is None else out.add_(result)
 
