@@ -145,7 +145,7 @@ def flop_count(
     `gram_fraction`: the share of a full Gram product counted for every Gram; None: per input width as
     the library blocks it (`triangle_fraction`: 5/8 at 768, 9/16 at 3072). Cross moments E[x_s x_eᵀ]
     are not symmetric and count in full. `exact`: exact mode, where fc2's right-hand side comes from
-    the expert's outputs once a task has more than `ff` tokens (`expert_outputs_pay`).
+    the expert's outputs once that pays (`hf_featcal.statistics.outputs_rhs_pays`, default α).
     """
     gram_d = (triangle_fraction(d) if gram_fraction is None else gram_fraction) * 2 * d * d
     gram_ff = (triangle_fraction(ff) if gram_fraction is None else gram_fraction) * 2 * ff * ff
@@ -156,7 +156,11 @@ def flop_count(
     # per token: Gram + cross moment (2·d²) of q/k/v, out_proj and fc1; fc2's Gram and its right-hand side
     # accumulated directly (projection x_t·W_iᵀ, then x_sᵀ·y: 2·ff·d each); the last block has one more
     # q/k/v-input group (k/v with their own token weights)
-    from_outputs = exact and samples * tokens > ff  # fc2: x_sᵀ·y_e per token, the Gram times W_iᵀ per task
+    from hf_featcal import FeatCalConfig
+    from hf_featcal.statistics import outputs_rhs_pays
+
+    # fc2 from the expert's outputs: x_sᵀ·y_e per token, the Gram times W_iᵀ per task
+    from_outputs = exact and outputs_rhs_pays(samples * tokens, ff, FeatCalConfig().teacher_alpha)
     fc2_rhs = 2 * ff * d if from_outputs else 4 * ff * d
     stats = layers * m * (3 * (gram_d + 2 * d * d) + gram_ff + fc2_rhs) + m * (gram_d + 2 * d * d)
     fold = layers * tasks * 2 * d * d * (3 * d + d + ff)  # X_i W_iᵀ of the cross-moment groups

@@ -133,7 +133,7 @@ def flop_count(
     `products_only`: solving counted without the Cholesky factorisations and triangular solves
     (FlopCounterMode sees matrix products only; true for widths below the CPU-blocked Cholesky).
     `exact`: exact mode, where a down projection's right-hand side comes from the expert's outputs
-    once that pays (`LinearGroupStatistics.expert_outputs_pay`: more tokens per task than n at 0 < α < 1).
+    once that pays (`hf_featcal.statistics.outputs_rhs_pays`: more tokens per task than n at 0 < α < 1).
 
     Per block and stream (M positions): the student (merged) pass stops once mlp.down_proj's input
     is captured — except the first batch of every block (the stopping module is not known yet) and
@@ -161,13 +161,14 @@ def flop_count(
     first_batch_rest = min(batch_size, sequences) * length * down
     forwards = layers * block_forward + (layers - 1) * (merged_until_down + first_batch_rest)
     forwards += block_forward if report_drift else merged_until_down + first_batch_rest
+    from hf_featcal.statistics import outputs_rhs_pays
+
     statistics = solving = 0.0
     for n, outs in groups:
         out = sum(outs)
         statistics += triangle_fraction(n) * 2 * rows * n * n
-        tokens = rows / tasks
         student_term, expert_term = teacher_alpha != 1.0, teacher_alpha != 0.0
-        if out < n and exact and expert_term * 2 * tokens * n + student_term * 2 * n * n < 4 * tokens * n:
+        if out < n and exact and outputs_rhs_pays(rows // tasks, n, teacher_alpha):
             # from the expert's outputs: x_sᵀ·y_e per token, the Gram times W_iᵀ once per task
             statistics += expert_term * 2 * rows * n * out + student_term * tasks * 2 * n * n * out
         elif out < n:  # direct right-hand side

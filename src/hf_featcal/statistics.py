@@ -46,6 +46,16 @@ class LinearTargets:
     bias: Tensor | None
 
 
+def outputs_rhs_pays(tokens: int, dim: int, alpha: float) -> bool:
+    """Whether a direct right-hand side costs less arithmetic from the expert modules' outputs, for a
+    task of `tokens` weighted tokens and an input `dim` wide: per module of n outputs,
+    Σ w·x_s (W_i x_t)ᵀ = (1 − α)·(Σ w·x_s x_sᵀ) W_iᵀ + α·Σ w·x_s (y_e − b_i)ᵀ takes
+    2·M·d·n [α ≠ 0] + 2·d²·n [α ≠ 1] multiply-adds (the first term once per task, from the Gram),
+    projecting every teacher token 4·M·d·n: it pays above d tokens per task at 0 < α < 1."""
+    from_outputs = (2 * tokens * dim if alpha != 0.0 else 0) + (2 * dim * dim if alpha != 1.0 else 0)
+    return from_outputs < 4 * tokens * dim
+
+
 #: Inputs at least this wide get their Gram as a blocked upper triangle (below it one product is cheaper).
 BLOCKED_GRAM_MIN_DIM = 512
 
@@ -213,16 +223,10 @@ class LinearGroupStatistics:
         self._rhs_task = {}
 
     def expert_outputs_pay(self, tokens: int, alpha: float) -> bool:
-        """Whether a task of `tokens` weighted tokens costs less arithmetic with the expert modules'
-        outputs: per module of n outputs, Σ w·x_s (W_i x_t)ᵀ = (1 − α)·(Σ w·x_s x_sᵀ) W_iᵀ +
-        α·Σ w·x_s (y_e − b_i)ᵀ takes 2·M·d·n [α ≠ 0] + 2·d²·n [α ≠ 1] multiply-adds (the first
-        term once per task, from the Gram), projecting every teacher token 4·M·d·n: it pays above
-        d tokens per task at 0 < α < 1. Exact mode only (in fast mode the outputs are rounded)."""
-        if not self.direct_rhs or self.product_dtype is not None:
-            return False
-        d = self.dim
-        from_outputs = (2 * tokens * d if alpha != 0.0 else 0) + (2 * d * d if alpha != 1.0 else 0)
-        return from_outputs < 4 * tokens * d
+        """Whether this group's task of `tokens` weighted tokens takes its right-hand side from the
+        expert modules' outputs (`outputs_rhs_pays`). Exact mode only (in fast mode the outputs are
+        rounded)."""
+        return self.direct_rhs and self.product_dtype is None and outputs_rhs_pays(tokens, self.dim, alpha)
 
     def accumulate(
         self, x_student: Tensor, x_teacher: Tensor, weights: Tensor, targets: dict[str, LinearTargets] | None = None
@@ -297,10 +301,10 @@ class LinearGroupStatistics:
         processes may have taken either path before their sums are reduced."""
         for name in self.modules:
             expert = targets[name]
-            w_i = expert.weight.to(device=self.device, dtype=self.dtype)
             if alpha == 1.0:  # the teacher is the expert: no student term
                 rhs = self._rhs_task[name].clone()
             else:
+                w_i = expert.weight.to(device=self.device, dtype=self.dtype)
                 rhs = symmetric_upper_product(self._gram, w_i.T).mul_(1.0 - alpha)
                 if alpha != 0.0:
                     rhs.add_(self._rhs_task[name], alpha=alpha)
