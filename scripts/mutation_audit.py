@@ -40,7 +40,12 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "alpha_is_1": ("pipeline/accumulate.py", "    alpha = ctx.config.teacher_alpha\n", "    alpha = 1.0\n"),
     "alpha_is_0": ("pipeline/accumulate.py", "    alpha = ctx.config.teacher_alpha\n", "    alpha = 0.0\n"),
-    "task_scale_1": ("statistics.py", "        s_i = task_scale(upper_gram_norm(c_i), self.epsilon)\n", "        s_i = 1.0\n"),
+    "task_scale_1": ("statistics.py", "        s_i = task_scale(upper_gram_norm(gram) / total, self.epsilon)\n", "        s_i = 1.0\n"),
+    "task_sums_not_divided_by_their_weight": ("statistics.py", "        scale = s_i / total\n", "        scale = s_i\n"),
+    "later_tasks_cross_fold_dropped": ("statistics.py", "                self.rhs_sum[name].addmm_(cross, w_i.T)\n", "                pass\n"),
+    "later_tasks_direct_rhs_unscaled": (
+        "statistics.py", "self.rhs_sum[name].add_(moments[index], alpha=scale)", "self.rhs_sum[name].add_(moments[index], alpha=s_i)",
+    ),
     # exact-mode arithmetic (blocked Gram triangle, cross moment from the expert's inputs, blocked Cholesky)
     "gram_lower_blocks_not_mirrored": (
         "statistics.py", "            upper[c0:c1, r0:r1] = upper[r0:r1, c0:c1].T\n", "            pass\n",
@@ -50,9 +55,9 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "statistics.py", "            for block in upper_blocks(self._gram):\n                block.zero_()\n",
         "            for block in upper_blocks(self._gram):\n                pass\n",
     ),
-    "task_gram_divided_on_its_first_block_row_only": (
-        "statistics.py", "        for block in upper_blocks(c_i):\n            block.div_(total)\n",
-        "        for block in upper_blocks(c_i)[:1]:\n            block.div_(total)\n",
+    "task_gram_folded_on_its_first_block_row_only": (
+        "statistics.py", "zip(upper_blocks(self._gram_sum_upper), upper_blocks(gram)):",
+        "list(zip(upper_blocks(self._gram_sum_upper), upper_blocks(gram)))[:1]:",
     ),
     # allocation-lean activations (bit-identical) and the snapshot's memory handover
     "lean_quick_gelu_constant": ("activations.py", "    out = torch.mul(x, 1.702)\n", "    out = torch.mul(x, 1.7)\n"),
@@ -85,8 +90,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    return float(torch.linalg.matrix_norm(upper))\n",
     ),
     "cross_moment_without_student_part": (
-        "statistics.py", "                    cross = torch.lerp(cross, moments[0].div_(total), alpha)\n",
-        "                    cross = moments[0].div_(total)\n",
+        "statistics.py", "                    cross.lerp_(moments[0], alpha)\n",
+        "                    cross = moments[0]\n",
     ),
     "teacher_mean_is_student_mean": (
         "statistics.py", "        mu_t = torch.lerp(mu_s, mu_e, alpha)\n", "        mu_t = mu_s\n",

@@ -333,36 +333,42 @@ class LinearGroupStatistics:
         total = float(w)
         if total <= 0:
             raise ValueError(f"modules {list(self.modules)}: the task has no token with non-zero weight")
-        c_i = gram  # the block upper triangle of C_i
-        for block in upper_blocks(c_i):
-            block.div_(total)
-        s_i = task_scale(upper_gram_norm(c_i), self.epsilon)
+        # `gram` holds the block upper triangle of the raw sum total·C_i: the means are never formed,
+        # each sum enters the task sums scaled by s_i / total in the pass that adds it
+        s_i = task_scale(upper_gram_norm(gram) / total, self.epsilon)
+        scale = s_i / total
         mu_s, mu_e = sx_s / total, sx_e / total
         mu_t = torch.lerp(mu_s, mu_e, alpha)
         cross = None
-        if not self.direct_rhs:  # X_i = E_w[x_s x_tᵀ] = (1 − α)·C_i + α·E_w[x_s x_eᵀ]
+        if not self.direct_rhs:  # s_i·X_i = s_i·E_w[x_s x_tᵀ] = scale·((1 − α)·total·C_i + α·Σw·x_s x_eᵀ)
             if alpha == 1.0:
-                cross = moments[0].div_(total)
+                cross = moments[0].mul_(scale)
             else:
-                cross = symmetric_from_upper(c_i)
+                cross = symmetric_from_upper(gram)
                 if alpha != 0.0:
-                    cross = torch.lerp(cross, moments[0].div_(total), alpha)
+                    cross.lerp_(moments[0], alpha)
+                cross.mul_(scale)
         self.task_scales.append(s_i)
         self.weighted_tokens += int(count)
         if self._gram_sum_upper is None:
-            self._gram_sum_upper = c_i.mul(s_i)
+            self._gram_sum_upper = gram.mul(scale)
         else:
-            for acc, block in zip(upper_blocks(self._gram_sum_upper), upper_blocks(c_i)):
-                acc.add_(block, alpha=s_i)
+            for acc, block in zip(upper_blocks(self._gram_sum_upper), upper_blocks(gram)):
+                acc.add_(block, alpha=scale)
         self._gram_sum = None
         self.student_mean_sum = s_i * mu_s if self.student_mean_sum is None else self.student_mean_sum.add_(mu_s, alpha=s_i)
         self.scale_sum += s_i
         for index, name in enumerate(self.modules):
             expert = targets[name]
             w_i = expert.weight.to(device=self.device, dtype=self.dtype)
-            # s_i · X_i W_iᵀ, with X_i = E_w[x_s x_tᵀ] (or its product with W_iᵀ accumulated directly)
-            rhs = (s_i / total) * moments[index] if self.direct_rhs else s_i * (cross @ w_i.T)
-            self.rhs_sum[name] = rhs if name not in self.rhs_sum else self.rhs_sum[name].add_(rhs)
+            # s_i · X_i W_iᵀ, with X_i = E_w[x_s x_tᵀ] (or its product with W_iᵀ accumulated directly),
+            # added into the task sum in place
+            if name not in self.rhs_sum:
+                self.rhs_sum[name] = moments[index].mul(scale) if self.direct_rhs else cross @ w_i.T
+            elif self.direct_rhs:
+                self.rhs_sum[name].add_(moments[index], alpha=scale)
+            else:
+                self.rhs_sum[name].addmm_(cross, w_i.T)
             target = w_i @ mu_t
             if expert.bias is not None:
                 target = target + expert.bias.to(device=self.device, dtype=self.dtype)
