@@ -32,6 +32,17 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         'solve_scale_only_norm(stats.second_moment_sum, stats.gamma_target_sum, anchor_of(name, "weight"), lam, eps)',
         'solve_scale_only_norm(stats.second_moment_sum, stats.gamma_target_sum, anchor_of(name, "weight"), 0.0, eps)',
     ),
+    "layer_norm_statistics_uncentred": (
+        "statistics.py",
+        "            return torch.native_layer_norm(x, (x.shape[-1],), None, None, self.norm_eps)[0]\n",
+        "            return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.norm_eps)\n",
+    ),
+    "drift_against_the_first_expert_batch": (
+        "pipeline/drift.py", "        e_hidden = ctx.fetch(e).hidden.double()\n", "        e_hidden = ctx.fetch(expert[0]).hidden.double()\n",
+    ),
+    "drift_before_is_after": (
+        "pipeline/drift.py", "[streams.given[task], streams.student[task]]", "[streams.student[task], streams.student[task]]",
+    ),
     "rms_centred": (
         "statistics.py",
         "        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.norm_eps)",

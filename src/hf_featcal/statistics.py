@@ -411,8 +411,8 @@ class NormStatistics:
     def normalise(self, x: Tensor) -> Tensor:
         """The norm's input normalised per token, without its affine parameters."""
         x = x.to(self.dtype)
-        if self.centered:
-            x = x - x.mean(-1, keepdim=True)
+        if self.centered:  # LayerNorm's own kernel without the affine: one pass instead of five
+            return torch.native_layer_norm(x, (x.shape[-1],), None, None, self.norm_eps)[0]
         return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.norm_eps)
 
     def accumulate(self, x_student: Tensor, weights: Tensor) -> None:

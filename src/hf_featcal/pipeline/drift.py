@@ -22,21 +22,26 @@ class DriftLog:
         return cls({task: {"before": [], "after": []} for task in tasks})
 
 
-def stream_drift(ctx: RunContext, merged: list[StreamBatch], expert: list[StreamBatch]) -> float:
-    """Σ‖h_merged − h_expert‖₂ / N over the non-padding positions of all batches (all processes)."""
-    total = torch.zeros((), dtype=torch.float64, device=ctx.device)
-    count = torch.zeros((), dtype=torch.float64, device=ctx.device)
-    for m, e in zip(merged, expert):
-        m, e = ctx.fetch(m), ctx.fetch(e)
-        mask = (m.weights > 0).to(torch.float64)
-        total += ((m.hidden.double() - e.hidden.double()).norm(dim=-1) * mask).sum()
-        count += mask.sum()
-    total, count = ctx.reduce([total, count])
-    return float(total / count)
+def stream_drifts(ctx: RunContext, merged: list[list[StreamBatch]], expert: list[StreamBatch]) -> list[float]:
+    """For each of several merged streams of one task (the same batches), Σ‖h_merged − h_expert‖₂ / N
+    over the non-padding positions of all batches (all processes). Each expert batch is read and
+    widened to float64 once for all of them."""
+    totals = [torch.zeros((), dtype=torch.float64, device=ctx.device) for _ in merged]
+    counts = [torch.zeros((), dtype=torch.float64, device=ctx.device) for _ in merged]
+    for b, e in enumerate(expert):
+        e_hidden = ctx.fetch(e).hidden.double()
+        for stream, total, count in zip(merged, totals, counts):
+            m = ctx.fetch(stream[b])
+            mask = (m.weights > 0).to(torch.float64)
+            total += ((m.hidden.double() - e_hidden).norm(dim=-1) * mask).sum()
+            count += mask.sum()
+    reduced = ctx.reduce([*totals, *counts])
+    return [float(total / count) for total, count in zip(reduced[: len(merged)], reduced[len(merged) :])]
 
 
 def record_drift(ctx: RunContext, drift: DriftLog, streams: Streams) -> None:
     """Append each task's drift at the block's output (`streams`: the streams leaving the block)."""
     for task, entry in drift.tasks.items():
-        entry["before"].append(stream_drift(ctx, streams.given[task], streams.expert[task]))
-        entry["after"].append(stream_drift(ctx, streams.student[task], streams.expert[task]))
+        before, after = stream_drifts(ctx, [streams.given[task], streams.student[task]], streams.expert[task])
+        entry["before"].append(before)
+        entry["after"].append(after)
