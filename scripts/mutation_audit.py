@@ -150,34 +150,13 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "rhs = symmetric_upper_product(self._gram, w_i.T).mul_(alpha)",
     ),
     "outputs_captured_are_inputs": ("hooks.py", "                store[_name] = output", "                store[_name] = args[0]"),
-    # weights packed for MKL (bit-identical only where checked, never stale)
-    "packed_without_the_equality_check": (
-        "packed_linears.py",
-        "    return packed if same else None\n",
-        "    return packed\n",
-    ),
-    "packs_kept_after_an_in_place_change": (
-        "packed_linears.py",
-        "        key = (weight.data_ptr(), weight._version, torch.get_num_threads())\n",
-        "        key = (weight.data_ptr(), 0, torch.get_num_threads())\n",
-    ),
-    "packed_under_autocast": (
-        "packed_linears.py",
-        "    if torch.is_grad_enabled() or torch.is_autocast_enabled(\"cpu\"):\n",
-        "    if torch.is_grad_enabled():\n",
-    ),
-    "packs_never_made": (
-        "packed_linears.py",
-        "        if calls == TRY_AT_CALL and rows not in self.packed",
-        "        if False and rows not in self.packed",
-    ),
 }
 
 DEFAULT_TESTS = ["tests/test_reference_blockwise.py", "tests/test_t5.py", "tests/test_llm.py",
                  "tests/test_encoders.py", "tests/test_reference_agreement.py", "tests/test_statistics_arithmetic.py",
                  "tests/test_lazy_experts.py", "tests/test_activations.py", "tests/test_restore_snapshot.py",
                  "tests/test_mixed_products.py", "tests/test_fast_mode.py",
-                 "tests/test_expert_outputs_rhs.py", "tests/test_packed_linears.py"]
+                 "tests/test_expert_outputs_rhs.py"]
 
 
 def run_mutation(name: str, tests: list[str], workers: int) -> list[str]:

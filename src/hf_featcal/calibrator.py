@@ -29,7 +29,6 @@ from .devices import usable_device
 from .experts import ModelLike, ModelSource, make_source
 from .hooks import eval_mode, restore_on_failure
 from .offload import ModelParameters
-from .packed_linears import packed_linears
 from .pipeline.accumulate import BlockStatistics
 from .pipeline.capture import capture_block
 from .pipeline.checkpoint import open_checkpoint, resume, save_block
@@ -396,24 +395,20 @@ class FeatCalCalibrator:
         if plan.calibrating and self.config.granularity == "module":
             with ctx.timed("module order"):
                 steps = module_steps(plan, forward_order(ctx, plan, block, streams))
-        # Each pass below runs the block's weights, unchanged while it lasts, over every task's batches:
-        # they are packed for it once (`packed_linears`; writes happen between the passes).
-        with packed_linears(block):
-            captured = capture_block(ctx, steps[0], block, streams, self.experts, _step_note(note, steps, 0))
+        captured = capture_block(ctx, steps[0], block, streams, self.experts, _step_note(note, steps, 0))
         student = captured.student
         if plan.calibrating:
             statistics = captured.statistics
             for index, step in enumerate(steps):
                 if index:  # the student's inputs of this step, through the steps written so far
-                    with packed_linears(block):
-                        statistics = capture_block(
-                            ctx, step, block, streams, self.experts, _step_note(note, steps, index), leaving=False
-                        ).statistics
+                    statistics = capture_block(
+                        ctx, step, block, streams, self.experts, _step_note(note, steps, index), leaving=False
+                    ).statistics
                 _step_note(note, steps, index)("solving")
                 with ctx.timed("solving"):
                     self._solve_and_write(step, block, statistics)
             note("propagating")
-            with ctx.timed("propagating"), packed_linears(block):
+            with ctx.timed("propagating"):
                 student = propagate(ctx, block, plan.block_index, streams.student)
         leaving = Streams(student, captured.expert, captured.given)
         if drift is not None:

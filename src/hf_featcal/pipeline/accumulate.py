@@ -10,7 +10,6 @@ import torch
 from torch import Tensor, nn
 
 from ..architectures import LAYER_NORM, ModuleSpec
-from ..packed_linears import runs_linear_forward
 from ..statistics import LinearGroupStatistics, LinearTargets, NormStatistics
 from ..streams import StreamBatch
 from .context import RunContext
@@ -81,7 +80,9 @@ def _plain_linear(spec: ModuleSpec, block: nn.Module, dtype: torch.dtype) -> boo
     if spec.rows is not None or spec.module is not None or spec.reads is not None or spec.weight_attr != "weight":
         return False
     module = block.get_submodule(spec.name)
-    return runs_linear_forward(module) and module.weight.dtype == dtype
+    forward = module.__dict__.get("forward")  # an instance forward only if it is Linear's own (hooks removed)
+    own = forward is None or (getattr(forward, "__func__", None) is nn.Linear.forward and forward.__self__ is module)
+    return type(module) is nn.Linear and own and module.weight.dtype == dtype
 
 
 def accumulate(

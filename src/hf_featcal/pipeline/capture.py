@@ -10,7 +10,6 @@ from torch import nn
 
 from ..experts import ModelSource
 from ..hooks import capture_module_inputs, capture_module_outputs, eval_mode
-from ..packed_linears import packed_linears
 from ..streams import StopForward
 from .accumulate import BlockStatistics, accumulate, expert_targets, finish_task, new_statistics, output_groups
 from .context import RunContext
@@ -72,7 +71,6 @@ def capture_block(
             capture_module_inputs(block, sources) as xs,
             capture_module_inputs(expert_block, sources) as xe,
             capture_module_outputs(expert_block, {n for names in from_outputs.values() for n in names}) as ye,
-            packed_linears(expert_block),
         ):
             for b, parked in enumerate(streams.student[task]):
                 # the student's output of the uncalibrated block is only needed while it is also the
