@@ -301,8 +301,8 @@ class LinearGroupStatistics:
         processes may have taken either path before their sums are reduced."""
         for name in self.modules:
             expert = targets[name]
-            if alpha == 1.0:  # the teacher is the expert: no student term
-                rhs = self._rhs_task[name].clone()
+            if alpha == 1.0:  # the teacher is the expert: no student term (the task's own sum, corrected in place)
+                rhs = self._rhs_task[name]
             else:
                 w_i = expert.weight.to(device=self.device, dtype=self.dtype)
                 rhs = symmetric_upper_product(self._gram, w_i.T).mul_(1.0 - alpha)
