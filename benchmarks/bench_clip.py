@@ -157,10 +157,13 @@ def flop_count(
     # accumulated directly (projection x_t·W_iᵀ, then x_sᵀ·y: 2·ff·d each); the last block has one more
     # q/k/v-input group (k/v with their own token weights)
     from hf_featcal import FeatCalConfig
-    from hf_featcal.statistics import outputs_rhs_pays
 
+    try:
+        from hf_featcal.statistics import outputs_rhs_pays
+    except ImportError:  # a library from before that path (`compare_revisions.py` runs old ones)
+        outputs_rhs_pays = None
     # fc2 from the expert's outputs: x_sᵀ·y_e per token, the Gram times W_iᵀ per task
-    from_outputs = exact and outputs_rhs_pays(samples * tokens, ff, FeatCalConfig().teacher_alpha)
+    from_outputs = exact and outputs_rhs_pays is not None and outputs_rhs_pays(samples * tokens, ff, FeatCalConfig().teacher_alpha)
     fc2_rhs = 2 * ff * d if from_outputs else 4 * ff * d
     stats = layers * m * (3 * (gram_d + 2 * d * d) + gram_ff + fc2_rhs) + m * (gram_d + 2 * d * d)
     fold = layers * tasks * 2 * d * d * (3 * d + d + ff)  # X_i W_iᵀ of the cross-moment groups
@@ -209,7 +212,11 @@ def measure(args: argparse.Namespace) -> dict:
     }
     calibrator = FeatCalCalibrator(
         merged, library.reference(os.path.join(args.workdir, "base")), experts, data,
-        FeatCalConfig(num_samples_per_task=args.samples, stream_placement=args.stream_placement, forward_dtype=forward_dtype),
+        FeatCalConfig(
+            num_samples_per_task=args.samples, stream_placement=args.stream_placement,
+            # (only when set: libraries from before fast mode have no such field)
+            **({} if forward_dtype is None else {"forward_dtype": forward_dtype}),
+        ),
         device=device, show_progress=False,
     )
     calibrator.profile = True

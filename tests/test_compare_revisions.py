@@ -1,0 +1,57 @@
+"""benchmarks/compare_revisions.py: the library source it exports per revision and its round summary
+(timings themselves are the benchmark's business, never a test's)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("compare_revisions", os.path.join(ROOT, "benchmarks", "compare_revisions.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+compare_revisions = _load()
+
+
+def _run(seconds: float, rss: float) -> dict:
+    return {"seconds_total": seconds, "peak_rss_gib": rss, "seconds_per_stage": {"statistics": seconds / 2}}
+
+
+def test_summary_ratios_are_before_over_after():
+    result = compare_revisions.summary([(_run(60.0, 2.3), _run(48.0, 2.2)), (_run(70.0, 2.4), _run(50.0, 2.2))])
+    assert [r["ratio"] for r in result["rounds"]] == pytest.approx([1.25, 1.4])
+    assert result["ratio_mean"] == pytest.approx(1.325)
+    assert result["ratio_min"] == pytest.approx(1.25)
+    assert result["ratio_max"] == pytest.approx(1.4)
+    assert result["rounds"][0]["before_rss_gib"] == 2.3 and result["rounds"][0]["after_rss_gib"] == 2.2
+
+
+def test_working_tree_is_this_checkouts_src(tmp_path):
+    assert compare_revisions.library_source(".", str(tmp_path)) == os.path.join(ROOT, "src")
+    assert os.listdir(tmp_path) == []  # nothing exported for the working tree
+
+
+def test_a_revision_is_exported_with_its_own_library(tmp_path):
+    if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    source = compare_revisions.library_source("HEAD", str(tmp_path))
+    assert source.startswith(str(tmp_path))
+    committed = subprocess.run(["git", "-C", ROOT, "show", "HEAD:src/hf_featcal/solver.py"], capture_output=True, text=True, check=True)
+    with open(os.path.join(source, "hf_featcal", "solver.py"), encoding="utf-8") as handle:
+        assert handle.read() == committed.stdout
+
+
+def test_an_unknown_revision_is_refused_by_name(tmp_path):
+    if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    with pytest.raises(SystemExit, match="no-such-revision"):
+        compare_revisions.library_source("no-such-revision", str(tmp_path))
