@@ -7,11 +7,12 @@ differs, and the runs alternate — before, after, before, after, ... — so tha
 compares two runs made minutes apart. Prints each round, then the mean, lowest and highest ratio.
 
     python benchmarks/compare_revisions.py --before d1f566f --rounds 3
-    python benchmarks/compare_revisions.py --before d1f566f --after HEAD --rounds 3 -- --forward-dtype bfloat16
+    python benchmarks/compare_revisions.py --before 04c7124 --after HEAD --rounds 3 -- --forward-dtype bfloat16
 
 `--before` / `--after`: a git revision (its `src/` is exported into a temporary folder), or `.` for
 this checkout's working tree (the default for `--after`). Arguments after `--` go to `bench_clip.py`
-(default: the 8 tasks × 32 images case).
+(default: the 8 tasks × 32 images case); both libraries must support what they ask for (fast mode's
+`--forward-dtype` needs a library from 50e7809 on).
 """
 
 from __future__ import annotations
