@@ -12,7 +12,7 @@ compares two runs made minutes apart. Prints each round, then the mean, lowest a
 `--before` / `--after`: a git revision (its `src/` is exported into a temporary folder), or `.` for
 this checkout's working tree (the default for `--after`). Arguments after `--` go to `bench_clip.py`
 (default: the 8 tasks × 32 images case); both libraries must support what they ask for (fast mode's
-`--forward-dtype` needs a library from 50e7809 on).
+`--forward-dtype` needs a library from 1da0690 on).
 """
 
 from __future__ import annotations
