@@ -20,6 +20,9 @@ def _load():
 
 
 compare_revisions = _load()
+needs_git = pytest.mark.skipif(
+    subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode != 0, reason="not a git checkout"
+)
 
 
 def _run(seconds: float, rss: float) -> dict:
@@ -40,9 +43,8 @@ def test_working_tree_is_this_checkouts_src(tmp_path):
     assert os.listdir(tmp_path) == []  # nothing exported for the working tree
 
 
+@needs_git
 def test_a_revision_is_exported_with_its_own_library(tmp_path):
-    if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode != 0:
-        pytest.skip("not a git checkout")
     source = compare_revisions.library_source("HEAD", str(tmp_path))
     assert source.startswith(str(tmp_path))
     committed = subprocess.run(["git", "-C", ROOT, "show", "HEAD:src/hf_featcal/solver.py"], capture_output=True, text=True, check=True)
@@ -50,8 +52,7 @@ def test_a_revision_is_exported_with_its_own_library(tmp_path):
         assert handle.read() == committed.stdout
 
 
+@needs_git
 def test_an_unknown_revision_is_refused_by_name(tmp_path):
-    if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode != 0:
-        pytest.skip("not a git checkout")
     with pytest.raises(SystemExit, match="no-such-revision"):
         compare_revisions.library_source("no-such-revision", str(tmp_path))
