@@ -36,6 +36,7 @@ from bench_common import (  # noqa: E402
     peak_rss_gib,
     rate_report,
     stage_dtypes,
+    syrk_in_use,
     triangle_fraction,
 )
 from bench_common import stage_table as common_stage_table  # noqa: E402
@@ -137,18 +138,24 @@ def prepare(workdir: str, tasks: int, layers: int, library: _Library) -> None:
 
 def flop_count(
     tasks: int, samples: int, layers: int, d: int = 768, ff: int = 3072, tokens: int = 50, gram_fraction: float | None = None,
-    exact: bool = True,
+    exact: bool = True, syrk: bool = False,
 ) -> dict[str, float]:
     """Arithmetic (2 × multiply-adds) of one FeatCal run with the default settings, per timed stage,
     as the library does it.
 
     `gram_fraction`: the share of a full Gram product counted for every Gram; None: per input width as
-    the library blocks it (`triangle_fraction`: 5/8 at 768, 9/16 at 3072). Cross moments E[x_s x_eᵀ]
+    the library computes it (`triangle_fraction`): with `syrk` (`syrk_in_use`) the upper triangle of
+    every unit-weight Gram, ~1/2 — all but the last block's pooled-token-weighted groups, which stay
+    blocked — else the block upper triangle, 5/8 at 768 and 9/16 at 3072. Cross moments E[x_s x_eᵀ]
     are not symmetric and count in full. `exact`: exact mode, where fc2's right-hand side comes from
     the expert's outputs once that pays (`hf_featcal.statistics.outputs_rhs_pays`, default α).
     """
-    gram_d = (triangle_fraction(d) if gram_fraction is None else gram_fraction) * 2 * d * d
-    gram_ff = (triangle_fraction(ff) if gram_fraction is None else gram_fraction) * 2 * ff * ff
+    def gram(width: int, unit_weights: bool) -> float:
+        share = triangle_fraction(width, syrk and unit_weights) if gram_fraction is None else gram_fraction
+        return share * 2 * width * width
+
+    gram_d, gram_ff = gram(d, True), gram(ff, True)  # unit token weights
+    gram_d_pooled, gram_ff_pooled = gram(d, False), gram(ff, False)  # the last block's weighted groups
     m = tasks * samples * tokens  # token rows per stream
     attention = 4 * tokens * d
     block_forward = m * (2 * (4 * d * d + 2 * d * ff) + attention)
@@ -165,7 +172,8 @@ def flop_count(
     # fc2 from the expert's outputs: x_sᵀ·y_e per token, the Gram times W_iᵀ per task
     from_outputs = exact and outputs_rhs_pays is not None and outputs_rhs_pays(samples * tokens, ff, FeatCalConfig().teacher_alpha)
     fc2_rhs = 2 * ff * d if from_outputs else 4 * ff * d
-    stats = layers * m * (3 * (gram_d + 2 * d * d) + gram_ff + fc2_rhs) + m * (gram_d + 2 * d * d)
+    stats = (layers - 1) * m * (3 * (gram_d + 2 * d * d) + gram_ff + fc2_rhs)
+    stats += m * (3 * (gram_d_pooled + 2 * d * d) + gram_ff_pooled + fc2_rhs) + m * (gram_d + 2 * d * d)  # last block
     fold = layers * tasks * 2 * d * d * (3 * d + d + ff)  # X_i W_iᵀ of the cross-moment groups
     if from_outputs:
         fold += layers * tasks * 2 * ff * ff * d
@@ -230,7 +238,8 @@ def measure(args: argparse.Namespace) -> dict:
     peak_device = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     dtypes = stage_dtypes(args.dtype, forward_dtype)
     peaks = {name: matmul_throughput(device, getattr(torch, name)) for name in sorted(set(dtypes.values()))}
-    flops = flop_count(args.tasks, args.samples, args.layers, gram_fraction=args.gram_fraction, exact=forward_dtype is None)
+    syrk = syrk_in_use(device, forward_dtype is None)
+    flops = flop_count(args.tasks, args.samples, args.layers, gram_fraction=args.gram_fraction, exact=forward_dtype is None, syrk=syrk)
     timings = calibrator.timings
     return {
         "library": args.library,
@@ -240,7 +249,10 @@ def measure(args: argparse.Namespace) -> dict:
         "device": str(device),
         "dtype": args.dtype,
         "forward_dtype": forward_dtype,
-        "gram_fraction": {"768": triangle_fraction(768), "3072": triangle_fraction(3072)} if args.gram_fraction is None else args.gram_fraction,
+        "gram_fraction": (
+            {"768": triangle_fraction(768, syrk), "3072": triangle_fraction(3072, syrk), "syrk": syrk}
+            if args.gram_fraction is None else args.gram_fraction
+        ),
         "seconds_total": total,
         "seconds_per_stage": timings,
         "peak_rss_gib": peak_rss,

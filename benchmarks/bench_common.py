@@ -67,16 +67,29 @@ def matmul_throughput(device: torch.device, dtype: torch.dtype, sizes: tuple[int
     return best
 
 
-def triangle_fraction(dim: int) -> float:
-    """The share of a full `dim`-wide Gram product x_sᵀx_s the library computes: it accumulates the
-    block upper triangle of `hf_featcal.statistics.gram_blocks` (block j against blocks ≥ j; 8 equal
-    blocks: (8+1)/(2·8) = 9/16, 4 blocks: 5/8, one block: 1) and mirrors it at task end. 9/16 when the
-    library does not say."""
+def triangle_fraction(dim: int, syrk: bool = False) -> float:
+    """The share of a full `dim`-wide Gram product x_sᵀx_s the library computes. `syrk` (exact mode
+    on the CPU, unit token weights: `syrk_in_use`): MKL's syrk, the upper triangle alone, (dim+1)/(2·dim).
+    Otherwise the block upper triangle of `hf_featcal.statistics.gram_blocks` (block j against blocks
+    ≥ j; 8 equal blocks: (8+1)/(2·8) = 9/16, 4 blocks: 5/8, one block: 1), mirrored at task end;
+    9/16 when the library does not say."""
+    if syrk:
+        return (dim + 1) / (2 * dim)
     try:
         from hf_featcal.statistics import gram_blocks
     except ImportError:
         return 9 / 16
     return sum((stop - start) * (dim - start) for start, stop in gram_blocks(dim)) / dim**2
+
+
+def syrk_in_use(device: torch.device, exact: bool) -> bool:
+    """Whether the library computes unit-weight Grams by MKL's syrk here (`hf_featcal.mkl_products`;
+    False for libraries from before it)."""
+    try:
+        from hf_featcal.mkl_products import syrk_available
+    except ImportError:
+        return False
+    return exact and device.type == "cpu" and syrk_available(torch.float32)
 
 
 def lower_triangular_fraction(dim: int) -> float:

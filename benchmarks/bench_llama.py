@@ -39,6 +39,7 @@ from bench_common import (  # noqa: E402
     rate_report,
     stage_dtypes,
     stage_table,
+    syrk_in_use,
     triangle_fraction,
 )
 
@@ -122,6 +123,7 @@ def flop_count(
     causal: bool = True,
     products_only: bool = False,
     exact: bool = True,
+    syrk: bool = False,
 ) -> dict[str, float]:
     """Arithmetic (2 × multiply-adds) of one FeatCal run on a Llama geometry, per timed stage, as the
     library does it (RMS norms, rotary embeddings, element-wise work and mat-vecs left out).
@@ -139,7 +141,8 @@ def flop_count(
     is captured — except the first batch of every block (the stopping module is not known yet) and
     block 0 with the drift report (the student is also the merged-as-given stream there); the expert
     runs the whole block. Statistics per group of input width n: the Gram's block upper triangle
-    (`triangle_fraction(n)` of 2·M·n²), the cross moment 2·M·n² (α ≠ 0) and at task end the fold
+    (`triangle_fraction(n, syrk)` of 2·M·n²: with `syrk`, `syrk_in_use`, every Gram here has unit
+    token weights and is MKL's upper triangle), the cross moment 2·M·n² (α ≠ 0) and at task end the fold
     X_i W_iᵀ (2·n²·outputs); a group whose outputs are narrower than n (down_proj) accumulates its
     right-hand side directly (2·M·n·out for x_t W_iᵀ and as much for x_sᵀ y). Solving per group: two
     Cholesky factorisations (n³/3 each: the singularity check, when the tokens are at least n, and
@@ -166,7 +169,7 @@ def flop_count(
     statistics = solving = 0.0
     for n, outs in groups:
         out = sum(outs)
-        statistics += triangle_fraction(n) * 2 * rows * n * n
+        statistics += triangle_fraction(n, syrk) * 2 * rows * n * n
         student_term, expert_term = teacher_alpha != 1.0, teacher_alpha != 0.0
         if out < n and exact and outputs_rhs_pays(rows // tasks, n, teacher_alpha):
             # from the expert's outputs: x_sᵀ·y_e per token, the Gram times W_iᵀ once per task
@@ -231,7 +234,8 @@ def measure(args: argparse.Namespace) -> dict:
     peaks = {name: matmul_throughput(device, getattr(torch, name)) for name in sorted(set(dtypes.values()))}
     config = calibrator.config
     flops = flop_count(GEOMETRIES[args.geometry], args.tasks, args.sequences, args.length, args.batch_size,
-                       teacher_alpha=config.teacher_alpha, report_drift=config.report_drift, exact=forward_dtype is None)
+                       teacher_alpha=config.teacher_alpha, report_drift=config.report_drift, exact=forward_dtype is None,
+                       syrk=syrk_in_use(device, forward_dtype is None))
     return {
         "geometry": args.geometry,
         "parameters_billion": sum(p.numel() for p in merged.parameters()) / 1e9,
@@ -263,7 +267,8 @@ def check_flops(args: argparse.Namespace) -> None:
     """One `calibrate()` on the `check` geometry with torch's FlopCounterMode opened around each timed
     stage; prints its count per stage next to `flop_count`'s (full attention, products only: what
     FlopCounterMode sees). torch's counter knows neither the CPU SDPA kernel nor the in-place
-    `addmm_` the accumulators add each later batch with: they get torch's SDPA formula and 2·m·k·n."""
+    `addmm_` the accumulators add each later batch with: they get torch's SDPA formula and 2·m·k·n.
+    MKL's syrk is called past torch, unseen by the counter: the Grams take the blocked products here."""
     from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
     from transformers import LlamaForCausalLM
 
@@ -273,6 +278,9 @@ def check_flops(args: argparse.Namespace) -> None:
     merged = LlamaForCausalLM.from_pretrained(os.path.join(args.workdir, f"merged-{args.tasks}"), dtype=torch.float32).eval()
     calibrator = _calibrator(args, merged, torch.device("cpu"))
     aten = torch.ops.aten
+    import hf_featcal.statistics as statistics
+
+    statistics.syrk_upper_ = lambda *args, **kwargs: False  # (this process only: it measures the count)
 
     def full_attention(query, key, value, *args, out_shape=None, **kwargs) -> int:  # shapes: FlopCounterMode wraps it
         return sdpa_flop_count(query, key, value)

@@ -38,7 +38,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.norm_eps)\n",
     ),
     "drift_against_the_first_expert_batch": (
-        "pipeline/drift.py", "        e_hidden = ctx.fetch(e).hidden.double()\n", "        e_hidden = ctx.fetch(expert[0]).hidden.double()\n",
+        "pipeline/drift.py", "        e_hidden = ctx.fetch(e).hidden\n", "        e_hidden = ctx.fetch(expert[0]).hidden\n",
     ),
     "drift_before_is_after": (
         "pipeline/drift.py", "[streams.given[task], streams.student[task]]", "[streams.student[task], streams.student[task]]",
@@ -125,12 +125,12 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        weighted = pooled is not None\n",
     ),
     "mixed_gemm_beta_ignored": (
-        "mixed_products.py",
+        "mkl_products.py",
         "a.data_ptr(), lda, b.data_ptr(), ldb, float(beta),",
         "a.data_ptr(), lda, b.data_ptr(), ldb, 1.0,",
     ),
     "mixed_gemm_transpose_flag": (
-        "mixed_products.py",
+        "mkl_products.py",
         "        return _TRANSPOSE, matrix.stride(1)",
         "        return _NO_TRANSPOSE, matrix.stride(1)",
     ),
@@ -150,12 +150,28 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "rhs = symmetric_upper_product(self._gram, w_i.T).mul_(alpha)",
     ),
     "outputs_captured_are_inputs": ("hooks.py", "                store[_name] = output", "                store[_name] = args[0]"),
+    "syrk_diagonal_blocks_not_mirrored": (
+        "statistics.py",
+        "        mirror_diagonal_blocks_(self._gram)  # (syrk left their lower halves out)\n",
+        "",
+    ),
+    "syrk_diagonal_blocks_mirrored_wrong": (
+        "statistics.py", "block.copy_(block.triu().add_(block.triu(1).mT))", "block.copy_(block.triu().add_(block.tril(-1)))"
+    ),
+    "syrk_other_triangle": ("mkl_products.py", 'b"L", b"N" if transpose', 'b"U", b"N" if transpose'),
+    "gram_norm_off_diagonal_once": ("statistics.py", "total += 2.0 * float(rows.dot(rows))", "total += float(rows.dot(rows))"),
+    "gram_norm_float32_whole_matrix": (
+        "statistics.py",
+        "    return total**0.5\n",
+        "    return float(torch.linalg.matrix_norm(symmetric_from_upper(upper)))\n",
+    ),
+    "drift_without_padding_mask": ("pipeline/drift.py", "total += (distances.double() * mask).sum()", "total += distances.double().sum()"),
 }
 
 DEFAULT_TESTS = ["tests/test_reference_blockwise.py", "tests/test_t5.py", "tests/test_llm.py",
                  "tests/test_encoders.py", "tests/test_reference_agreement.py", "tests/test_statistics_arithmetic.py",
                  "tests/test_lazy_experts.py", "tests/test_activations.py", "tests/test_restore_snapshot.py",
-                 "tests/test_mixed_products.py", "tests/test_fast_mode.py",
+                 "tests/test_mkl_products.py", "tests/test_fast_mode.py",
                  "tests/test_expert_outputs_rhs.py"]
 
 

@@ -200,7 +200,7 @@ class _MatrixProducts(TorchDispatchMode):
 def test_gram_products_take_the_forward_dtype(generator, forward_dtype, monkeypatch):
     """The statistics' products (d×d outputs, contracted over the batch's tokens: 5 images × 5 tokens)
     take bfloat16 factors in fast mode and float32 ones in exact mode, whether torch computes them
-    (aten mm/addmm) or MKL's mixed-precision GEMM does (`mixed_products.addmm_low_`, fast mode on CPU)."""
+    (aten mm/addmm) or MKL's mixed-precision GEMM does (`mkl_products.addmm_low_`, fast mode on CPU)."""
     base, experts, merged, data = build_clip_setting(generator, batch_sizes=(5, 5))
     widths = (16, 32)  # hidden size and MLP width of the tiny model
     recorder = _MatrixProducts()

@@ -12,7 +12,9 @@ from hf_featcal.statistics import (
     BLOCKED_GRAM_MIN_DIM,
     LinearGroupStatistics,
     LinearTargets,
+    add_upper_gram,
     gram_blocks,
+    mirror_diagonal_blocks_,
     symmetric_from_upper,
     upper_gram_norm,
 )
@@ -36,12 +38,18 @@ def _brute_force(tasks, alpha, eps):
     return gram, rhs, bias, mean
 
 
-def _tasks(generator, d, out, n=300, tasks=3, dtype=F64):
+def _tasks(generator, d, out, n=300, tasks=3, dtype=F64, weights="random"):
+    """`weights`: "random" (and some padding) for every token, "unit" for every token (the Gram by
+    syrk), "mixed": unit in the first half of the rows (`_accumulate`'s first batch), random after."""
     result = []
     for _ in range(tasks):
         x_s = torch.randn(n, d, generator=generator, dtype=F64) * (1 + torch.rand(d, generator=generator, dtype=F64))
         w = torch.rand(n, generator=generator, dtype=F64)
         w[::5] = 0.0  # padding
+        if weights == "unit":
+            w[:] = 1.0
+        elif weights == "mixed":
+            w[: n // 2] = 1.0
         result.append(dict(
             x_s=x_s.to(dtype), x_e=(x_s + 0.3 * torch.randn(n, d, generator=generator, dtype=F64)).to(dtype), w=w.to(dtype),
             weight=torch.randn(out, d, generator=generator, dtype=F64).to(dtype), bias=torch.randn(out, generator=generator, dtype=F64).to(dtype),
@@ -70,10 +78,14 @@ def test_gram_blocks_cover_the_upper_triangle_once():
         assert all((stop - start) % 64 == 0 for start, stop in blocks[:-1])
 
 
-@pytest.mark.parametrize("d, out, direct", [(600, 40, True), (600, 700, False), (2100, 50, True)])
-@pytest.mark.parametrize("alpha", [0.0, 0.25, 1.0])
-def test_blocked_statistics_match_brute_force(generator, d, out, direct, alpha):
-    tasks = _tasks(generator, d, out, n=200 if d > 1000 else 300)
+@pytest.mark.parametrize("d, out, direct", [(600, 40, True), (600, 700, False), (2100, 50, True), (90, 20, False)])
+@pytest.mark.parametrize(
+    "alpha, weights", [(0.0, "random"), (0.25, "random"), (1.0, "random"), (0.25, "unit"), (0.25, "mixed")]
+)
+def test_blocked_statistics_match_brute_force(generator, d, out, direct, alpha, weights):
+    """Every Gram path: blocked products (weighted tokens), syrk's triangle (unit weights), both in
+    one task, and a Gram narrower than the blocked path's."""
+    tasks = _tasks(generator, d, out, n=200 if d > 1000 else 300, weights=weights)
     stats = _accumulate(tasks, alpha, direct)
     gram, rhs, bias, mean = _brute_force(tasks, alpha, 1e-8)
     torch.testing.assert_close(stats.gram_sum, gram, rtol=1e-10, atol=1e-12)
@@ -82,10 +94,11 @@ def test_blocked_statistics_match_brute_force(generator, d, out, direct, alpha):
     torch.testing.assert_close(stats.student_mean_sum, mean, rtol=1e-10, atol=1e-12)
 
 
-def test_float32_blocked_statistics_stay_within_float_precision(generator):
-    """float32 accumulation of the blocked path against the float64 definitions: float precision (the
-    float32 inputs and sums alone give ~1e-5 here, before and after the blocked path)."""
-    tasks = _tasks(generator, 1100, 900, n=400)
+@pytest.mark.parametrize("weights", ["random", "unit"])
+def test_float32_blocked_statistics_stay_within_float_precision(generator, weights):
+    """float32 accumulation of the blocked path and of syrk against the float64 definitions: float
+    precision (the float32 inputs and sums alone give ~1e-5 here, before and after the blocked path)."""
+    tasks = _tasks(generator, 1100, 900, n=400, weights=weights)
     stats = _accumulate([{k: v.float() for k, v in t.items()} for t in tasks], 0.25, False, dtype=torch.float32)
     gram, rhs, _, _ = _brute_force(tasks, 0.25, 1e-8)
     assert float(torch.linalg.norm(stats.gram_sum.double() - gram) / torch.linalg.norm(gram)) < 1e-4
@@ -100,6 +113,23 @@ def test_upper_triangle_helpers(generator):
         upper[r1:, r0:r1] = 0.0  # what add_upper_gram leaves below the block diagonal
     torch.testing.assert_close(symmetric_from_upper(upper), full, rtol=1e-13, atol=1e-11)
     assert upper_gram_norm(upper) == pytest.approx(float(torch.linalg.norm(full)), rel=1e-12)
+    # syrk's layout: the diagonal blocks' halves below the diagonal stale, until mirrored
+    stale = upper.clone()
+    for r0, r1 in gram_blocks(1500):
+        stale[r0:r1, r0:r1] = upper[r0:r1, r0:r1].triu() + torch.full((r1 - r0, r1 - r0), 7.0, dtype=F64).tril(-1)
+    torch.testing.assert_close(symmetric_from_upper(mirror_diagonal_blocks_(stale)), full, rtol=1e-13, atol=1e-11)
+
+
+def test_float32_gram_norm_is_exact_to_float_precision(generator):
+    """s_i = 1/‖C_i‖_F from a float32 Gram 3072 wide (CLIP's fc2 input): exact to float precision
+    against the float64 norm of the same float32 entries (torch's float32 norm of the whole matrix
+    is 3.5e-4 off there)."""
+    x = torch.randn(800, 3072, generator=generator)
+    upper = torch.zeros(3072, 3072)
+    add_upper_gram(upper, x, x)
+    mirror_diagonal_blocks_(upper)
+    full = symmetric_from_upper(upper).double()
+    assert upper_gram_norm(upper) == pytest.approx(float(torch.linalg.norm(full)), rel=1e-6)
 
 
 @pytest.mark.parametrize("n", [BLOCKED_CHOLESKY_MIN_DIM + 37, 1600])

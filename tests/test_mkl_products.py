@@ -1,14 +1,15 @@
-"""`hf_featcal.mixed_products`: low-precision factors, float32 results (MKL's mixed GEMM on the CPU),
-checked against float64 products of the same low-precision factors."""
+"""`hf_featcal.mkl_products`: low-precision factors, float32 results (MKL's mixed GEMM on the CPU),
+checked against float64 products of the same low-precision factors; a Gram's upper triangle (MKL's
+syrk), checked against float64 products."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hf_featcal import mixed_products
+from hf_featcal import mkl_products
 from hf_featcal import statistics as statistics_module
-from hf_featcal.mixed_products import addmm_low_, available
+from hf_featcal.mkl_products import addmm_low_, available, syrk_available, syrk_upper_
 
 needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
 LOW_DTYPES = [torch.bfloat16, pytest.param(torch.float16, id="float16")]
@@ -110,14 +111,14 @@ def test_a_kernel_giving_wrong_answers_is_not_used(monkeypatch):
     def wrong(*args):
         calls.append(args)  # writes nothing: `out` keeps its ones, not the product
 
-    assert not mixed_products._answers_right(wrong, torch.bfloat16)
+    assert not mkl_products._answers_right(wrong, torch.bfloat16)
     assert calls
     if torch.backends.mkl.is_available():
-        assert mixed_products._answers_right(mixed_products._kernel(torch.bfloat16), torch.bfloat16)
+        assert mkl_products._answers_right(mkl_products._kernel(torch.bfloat16), torch.bfloat16)
 
 
 def test_without_the_kernel_nothing_is_done(generator, monkeypatch):
-    monkeypatch.setattr(mixed_products, "_kernel", lambda dtype: None)
+    monkeypatch.setattr(mkl_products, "_kernel", lambda dtype: None)
     out = torch.zeros(3, 3)
     assert not addmm_low_(out, torch.ones(3, 2).bfloat16(), torch.ones(2, 3).bfloat16())
     assert torch.equal(out, torch.zeros(3, 3))
@@ -142,3 +143,86 @@ def test_fast_mode_products_come_out_in_float32(generator, monkeypatch):
     fallback = statistics_module.product(a.T, b, torch.bfloat16)
     assert fallback.dtype == torch.float32
     assert 1e-4 < _relative(fallback, reference) < 1e-2  # rounded to bfloat16 once
+
+
+# ---------------------------------------------------------------------------- syrk
+@needs_mkl
+def test_the_syrk_kernels_are_found_in_torchs_library():
+    # exact mode's CPU Grams use them; without them they fall back to the blocked products
+    assert syrk_available(torch.float32) and syrk_available(torch.float64)
+    assert not syrk_available(torch.bfloat16)
+
+
+@needs_mkl
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["plain", "a transposed", "block of out"])
+@pytest.mark.parametrize("beta", [1.0, 0.0, 0.5])
+def test_syrk_upper_is_the_upper_triangle_of_the_gram(generator, dtype, layout, beta):
+    m, n = 203, 37
+    a = torch.randn(m, n, generator=generator, dtype=torch.float64).to(dtype)
+    if layout == "a transposed":
+        a = a.T.contiguous().T  # column-major storage
+    big = torch.randn(n + 5, n + 11, generator=generator, dtype=torch.float64).to(dtype)
+    out = big[3 : 3 + n, 7 : 7 + n] if layout == "block of out" else torch.randn(n, n, generator=generator, dtype=dtype)
+    if beta == 0.0:
+        out.triu_().add_(float("nan")).tril_(-1).add_(float("nan"))  # NaN everywhere: beta = 0 reads none of it
+    before, big_before = out.clone(), big.clone()
+    assert syrk_upper_(out, a, beta=beta)
+    gram = a.double().T @ a.double()
+    reference = gram if beta == 0.0 else gram + beta * before.double()
+    upper = torch.ones(n, n, dtype=torch.bool).triu()
+    assert torch.isfinite(out[upper]).all()
+    assert _relative(out[upper], reference[upper]) < (1e-6 if dtype == torch.float32 else 1e-14)
+    # the part below the diagonal is neither read nor written
+    assert torch.equal(out[~upper].isnan(), before[~upper].isnan())
+    assert torch.equal(out[~upper].nan_to_num(), before[~upper].nan_to_num())
+    if layout == "block of out":
+        mask = torch.ones_like(big, dtype=torch.bool)
+        mask[3 : 3 + n, 7 : 7 + n] = False
+        assert torch.equal(big[mask], big_before[mask])
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "mixed dtypes", "not square", "transposed out", "strided rows", "no rows", "on meta"])
+def test_refused_grams_leave_out_untouched(generator, case):
+    a = torch.randn(9, 5, generator=generator)
+    out = torch.randn(5, 5, generator=generator)
+    if case == "bfloat16":
+        a, out = a.bfloat16(), out.bfloat16()
+    elif case == "mixed dtypes":
+        a = a.double()
+    elif case == "not square":
+        out = torch.randn(5, 6, generator=generator)
+    elif case == "transposed out":
+        out = torch.randn(5, 5, generator=generator).T
+    elif case == "strided rows":
+        a = torch.randn(9, 10, generator=generator)[:, ::2]  # neither stride is 1
+    elif case == "no rows":
+        a = a[:0]
+    elif case == "on meta":
+        a = a.to("meta")
+    before = out.clone()
+    assert not syrk_upper_(out, a)
+    assert torch.equal(out, before)
+
+
+def test_a_syrk_giving_wrong_answers_is_not_used():
+    """The first-use probe: a kernel that writes nothing, or the other triangle (a row-major /
+    column-major mix-up), is dropped."""
+    calls = []
+
+    def nothing(*args):
+        calls.append(args)
+
+    assert not mkl_products._syrk_answers_right(nothing, torch.float32)
+    assert calls
+    if torch.backends.mkl.is_available():
+        real = mkl_products._syrk_kernel(torch.float32)
+        assert mkl_products._syrk_answers_right(real, torch.float32)
+        assert not mkl_products._syrk_answers_right(lambda uplo, *rest: real(b"U", *rest), torch.float32)
+
+
+def test_without_syrk_nothing_is_done(monkeypatch):
+    monkeypatch.setattr(mkl_products, "_syrk_kernel", lambda dtype: None)
+    out = torch.zeros(3, 3)
+    assert not syrk_upper_(out, torch.ones(4, 3))
+    assert torch.equal(out, torch.zeros(3, 3))
