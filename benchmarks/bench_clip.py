@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -230,9 +231,11 @@ def measure(args: argparse.Namespace) -> dict:
     calibrator.profile = True
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     calibrator.calibrate()
     total = time.perf_counter() - start
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     # memory first: the throughput probe below allocates its own matrices
     peak_rss = peak_rss_gib()
     peak_device = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
@@ -256,6 +259,7 @@ def measure(args: argparse.Namespace) -> dict:
         "seconds_total": total,
         "seconds_per_stage": timings,
         "peak_rss_gib": peak_rss,
+        "minor_page_faults": faults,  # of calibrate() (FeatCalConfig.reuse_freed_cpu_memory keeps them down)
         "peak_device_gib": peak_device,
         **rate_report(flops, timings, dtypes, peaks),
         "last_block_drift_before_after": [

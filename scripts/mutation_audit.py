@@ -165,6 +165,18 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    return total**0.5\n",
         "    return float(torch.linalg.matrix_norm(symmetric_from_upper(upper)))\n",
     ),
+    "cpu_memory_not_wired": (
+        "calibrator.py", 'reuse_freed_memory(self.config.reuse_freed_cpu_memory and self.device.type == "cpu")',
+        "reuse_freed_memory(False)",
+    ),
+    "cpu_memory_run_thresholds_unset": (
+        "cpu_memory.py", "        libc.mallopt(_M_MMAP_THRESHOLD, RUN_MMAP_THRESHOLD)\n", "",
+    ),
+    "cpu_memory_nothing_handed_back": ("cpu_memory.py", "            libc.malloc_trim(0)\n", "            pass\n"),
+    "cpu_memory_run_thresholds_kept_after": (
+        "cpu_memory.py", "AFTER_MMAP_THRESHOLD = 32 << 20", "AFTER_MMAP_THRESHOLD = 64 << 20",
+    ),
+    "cpu_memory_inner_exit_resets": ("cpu_memory.py", "        if _depth == 0:\n            libc.mallopt(_M_TRIM", "        if True:\n            libc.mallopt(_M_TRIM"),
     "drift_without_padding_mask": ("pipeline/drift.py", "total += (distances.double() * mask).sum()", "total += distances.double().sum()"),
 }
 
@@ -172,7 +184,7 @@ DEFAULT_TESTS = ["tests/test_reference_blockwise.py", "tests/test_t5.py", "tests
                  "tests/test_encoders.py", "tests/test_reference_agreement.py", "tests/test_statistics_arithmetic.py",
                  "tests/test_lazy_experts.py", "tests/test_activations.py", "tests/test_restore_snapshot.py",
                  "tests/test_mkl_products.py", "tests/test_fast_mode.py",
-                 "tests/test_expert_outputs_rhs.py"]
+                 "tests/test_expert_outputs_rhs.py", "tests/test_cpu_memory.py"]
 
 
 def run_mutation(name: str, tests: list[str], workers: int) -> list[str]:

@@ -24,6 +24,7 @@ from .architectures import LayerMap, get_layer_map, model_config, supported_mode
 from .architectures.auto import infer_layer_map
 from .checkpointing import check_writable_folder, fingerprint
 from .config import FeatCalConfig
+from .cpu_memory import reuse_freed_memory
 from .data import Batch, batch_size_of, prepare_batches
 from .devices import usable_device
 from .experts import ModelLike, ModelSource, make_source
@@ -244,6 +245,7 @@ class FeatCalCalibrator:
         self._check_config_unchanged()
         names = self._parameter_names()
         with (
+            reuse_freed_memory(self.config.reuse_freed_cpu_memory and self.device.type == "cpu"),
             restore_on_failure(self.model, names, self.parameters, self.config.restore_snapshot),
             eval_mode(self.model, *self._reference_models()),
             torch.no_grad(),

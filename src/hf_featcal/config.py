@@ -122,6 +122,15 @@ class FeatCalConfig:
             "Does not change results."
         },
     )
+    reuse_freed_cpu_memory: bool = field(
+        default=True,
+        metadata={
+            "help": "CPU runs on Linux (glibc): during calibrate() freed memory is kept for reuse instead of being "
+            "handed back to the system and page-faulted in again (~3 % faster on the CLIP benchmark). Afterwards glibc "
+            "keeps blocks of up to 32 MB (the ceiling its own adaptive threshold reaches) and free memory is handed back. "
+            "Does not change results."
+        },
+    )
     granularity: str = field(
         default="block",
         metadata={
@@ -187,7 +196,7 @@ class FeatCalConfig:
             )
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"FeatCalConfig.batch_size must be a positive integer, got {self.batch_size!r}.")
-        for name in ("calibrate_bias", "calibrate_norms", "report_drift"):
+        for name in ("calibrate_bias", "calibrate_norms", "report_drift", "reuse_freed_cpu_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"FeatCalConfig.{name} must be a bool, got {getattr(self, name)!r}.")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):

@@ -28,7 +28,7 @@ class ResumedRun:
 #: `FeatCalConfig` fields that only say where things are kept, never what is computed: a run may be
 #: resumed with other values of them (streams loaded from a checkpoint keep their saved placement
 #: until the next block parks its own)
-PLACEMENT_ONLY_FIELDS = ("stream_placement", "restore_snapshot")
+PLACEMENT_ONLY_FIELDS = ("stream_placement", "restore_snapshot", "reuse_freed_cpu_memory")
 
 
 def open_checkpoint(
