@@ -126,7 +126,7 @@ class FeatCalConfig:
         default=True,
         metadata={
             "help": "CPU runs on Linux (glibc): during calibrate() freed memory is kept for reuse instead of being "
-            "handed back to the system and page-faulted in again (~3 % faster on the CLIP benchmark). Afterwards glibc "
+            "handed back to the system and page-faulted in again (2–3x fewer page faults, ~1.5 % faster on the CLIP benchmark). Afterwards glibc "
             "keeps blocks of up to 32 MB (the ceiling its own adaptive threshold reaches) and free memory is handed back. "
             "Does not change results."
         },

@@ -5,7 +5,8 @@ adapts to the program (blocks above it are mapped and unmapped one by one; the t
 trimmed once twice that much is free there), up to 32 MB. A block forward allocates tensors of
 several megabytes for each of its activations (CLIP's MLP: two of 9.8 MB per batch), the
 statistics as many, and each one handed back costs its page faults again when the next is
-allocated: ~0.5 M minor faults on a 3-layer CLIP run of 8 tasks × 32 images, ~3 % of its time.
+allocated: 0.4–0.5 M minor faults on a 3-layer CLIP run of 8 tasks × 32 images (0.2 M with this
+module; ~1.5 % of the run's time, see docs/scale.md).
 
 `reuse_freed_memory()` raises both thresholds for the run (`mallopt`), so freed blocks stay in the
 heap and the next tensor of that size reuses them without faults. Results are the same bit for bit
@@ -28,8 +29,9 @@ _M_MMAP_THRESHOLD = -3
 
 #: during the run: blocks up to this size come from the heap (a 3072² float32 Gram is 37.7 MB)
 RUN_MMAP_THRESHOLD = 64 << 20
-#: during the run: the heap's top is handed back only beyond this much free memory
-RUN_TRIM_THRESHOLD = 256 << 20
+#: during the run: the heap's top is handed back only beyond this much free memory (more kept no
+#: fewer faults on the CLIP benchmark)
+RUN_TRIM_THRESHOLD = 64 << 20
 #: after the run: glibc's adaptive ceiling (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit) and twice it, the
 #: values its adaptation reaches in a program whose freed tensors reach 32 MB
 AFTER_MMAP_THRESHOLD = 32 << 20
