@@ -29,8 +29,8 @@ _M_MMAP_THRESHOLD = -3
 
 #: during the run: blocks up to this size come from the heap (a 3072² float32 Gram is 37.7 MB)
 RUN_MMAP_THRESHOLD = 64 << 20
-#: during the run: the heap's top is handed back only beyond this much free memory (more kept no
-#: fewer faults on the CLIP benchmark)
+#: during the run: the heap's top is handed back only beyond this much free memory (keeping more
+#: saved no further faults on the CLIP benchmark)
 RUN_TRIM_THRESHOLD = 64 << 20
 #: after the run: glibc's adaptive ceiling (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit) and twice it, the
 #: values its adaptation reaches in a program whose freed tensors reach 32 MB
