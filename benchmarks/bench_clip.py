@@ -225,6 +225,7 @@ def measure(args: argparse.Namespace) -> dict:
             num_samples_per_task=args.samples, stream_placement=args.stream_placement,
             # (only when set: libraries from before fast mode have no such field)
             **({} if forward_dtype is None else {"forward_dtype": forward_dtype}),
+            **({"reuse_freed_cpu_memory": True} if args.reuse_freed_cpu_memory else {}),
         ),
         device=device, show_progress=False,
     )
@@ -259,7 +260,8 @@ def measure(args: argparse.Namespace) -> dict:
         "seconds_total": total,
         "seconds_per_stage": timings,
         "peak_rss_gib": peak_rss,
-        "minor_page_faults": faults,  # of calibrate() (FeatCalConfig.reuse_freed_cpu_memory keeps them down)
+        "minor_page_faults": faults,  # of calibrate() (`--reuse-freed-cpu-memory` keeps them down)
+        "reuse_freed_cpu_memory": args.reuse_freed_cpu_memory,
         "peak_device_gib": peak_device,
         **rate_report(flops, timings, dtypes, peaks),
         "last_block_drift_before_after": [
@@ -282,6 +284,8 @@ def main() -> None:
     parser.add_argument("--gram-fraction", type=float, default=None,
                         help="share of a full Gram product to count (default: as the library blocks each width)")
     parser.add_argument("--stream-placement", default="accelerator", choices=["accelerator", "cpu", "pinned_cpu"])
+    parser.add_argument("--reuse-freed-cpu-memory", action="store_true",
+                        help="FeatCalConfig(reuse_freed_cpu_memory=True): glibc keeps freed memory for the run")
     parser.add_argument("--library", default="transformers", choices=["transformers", "open_clip"],
                         help="CLIPVisionModel (transformers) or open_clip's ViT-B-32 CLIP (its vision tower)")
     parser.add_argument("--workdir", default=None, help="where models are written (default: a temp folder per library)")
@@ -306,7 +310,8 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--measure", "--library", args.library, "--tasks", str(tasks), "--samples", str(args.samples),
                "--batch-size", str(args.batch_size), "--layers", str(args.layers), "--device", args.device,
                "--dtype", args.dtype, "--forward-dtype", args.forward_dtype, *([] if args.gram_fraction is None else ["--gram-fraction", repr(args.gram_fraction)]),
-               "--stream-placement", args.stream_placement, "--workdir", args.workdir]
+               "--stream-placement", args.stream_placement, "--workdir", args.workdir,
+               *(["--reuse-freed-cpu-memory"] if args.reuse_freed_cpu_memory else [])]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
             sys.stderr.write(run.stdout + run.stderr)

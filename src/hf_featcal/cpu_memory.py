@@ -6,7 +6,8 @@ trimmed once twice that much is free there), up to 32 MB. A block forward alloca
 several megabytes for each of its activations (CLIP's MLP: two of 9.8 MB per batch), the
 statistics as many, and each one handed back costs its page faults again when the next is
 allocated: 0.4–0.5 M minor faults on a 3-layer CLIP run of 8 tasks × 32 images (0.2 M with this
-module; ~1.5 % of the run's time, see docs/scale.md).
+module; the run's time moved within the machine's noise, see docs/scale.md: hence opt-in,
+`FeatCalConfig.reuse_freed_cpu_memory`).
 
 `reuse_freed_memory()` raises both thresholds for the run (`mallopt`), so freed blocks stay in the
 heap and the next tensor of that size reuses them without faults. Results are the same bit for bit
