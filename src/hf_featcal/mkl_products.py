@@ -23,7 +23,9 @@ from torch import Tensor
 
 _ROW_MAJOR, _NO_TRANSPOSE, _TRANSPOSE = 101, 111, 112  # CBLAS enums
 _KERNELS = {torch.bfloat16: "cblas_gemm_bf16bf16f32", torch.float16: "cblas_gemm_f16f16f32"}
-#: syrk of MKL's Fortran interface (column-major, arguments by reference), by dtype
+#: MKL's syrk by dtype. torch's library exports neither `cblas_ssyrk` nor `ssyrk_`, only MKL's own
+#: entry behind them, with the Fortran interface (column-major, every argument by reference); the
+#: first-use probe guards against another convention in another build
 _SYRK_KERNELS = {torch.float32: ("mkl_blas_ssyrk", ctypes.c_float), torch.float64: ("mkl_blas_dsyrk", ctypes.c_double)}
 _INT_MAX = 2**31 - 1  # MKL's LP64 integers
 

@@ -104,8 +104,9 @@ def add_upper_gram(acc: Tensor, a: Tensor, b: Tensor, low: torch.dtype | None = 
 
     When `a` is `b` (a Gram of unit-weight rows) in exact mode on the CPU, MKL's syrk adds aᵀa on
     the upper triangle alone, at half a full product's arithmetic (the blocked product: 9/16 from
-    2048 wide, 5/8 from 512; `mkl_products.syrk_upper_`): the halves of the diagonal blocks below the diagonal are then left
-    as they were, and `mirror_diagonal_blocks_` fills them in before the sum is read."""
+    2048 wide, 5/8 from 512; `mkl_products.syrk_upper_`): the halves of the diagonal blocks below
+    the diagonal are then left as they were, and `mirror_diagonal_blocks_` fills them in before the
+    sum is read."""
     if low is None and a is b and syrk_upper_(acc, a):
         return
     for start, stop in gram_blocks(acc.shape[0]):
