@@ -39,6 +39,7 @@ _PROBE = textwrap.dedent(
         del x
         return resident_mb() - before
 
+    kept_mb()  # warm-up: torch's first operations load and allocate what they keep for the process
     result = {"default": kept_mb()}
     with reuse_freed_memory(sys.argv[1] == "on") as active:
         result["active"] = active
@@ -65,10 +66,10 @@ def _probe(mode: str) -> dict:
 def test_freed_memory_is_kept_inside_and_handed_back_after():
     result = _probe("on")
     assert result["active"] is True
-    assert result["default"] < 5  # handed back at once (and faulted in again by the next block)
+    assert result["default"] < 10  # handed back at once (and faulted in again by the next block)
     assert result["inside"] > 35  # kept in the heap for the next block
     assert result["handed_back"] > 35  # the exit hands what the run kept back
-    assert result["after"] < 5  # blocks above 32 MB are handed back at once again
+    assert result["after"] < 10  # blocks above 32 MB are handed back at once again
     assert result["after_inner_exit"] > 35
 
 
@@ -76,7 +77,7 @@ def test_freed_memory_is_kept_inside_and_handed_back_after():
 def test_disabled_changes_nothing():
     result = _probe("off")
     assert result["active"] is False
-    assert result["inside"] < 5 and result["handed_back"] < 5
+    assert result["inside"] < 10 and result["handed_back"] < 10
 
 
 def test_the_option_is_checked():
