@@ -291,6 +291,7 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="where models are written (default: a temp folder per library)")
     parser.add_argument("--sweep", default=None, help="comma-separated numbers of experts, e.g. 1,2,4,8")
     parser.add_argument("--output", default=None, help="also write the results (a JSON list) to this file")
+    parser.add_argument("--prepare-only", action="store_true", help="write the models for these arguments to --workdir and stop")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.workdir is None:
@@ -305,6 +306,8 @@ def main() -> None:
     counts = [int(t) for t in args.sweep.split(",")] if args.sweep else [args.tasks]
     for tasks in counts:
         prepare(args.workdir, tasks, args.layers, _Library(args.library, args.layers))
+    if args.prepare_only:
+        return
     rows = []
     for tasks in counts:
         cmd = [sys.executable, __file__, "--measure", "--library", args.library, "--tasks", str(tasks), "--samples", str(args.samples),

@@ -56,3 +56,47 @@ def test_a_revision_is_exported_with_its_own_library(tmp_path):
 def test_an_unknown_revision_is_refused_by_name(tmp_path):
     with pytest.raises(SystemExit, match="no-such-revision"):
         compare_revisions.library_source("no-such-revision", str(tmp_path))
+
+
+def test_cpu_halves_split_this_process_cpus_evenly():
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2:
+        with pytest.raises(SystemExit, match="at least 2 CPUs"):
+            compare_revisions.cpu_halves()
+        return
+    first, second = compare_revisions.cpu_halves()
+    assert first and len(first) == len(second) == len(cpus) // 2
+    assert not first & second and first | second <= cpus
+
+
+_REPORTER = """
+import json, os, sys, time
+time.sleep(0.5)  # both must be running at once
+output = sys.argv[sys.argv.index("--output") + 1]
+with open(output, "w") as handle:
+    json.dump([{"cpus": sorted(os.sched_getaffinity(0)), "threads": [os.environ.get(v) for v in sys.argv[1:4]],
+                "path": os.environ["PYTHONPATH"], "start": time.time()}], handle)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_paired_runs_are_pinned_to_their_halves_with_matching_threads(tmp_path):
+    script = tmp_path / "reporter.py"
+    script.write_text(_REPORTER)
+    first, second = compare_revisions.cpu_halves()
+    names = list(compare_revisions.THREAD_VARIABLES)
+    a, b, free = compare_revisions.measure_together(
+        [("source-a", first), ("source-b", second), ("source-c", None)], names, script=str(script)
+    )
+    assert a["cpus"] == sorted(first) and b["cpus"] == sorted(second)
+    assert a["threads"] == b["threads"] == [str(len(first))] * len(names)
+    assert free["cpus"] == sorted(os.sched_getaffinity(0))  # not pinned: this process's CPUs
+    assert (a["path"], b["path"], free["path"]) == ("source-a", "source-b", "source-c")
+    assert max(r["start"] for r in (a, b, free)) - min(r["start"] for r in (a, b, free)) < 0.5  # started together
+
+
+def test_a_failed_run_is_reported_with_its_script(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("raise SystemExit(3)\n")
+    with pytest.raises(SystemExit, match=r"fails\.py with the library from src-x failed \(exit status 3\)"):
+        compare_revisions.measure_together([("src-x", None)], [], script=str(script))

@@ -103,11 +103,19 @@ def capture_block(
                 new_expert[task].append(ctx.park(out_expert))
                 if new_given is not None:
                     # the merged model as given and the student coincide until a block is calibrated
-                    same = given[task][b] is parked
-                    with ctx.timed("drift (merged-as-given stream)"):
-                        new_given[task].append(out_student if same else ctx.run_block(block, bi, given[task][b]))
+                    new_given[task].append(out_student if given[task][b] is parked else None)
                 if not calibrating:
                     new_student[task].append(out_student)
+        for store in (xs, xe, ye):  # the last batch's captured tensors, consumed
+            store.clear()
+        if new_given is not None:
+            # the merged-as-given stream once the capture hooks are gone: its forwards capture
+            # nothing, and the captured inputs of the last batch are freed before they run
+            with ctx.timed("drift (merged-as-given stream)"):
+                new_given[task] = [
+                    out if out is not None else ctx.run_block(block, bi, parked)
+                    for out, parked in zip(new_given[task], given[task])
+                ]
         if calibrating:
             with ctx.timed("statistics"):
                 finish_task(ctx, statistics, expert_block, targets)
