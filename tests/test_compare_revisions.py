@@ -69,12 +69,13 @@ def test_cpu_halves_split_this_process_cpus_evenly():
     assert not first & second and first | second <= cpus
 
 
+# a stand-in for bench_clip.py: its arguments name the environment variables it reports
 _REPORTER = """
 import json, os, sys, time
-time.sleep(0.5)  # both must be running at once
-output = sys.argv[sys.argv.index("--output") + 1]
-with open(output, "w") as handle:
-    json.dump([{"cpus": sorted(os.sched_getaffinity(0)), "threads": [os.environ.get(v) for v in sys.argv[1:4]],
+time.sleep(1.0)  # run one after the other, the three would start at least a second apart
+end = sys.argv.index("--output")
+with open(sys.argv[end + 1], "w") as handle:
+    json.dump([{"cpus": sorted(os.sched_getaffinity(0)), "threads": [os.environ.get(v) for v in sys.argv[1:end]],
                 "path": os.environ["PYTHONPATH"], "start": time.time()}], handle)
 """
 
@@ -92,7 +93,7 @@ def test_paired_runs_are_pinned_to_their_halves_with_matching_threads(tmp_path):
     assert a["threads"] == b["threads"] == [str(len(first))] * len(names)
     assert free["cpus"] == sorted(os.sched_getaffinity(0))  # not pinned: this process's CPUs
     assert (a["path"], b["path"], free["path"]) == ("source-a", "source-b", "source-c")
-    assert max(r["start"] for r in (a, b, free)) - min(r["start"] for r in (a, b, free)) < 0.5  # started together
+    assert max(r["start"] for r in (a, b, free)) - min(r["start"] for r in (a, b, free)) < 1.0  # started together
 
 
 def test_a_failed_run_is_reported_with_its_script(tmp_path):
