@@ -76,12 +76,17 @@ def measure_together(runs: list[tuple[str, set[int] | None]], bench_args: list[s
         results = []
         for source, output, process in started:
             stdout, stderr = process.communicate()
-            if process.returncode != 0:
-                sys.stderr.write(stdout[-4000:] + stderr[-4000:])
-                raise SystemExit(f"{os.path.basename(script)} with the library from {source} failed (exit status {process.returncode})")
+            _check_ran(f"{os.path.basename(script)} with the library from {source}", process.returncode, stdout, stderr)
             with open(output, encoding="utf-8") as handle:
                 results.append(json.load(handle)[-1])
         return results
+
+
+def _check_ran(what: str, returncode: int, stdout: str, stderr: str) -> None:
+    """Stop with the end of a failed run's output and its exit status."""
+    if returncode != 0:
+        sys.stderr.write(stdout[-4000:] + stderr[-4000:])
+        raise SystemExit(f"{what} failed (exit status {returncode})")
 
 
 #: the thread-count variables of torch's OpenMP, MKL and OpenBLAS (numpy's)
@@ -142,9 +147,7 @@ def main() -> None:
                 [sys.executable, os.path.join(HERE, "bench_clip.py"), *bench_args, "--prepare-only"],
                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": sources["after"]},
             )
-            if prepared.returncode != 0:
-                sys.stderr.write(prepared.stdout[-4000:] + prepared.stderr[-4000:])
-                raise SystemExit(f"bench_clip.py --prepare-only failed (exit status {prepared.returncode})")
+            _check_ran("bench_clip.py --prepare-only", prepared.returncode, prepared.stdout, prepared.stderr)
         rounds = []
         for index in range(1, args.rounds + 1):
             if halves is None:
