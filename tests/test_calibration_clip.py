@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import CLIPModel, CLIPVisionModel, CLIPVisionModelWithProjection
 
-from conftest import perturbed, pixel_batches, randomise_norms, tiny_clip_config, tiny_vision_config
+from conftest import assert_same_up_to_rounding, perturbed, pixel_batches, randomise_norms, tiny_clip_config, tiny_vision_config
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalWarning
 
 
@@ -193,8 +193,7 @@ def test_mixed_wrapper_classes_give_the_same_tower(generator, tmp_path):
     FeatCalCalibrator(
         from_paths, str(tmp_path / "base"), {t: str(tmp_path / t) for t in experts}, data, show_progress=False
     ).calibrate()
-    for k, v in reference.state_dict().items():
-        torch.testing.assert_close(from_paths.state_dict()[k], v, rtol=1e-6, atol=1e-6)
+    assert_same_up_to_rounding(from_paths.state_dict(), reference.state_dict())
 
     full = copy.deepcopy(clip)
     full.vision_model.load_state_dict(merged_tower_state())
@@ -202,8 +201,7 @@ def test_mixed_wrapper_classes_give_the_same_tower(generator, tmp_path):
     projection_before = full.visual_projection.weight.clone()
     out = FeatCalCalibrator(full, str(tmp_path / "base"), experts, data, show_progress=False).calibrate()
     assert type(out) is CLIPModel
-    for k, v in reference.state_dict().items():
-        torch.testing.assert_close(full.vision_model.state_dict()[k], v, rtol=1e-6, atol=1e-6)
+    assert_same_up_to_rounding(full.vision_model.state_dict(), reference.state_dict())
     for k, v in text_before.items():
         assert torch.equal(full.text_model.state_dict()[k], v)
     assert torch.equal(full.visual_projection.weight, projection_before)
@@ -211,8 +209,7 @@ def test_mixed_wrapper_classes_give_the_same_tower(generator, tmp_path):
     projected = CLIPVisionModelWithProjection(clip.config.vision_config).eval()
     projected.vision_model.load_state_dict(merged_tower_state())
     FeatCalCalibrator(projected, clip, experts, data, show_progress=False).calibrate()
-    for k, v in reference.state_dict().items():
-        torch.testing.assert_close(projected.vision_model.state_dict()[k], v, rtol=1e-6, atol=1e-6)
+    assert_same_up_to_rounding(projected.vision_model.state_dict(), reference.state_dict())
 
 
 def test_selection_leaves_unselected_modules_untouched(clip_setting):

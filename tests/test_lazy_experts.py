@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from conftest import perturbed, task_arithmetic
+from conftest import assert_same_up_to_rounding, perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator
 from hf_featcal.experts import CheckpointSource, InMemorySource, make_source
 from test_t5 import randomise_t5_norms, seq2seq_batch, t5_config
@@ -49,8 +49,7 @@ def test_folders_give_the_in_memory_result_and_read_one_block_at_a_time(clip_set
     expected, _ = _calibrate(merged, base, experts, data)
     got, calibrator = _calibrate(merged, str(tmp_path / "base"), {t: str(tmp_path / t) for t in experts}, data)
     assert all(isinstance(s, CheckpointSource) for s in calibrator.experts.values())
-    for (name, p), q in zip(got.named_parameters(), expected.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+    assert_same_up_to_rounding(got.named_parameters(), expected.named_parameters())
 
     assert reads
     for where, key in reads:
@@ -73,8 +72,7 @@ def test_t5_folders_with_tied_embeddings(generator, tmp_path):
         expected, _ = _calibrate(merged, base, experts, data)
         got, calibrator = _calibrate(merged, base, {t: str(tmp_path / f"{tie}-{t}") for t in experts}, data)
         assert isinstance(calibrator.experts["a"], CheckpointSource)
-        for (name, p), q in zip(got.named_parameters(), expected.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+        assert_same_up_to_rounding(got.named_parameters(), expected.named_parameters())
 
 
 def test_bin_only_checkpoints_are_loaded_whole(clip_setting, tmp_path):
@@ -87,8 +85,7 @@ def test_bin_only_checkpoints_are_loaded_whole(clip_setting, tmp_path):
     assert isinstance(source, InMemorySource)
     expected, _ = _calibrate(merged, base, experts, data)
     got, _ = _calibrate(merged, base, {**experts, "cars": str(tmp_path / "bin")}, data)
-    for p, q in zip(got.parameters(), expected.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert_same_up_to_rounding(got.named_parameters(), expected.named_parameters())
 
 
 def test_folder_with_missing_block_tensors_is_refused(clip_setting, tmp_path):

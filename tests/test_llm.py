@@ -14,7 +14,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from conftest import perturbed, task_arithmetic
+from conftest import assert_same_up_to_rounding, perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 
 VOCAB = 48
@@ -154,8 +154,7 @@ def test_causal_lm_checkpoints_on_disk(generator, tmp_path):
     reference = copy.deepcopy(merged)
     FeatCalCalibrator(reference, base, experts, data, show_progress=False).calibrate()
     FeatCalCalibrator(merged, base, {t: str(tmp_path / t) for t in experts}, data, show_progress=False).calibrate()
-    for (name, p), q in zip(merged.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+    assert_same_up_to_rounding(merged.named_parameters(), reference.named_parameters())
 
 
 def test_mismatched_llm_experts(llm_setting):

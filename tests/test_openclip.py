@@ -22,7 +22,7 @@ else:
 from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
 from transformers import CLIPVisionModel
 
-from conftest import perturbed, randomise_norms, tiny_vision_config
+from conftest import assert_same_up_to_rounding, perturbed, randomise_norms, tiny_vision_config
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from openclip_models import (
     HEADS, IMAGE, LAYERS, MLP, PATCH, WIDTH, open_clip_setting, register_tiny_model_config, tiny_tower, write_open_clip_recipe_world,
@@ -240,8 +240,7 @@ def test_open_clip_folders_read_lazily_saved_the_open_clip_way(generator, tmp_pa
     )
     assert all(isinstance(s, CheckpointSource) for s in [calibrator.base, *calibrator.experts.values()])
     calibrator.calibrate()
-    for name, value in in_memory.state_dict().items():
-        torch.testing.assert_close(merged.state_dict()[name], value, rtol=0, atol=1e-6)
+    assert_same_up_to_rounding(merged.state_dict(), in_memory.state_dict())
 
     out = tmp_path / "calibrated"
     calibrator.save_model(out)
@@ -343,8 +342,7 @@ def test_open_clip_recipe_and_commands_end_to_end(generator, tmp_path, tiny_mode
                      *experts, *data, "--num-examples", "8", "--batch-size", "4", "--quiet",
                      "--output-dir", str(tmp_path / "calibrated")]) == 0
     calibrated = open_clip.create_model(f"local-dir:{tmp_path / 'calibrated'}")
-    for name, value in reloaded.state_dict().items():
-        torch.testing.assert_close(calibrated.state_dict()[name], value, rtol=0, atol=1e-6)
+    assert_same_up_to_rounding(calibrated.state_dict(), reloaded.state_dict())
     scores = tmp_path / "scores.json"
     assert cli.main(["evaluate", "--model", f"local-dir:{tmp_path / 'calibrated'}", "--task", "zorbs",
                      "--data", f"zorbs={tmp_path / 'data' / 'zorbs'}", "--class-names", "zorbs=red,green,blue",

@@ -82,7 +82,8 @@ def cholesky(lhs: Tensor, out: Tensor | None = None) -> tuple[Tensor, int]:
 
 def cholesky_solve(rhs: Tensor, factor: Tensor) -> Tensor:
     """X with L Lᵀ X = rhs for a lower factor L: the two triangular solves LAPACK's potrs makes (the
-    same result bit for bit, measured), without `torch.cholesky_solve`'s column-major copy of L."""
+    same result bit for bit on an Intel Xeon, to rounding on an AMD EPYC, where MKL's kernels differ),
+    without `torch.cholesky_solve`'s column-major copy of L."""
     return torch.linalg.solve_triangular(factor.T, torch.linalg.solve_triangular(factor, rhs, upper=False), upper=True)
 
 
