@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..activations import lean_activations
+from ..cpu_gemm import onednn_linears
 from ..architectures import LayerMap
 from ..config import FeatCalConfig
 from ..experts import module_device
@@ -111,8 +112,10 @@ class RunContext:
 
     def forward(self, block: nn.Module, index: int, state: StreamBatch) -> StreamBatch:
         """One block on a stream batch on the compute device; in fast mode under `torch.autocast`.
-        The block's activations run allocation-lean (`hf_featcal.activations`, bit-identical)."""
-        with self.precision(), lean_activations(block):
+        The block's activations run allocation-lean (`hf_featcal.activations`, bit-identical), and
+        its float32 Linears on the CPU by the faster of MKL and oneDNN for this CPU
+        (`hf_featcal.cpu_gemm`; the two differ by rounding only)."""
+        with self.precision(), lean_activations(block), onednn_linears(block):
             return self.layer_map.run_block(block, index, state)
 
     def run_block(self, block: nn.Module, index: int, parked: StreamBatch) -> StreamBatch:

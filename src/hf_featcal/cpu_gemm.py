@@ -1,0 +1,132 @@
+"""Which library runs FeatCal's float32 matrix products on the CPU: MKL (torch's own choice) or oneDNN.
+
+torch multiplies float32 matrices on the CPU with MKL's sgemm. On an Intel CPU nothing here beats
+it (an earlier measurement on an Intel Xeon found oneDNN's float32 linear slower). On other x86-64
+CPUs MKL does not run its fastest kernels: on an AMD EPYC (Zen 4), oneDNN's float32 inner product —
+the library behind torch's `mkldnn` operators, which picks its kernels by the CPU's instruction
+sets rather than its vendor — took 6.0 / 16.3 / 19.4 / 22.4 ms against MKL's 10.2 / 19.4 / 27.2 /
+31.7 ms for 800 tokens through CLIP's q, q/k/v, fc1 and fc2 shapes. Both are float32 products with
+float32 sums; their results differ by rounding only (the order of the sums).
+
+`gemm_library()` is the one place that decides; the environment variable `HF_FEATCAL_CPU_GEMM`
+(`mkl` or `onednn`) overrides it, for benchmarks and tests. `onednn_linears(root)` routes a block's
+plain `nn.Linear`s through oneDNN while gradients are off, in float32, when the decision is oneDNN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import platform
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+#: Overrides `gemm_library()`'s choice: one of `GEMM_LIBRARIES`.
+GEMM_LIBRARY_VARIABLE = "HF_FEATCAL_CPU_GEMM"
+GEMM_LIBRARIES = ("mkl", "onednn")
+
+
+@functools.cache
+def cpu_vendor() -> str | None:
+    """The CPU's vendor string (`GenuineIntel`, `AuthenticAMD`, ...) from /proc/cpuinfo, or None
+    where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _linear_operator() -> Callable | None:
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):
+        return None
+
+
+@functools.cache
+def onednn_available() -> bool:
+    """Whether torch's oneDNN inner product runs here and answers one product with an exact answer
+    (small integers, exact in float32) right."""
+    operator = _linear_operator()
+    if operator is None:
+        return False
+    x = torch.arange(1.0, 7.0).reshape(2, 3)
+    weight = torch.arange(-4.0, 8.0).reshape(4, 3)
+    bias = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    try:
+        return torch.equal(operator(x, weight, bias, "none", [], ""), x @ weight.T + bias)
+    except RuntimeError:
+        return False
+
+
+def gemm_library() -> str:
+    """"onednn" on an x86-64 CPU that is not Intel's (where oneDNN's float32 products are faster than
+    MKL's), "mkl" elsewhere; `HF_FEATCAL_CPU_GEMM` overrides the choice."""
+    forced = os.environ.get(GEMM_LIBRARY_VARIABLE, "").strip().lower()
+    if forced:
+        if forced not in GEMM_LIBRARIES:
+            raise ValueError(f"{GEMM_LIBRARY_VARIABLE} must be one of {GEMM_LIBRARIES}, got {forced!r}.")
+        if forced == "onednn" and not onednn_available():
+            raise RuntimeError(f"{GEMM_LIBRARY_VARIABLE}=onednn, but this torch has no working oneDNN inner product.")
+        return forced
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    vendor = cpu_vendor()
+    return "onednn" if x86 and vendor is not None and vendor != "GenuineIntel" and onednn_available() else "mkl"
+
+
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x Wᵀ + b by oneDNN's float32 inner product (x: (..., in), W: (out, in)), as `F.linear`."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _runs_on_onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Float32 CPU operands without gradients or autocast: what `onednn_linear` takes (else the
+    module's own forward runs)."""
+    return (
+        not torch.is_grad_enabled()
+        and not torch.is_autocast_enabled("cpu")
+        and x.dtype == weight.dtype == torch.float32
+        and (bias is None or bias.dtype == torch.float32)
+        and x.device.type == weight.device.type == "cpu"
+        and x.dim() >= 2
+        and x.numel() > 0
+    )
+
+
+def _onednn_forward(module: nn.Linear) -> Callable[[Tensor], Tensor]:
+    own = type(module).forward.__get__(module)
+
+    def forward(x: Tensor) -> Tensor:
+        weight, bias = module.weight, module.bias
+        return onednn_linear(x, weight, bias) if _runs_on_onednn(x, weight, bias) else own(x)
+
+    return forward
+
+
+@contextlib.contextmanager
+def onednn_linears(root: nn.Module) -> Iterator[None]:
+    """While active and `gemm_library()` is "onednn", every Linear in `root` whose class keeps
+    `nn.Linear`'s forward computes float32 CPU inputs without gradients (and without autocast) by
+    oneDNN (`onednn_linear`); other inputs run its own forward. Modules whose `forward` was already
+    replaced on the instance (accelerate's hooks, another patch) are left alone. A no-op where the
+    decision is MKL. The class's forward is back on exit, also on error."""
+    patched: list[nn.Module] = []
+    try:
+        if gemm_library() == "onednn":
+            for module in root.modules():
+                if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and "forward" not in module.__dict__:
+                    module.forward = _onednn_forward(module)  # an instance attribute shadows the method
+                    patched.append(module)
+        yield
+    finally:
+        for module in patched:
+            module.__dict__.pop("forward", None)

@@ -1,0 +1,154 @@
+"""The CPU's float32 GEMM library (`hf_featcal.cpu_gemm`): decided in one place (oneDNN on x86-64 CPUs
+that are not Intel's, MKL elsewhere, `HF_FEATCAL_CPU_GEMM` overriding), oneDNN's Linear forward equal
+to a float64 product to float32 precision, taken only for float32 CPU inputs without gradients or
+autocast, undone on exit — and a calibration on either library equal to the other to rounding."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import assert_same_up_to_rounding
+
+import hf_featcal.cpu_gemm as cpu_gemm
+from hf_featcal import FeatCalCalibrator
+from hf_featcal.cpu_gemm import GEMM_LIBRARY_VARIABLE, gemm_library, onednn_linear, onednn_linears
+
+needs_onednn = pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="this torch has no oneDNN inner product")
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the products `onednn_linears` hands to oneDNN."""
+    calls = []
+    real = cpu_gemm.onednn_linear
+    monkeypatch.setattr(cpu_gemm, "onednn_linear", lambda x, w, b: calls.append(tuple(x.shape)) or real(x, w, b))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "machine, vendor, forced, want",
+    [
+        ("x86_64", "AuthenticAMD", None, "onednn"),
+        ("x86_64", "HygonGenuine", None, "onednn"),
+        ("x86_64", "GenuineIntel", None, "mkl"),
+        ("x86_64", None, None, "mkl"),  # vendor unknown: torch's own choice
+        ("aarch64", "ARM", None, "mkl"),
+        ("x86_64", "GenuineIntel", "onednn", "onednn"),
+        ("x86_64", "AuthenticAMD", " MKL ", "mkl"),
+    ],
+)
+def test_one_place_decides_the_library(monkeypatch, machine, vendor, forced, want):
+    monkeypatch.setattr(cpu_gemm.platform, "machine", lambda: machine)
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(cpu_gemm, "onednn_available", lambda: True)
+    if forced is None:
+        monkeypatch.delenv(GEMM_LIBRARY_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(GEMM_LIBRARY_VARIABLE, forced)
+    assert gemm_library() == want
+
+
+def test_without_onednn_the_choice_is_mkl_and_forcing_it_is_refused(monkeypatch):
+    monkeypatch.setattr(cpu_gemm.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(cpu_gemm, "onednn_available", lambda: False)
+    monkeypatch.delenv(GEMM_LIBRARY_VARIABLE, raising=False)
+    assert gemm_library() == "mkl"
+    monkeypatch.setenv(GEMM_LIBRARY_VARIABLE, "onednn")
+    with pytest.raises(RuntimeError, match=GEMM_LIBRARY_VARIABLE):
+        gemm_library()
+    monkeypatch.setenv(GEMM_LIBRARY_VARIABLE, "blis")
+    with pytest.raises(ValueError, match=f"{GEMM_LIBRARY_VARIABLE} must be one of"):
+        gemm_library()
+
+
+def test_the_vendor_is_read_from_cpuinfo():
+    vendor = cpu_gemm.cpu_vendor()
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        assert vendor is None
+        return
+    assert vendor is None or f"vendor_id\t: {vendor}" in text or f"vendor_id: {vendor}" in text
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(7, 24), (3, 5, 24)], ids=["2d", "3d"])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("transposed_weight", [False, True])
+def test_onednn_linear_is_a_float32_product(generator, shape, with_bias, transposed_weight):
+    x = torch.randn(*shape, generator=generator)
+    weight = torch.randn(24, 40, generator=generator).T if transposed_weight else torch.randn(40, 24, generator=generator)
+    bias = torch.randn(40, generator=generator) if with_bias else None
+    got = onednn_linear(x, weight, bias)
+    want = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert got.dtype == torch.float32 and got.shape == (*shape[:-1], 40)
+    assert float((got.double() - want).norm() / want.norm()) < 1e-6
+
+
+@needs_onednn
+def test_linears_run_on_onednn_only_where_they_may(generator, monkeypatch, counted):
+    """Float32 CPU inputs without gradients take oneDNN; gradients, another dtype or autocast take
+    the module's own forward; a subclass with its own forward, or a forward set on the instance, is
+    left alone; hooks still fire; everything is undone on exit, also on error."""
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    monkeypatch.setenv(GEMM_LIBRARY_VARIABLE, "onednn")
+    plain, scaled, other = torch.nn.Linear(12, 6), Scaled(12, 6), torch.nn.Linear(12, 6)
+    wide = torch.nn.Linear(12, 6, bias=False).double()  # (no bias: the dtype test alone decides)
+    root = torch.nn.ModuleDict({"plain": plain, "scaled": scaled, "other": other, "wide": wide})
+    own_forward = lambda x: torch.zeros(1)  # noqa: E731 (someone else's instance forward)
+    other.forward = own_forward
+    seen = []
+    plain.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))
+    x = torch.randn(4, 12, generator=generator)
+    with onednn_linears(root):
+        assert "forward" in plain.__dict__ and "forward" not in scaled.__dict__ and other.forward is own_forward
+        with torch.no_grad():
+            out = plain(x)
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, plain.weight, plain.bias))
+            assert counted == [(4, 12)] and seen == [(4, 12)]
+            scaled(x)
+            x64 = x.double()  # float64: Linear's own forward, bit for bit
+            assert "forward" in wide.__dict__ and torch.equal(wide(x64), torch.nn.functional.linear(x64, wide.weight, wide.bias))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                assert plain(x).dtype == torch.bfloat16  # autocast's own path
+        with_grad = plain(x)  # gradients on: Linear's own forward, and backward works
+        assert with_grad.requires_grad and torch.equal(with_grad, torch.nn.functional.linear(x, plain.weight, plain.bias))
+        with_grad.sum().backward()
+        assert plain.weight.grad is not None
+        assert counted == [(4, 12)]
+    assert "forward" not in plain.__dict__ and other.forward is own_forward
+    with pytest.raises(KeyError), onednn_linears(root):
+        assert "forward" in plain.__dict__
+        raise KeyError("inside")
+    assert "forward" not in plain.__dict__
+
+
+def test_nothing_is_patched_when_the_choice_is_mkl(monkeypatch, counted):
+    monkeypatch.setenv(GEMM_LIBRARY_VARIABLE, "mkl")
+    linear = torch.nn.Linear(4, 3)
+    with onednn_linears(linear), torch.no_grad():
+        assert "forward" not in linear.__dict__
+        linear(torch.randn(2, 4))
+    assert counted == []
+
+
+@needs_onednn
+def test_a_calibration_on_onednn_equals_one_on_mkl_to_rounding(clip_setting, monkeypatch, counted):
+    base, experts, merged, data = clip_setting
+    results = {}
+    for library in ("mkl", "onednn"):
+        monkeypatch.setenv(GEMM_LIBRARY_VARIABLE, library)
+        model = copy.deepcopy(merged)
+        FeatCalCalibrator(model, base, experts, data, show_progress=False).calibrate()
+        results[library] = model.state_dict()
+        assert (len(counted) > 0) == (library == "onednn")  # the block forwards' Linears, and only there
+    assert_same_up_to_rounding(results["onednn"], results["mkl"])
+    moved = max(float((results["onednn"][k] - merged.state_dict()[k]).abs().max()) for k in results["mkl"])
+    assert moved > 1e-3  # the calibration did change the model
