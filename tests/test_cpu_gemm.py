@@ -13,7 +13,7 @@ from conftest import assert_same_up_to_rounding
 
 import hf_featcal.cpu_gemm as cpu_gemm
 from hf_featcal import FeatCalCalibrator
-from hf_featcal.cpu_gemm import GEMM_LIBRARY_VARIABLE, gemm_library, onednn_linear, onednn_linears
+from hf_featcal.cpu_gemm import GEMM_LIBRARY_VARIABLE, gemm_library, linear_product, onednn_linear, onednn_linears
 
 needs_onednn = pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="this torch has no oneDNN inner product")
 
@@ -114,6 +114,8 @@ def test_linears_run_on_onednn_only_where_they_may(generator, monkeypatch, count
             torch.testing.assert_close(out, torch.nn.functional.linear(x, plain.weight, plain.bias))
             assert counted == [(4, 12)] and seen == [(4, 12)]
             scaled(x)
+            strided = torch.randn(12, 4, generator=generator).T  # oneDNN is slow on strided operands: Linear's own
+            assert torch.equal(plain(strided), torch.nn.functional.linear(strided, plain.weight, plain.bias))
             x64 = x.double()  # float64: Linear's own forward, bit for bit
             assert "forward" in wide.__dict__ and torch.equal(wide(x64), torch.nn.functional.linear(x64, wide.weight, wide.bias))
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -128,6 +130,20 @@ def test_linears_run_on_onednn_only_where_they_may(generator, monkeypatch, count
         assert "forward" in plain.__dict__
         raise KeyError("inside")
     assert "forward" not in plain.__dict__
+
+
+@needs_onednn
+def test_linear_product_takes_the_chosen_library(generator, monkeypatch, counted):
+    x = torch.randn(9, 24, generator=generator)
+    weight = torch.randn(5, 24, generator=generator)
+    want = x.double() @ weight.double().T
+    monkeypatch.setenv(GEMM_LIBRARY_VARIABLE, "onednn")
+    got = linear_product(x, weight)
+    assert counted == [(9, 24)] and float((got.double() - want).norm() / want.norm()) < 1e-6
+    strided = x.T.contiguous().T  # the same values, column-major: torch's product
+    assert torch.equal(linear_product(strided, weight), torch.mm(strided, weight.T)) and len(counted) == 1
+    monkeypatch.setenv(GEMM_LIBRARY_VARIABLE, "mkl")
+    assert torch.equal(linear_product(x, weight), torch.mm(x, weight.T)) and len(counted) == 1
 
 
 def test_nothing_is_patched_when_the_choice_is_mkl(monkeypatch, counted):
@@ -148,7 +164,7 @@ def test_a_calibration_on_onednn_equals_one_on_mkl_to_rounding(clip_setting, mon
         model = copy.deepcopy(merged)
         FeatCalCalibrator(model, base, experts, data, show_progress=False).calibrate()
         results[library] = model.state_dict()
-        assert (len(counted) > 0) == (library == "onednn")  # the block forwards' Linears, and only there
+        assert (len(counted) > 0) == (library == "onednn")  # forwards and fc2's projections, and only there
     assert_same_up_to_rounding(results["onednn"], results["mkl"])
     moved = max(float((results["onednn"][k] - merged.state_dict()[k]).abs().max()) for k in results["mkl"])
     assert moved > 1e-3  # the calibration did change the model

@@ -89,17 +89,30 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def _runs_on_onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Float32 CPU operands without gradients or autocast: what `onednn_linear` takes (else the
-    module's own forward runs)."""
+    """Contiguous float32 CPU operands, no gradient to record, no autocast: what `onednn_linear`
+    takes fast (else torch's own product runs; oneDNN's has no backward). A strided operand would
+    send oneDNN to a generic kernel that was measured hundreds of times slower."""
+    recording = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     return (
-        not torch.is_grad_enabled()
+        not recording
         and not torch.is_autocast_enabled("cpu")
         and x.dtype == weight.dtype == torch.float32
         and (bias is None or bias.dtype == torch.float32)
         and x.device.type == weight.device.type == "cpu"
         and x.dim() >= 2
         and x.numel() > 0
+        and x.is_contiguous()
+        and weight.is_contiguous()
     )
+
+
+def linear_product(x: Tensor, weight: Tensor) -> Tensor:
+    """x Wᵀ for x (M, in) and W (out, in), by this CPU's float32 GEMM library (`gemm_library()`):
+    oneDNN's inner product where that is the choice and the operands suit it (`_runs_on_onednn`),
+    else `torch.mm`."""
+    if gemm_library() == "onednn" and _runs_on_onednn(x, weight, None):
+        return onednn_linear(x, weight, None)
+    return torch.mm(x, weight.T)
 
 
 def _onednn_forward(module: nn.Linear) -> Callable[[Tensor], Tensor]:

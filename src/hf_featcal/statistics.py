@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .cpu_gemm import linear_product
 from .mkl_products import addmm_low_, syrk_upper_
 from .solver import task_scale
 
@@ -315,7 +316,8 @@ class LinearGroupStatistics:
                         continue
                     y = flatten_tokens(expert_outputs[name], weights)[0].to(self.dtype)
                 else:
-                    y = product(x_t, targets[name].weight.to(device=self.device, dtype=self.dtype).T, low)
+                    w_i = targets[name].weight.to(device=self.device, dtype=self.dtype)
+                    y = product(x_t, w_i.T, low) if low is not None else linear_product(x_t, w_i)
                 if name in self._rhs_task:
                     product(weighted.T, y, low, out=self._rhs_task[name])
                 else:
