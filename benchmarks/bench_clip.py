@@ -37,6 +37,7 @@ from bench_common import (  # noqa: E402
     peak_rss_gib,
     rate_report,
     stage_dtypes,
+    low_products_in_use,
     syrk_in_use,
     triangle_fraction,
 )
@@ -240,9 +241,9 @@ def measure(args: argparse.Namespace) -> dict:
     # memory first: the throughput probe below allocates its own matrices
     peak_rss = peak_rss_gib()
     peak_device = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    dtypes = stage_dtypes(args.dtype, forward_dtype)
+    dtypes = stage_dtypes(args.dtype, forward_dtype, low_products_in_use(device, forward_dtype))
     peaks = {name: matmul_throughput(device, getattr(torch, name)) for name in sorted(set(dtypes.values()))}
-    syrk = syrk_in_use(device, forward_dtype is None)
+    syrk = syrk_in_use(device, forward_dtype)
     flops = flop_count(args.tasks, args.samples, args.layers, gram_fraction=args.gram_fraction, exact=forward_dtype is None, syrk=syrk)
     timings = calibrator.timings
     return {

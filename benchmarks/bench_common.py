@@ -19,10 +19,12 @@ import torch
 FORWARD_STAGES = ("block forwards", "propagating", "drift (merged-as-given stream)")
 
 
-def stage_dtypes(model_dtype: str, forward_dtype: str | None) -> dict[str, str]:
-    """The dtype whose matmul peak each stage is measured against."""
+def stage_dtypes(model_dtype: str, forward_dtype: str | None, low_products: bool = True) -> dict[str, str]:
+    """The dtype whose matmul peak each stage is measured against (`low_products`: whether fast
+    mode's statistics take forward-dtype factors here, `low_products_in_use`)."""
     forward = forward_dtype or model_dtype
-    return {**{stage: forward for stage in FORWARD_STAGES}, "statistics": forward_dtype or "float32", "solving": "float32"}
+    statistics = forward_dtype if forward_dtype is not None and low_products else "float32"
+    return {**{stage: forward for stage in FORWARD_STAGES}, "statistics": statistics, "solving": "float32"}
 
 
 def peak_rss_gib() -> float:
@@ -103,14 +105,26 @@ def triangle_fraction(dim: int, syrk: bool = False) -> float:
     return sum((stop - start) * (dim - start) for start, stop in gram_blocks(dim)) / dim**2
 
 
-def syrk_in_use(device: torch.device, exact: bool) -> bool:
+def low_products_in_use(device: torch.device, forward_dtype: str | None) -> bool:
+    """Whether fast mode's statistics' products take forward-dtype factors here
+    (`hf_featcal.cpu_gemm.low_precision_products_pay`; always, for libraries from before that choice)."""
+    if forward_dtype is None:
+        return False
+    try:
+        from hf_featcal.cpu_gemm import low_precision_products_pay
+    except ImportError:
+        return True
+    return low_precision_products_pay(getattr(torch, forward_dtype), device)
+
+
+def syrk_in_use(device: torch.device, forward_dtype: str | None) -> bool:
     """Whether the library computes unit-weight Grams by MKL's syrk here (`hf_featcal.mkl_products`;
-    False for libraries from before it)."""
+    False for libraries from before it): on the CPU, wherever the statistics' products are float32."""
     try:
         from hf_featcal.mkl_products import syrk_available
     except ImportError:
         return False
-    return exact and device.type == "cpu" and syrk_available(torch.float32)
+    return not low_products_in_use(device, forward_dtype) and device.type == "cpu" and syrk_available(torch.float32)
 
 
 def lower_triangular_fraction(dim: int) -> float:

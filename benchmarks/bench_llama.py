@@ -39,6 +39,7 @@ from bench_common import (  # noqa: E402
     rate_report,
     stage_dtypes,
     stage_table,
+    low_products_in_use,
     syrk_in_use,
     triangle_fraction,
 )
@@ -230,12 +231,12 @@ def measure(args: argparse.Namespace) -> dict:
     peak_rss = peak_rss_gib()
     peak_device = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     forward_dtype = _forward_dtype(args)
-    dtypes = stage_dtypes(args.dtype, forward_dtype)
+    dtypes = stage_dtypes(args.dtype, forward_dtype, low_products_in_use(device, forward_dtype))
     peaks = {name: matmul_throughput(device, getattr(torch, name)) for name in sorted(set(dtypes.values()))}
     config = calibrator.config
     flops = flop_count(GEOMETRIES[args.geometry], args.tasks, args.sequences, args.length, args.batch_size,
                        teacher_alpha=config.teacher_alpha, report_drift=config.report_drift, exact=forward_dtype is None,
-                       syrk=syrk_in_use(device, forward_dtype is None))
+                       syrk=syrk_in_use(device, forward_dtype))
     return {
         "geometry": args.geometry,
         "parameters_billion": sum(p.numel() for p in merged.parameters()) / 1e9,

@@ -168,3 +168,29 @@ def test_a_calibration_on_onednn_equals_one_on_mkl_to_rounding(clip_setting, mon
     assert_same_up_to_rounding(results["onednn"], results["mkl"])
     moved = max(float((results["onednn"][k] - merged.state_dict()[k]).abs().max()) for k in results["mkl"])
     assert moved > 1e-3  # the calibration did change the model
+
+
+@pytest.mark.parametrize(
+    "flags, dtype, device, want",
+    [
+        ({"avx512f", "amx_bf16", "amx_tile"}, torch.bfloat16, "cpu", True),
+        ({"avx512f", "amx_bf16", "amx_tile"}, torch.float16, "cpu", False),  # AMX without its fp16 unit
+        ({"avx512f", "amx_bf16", "amx_fp16"}, torch.float16, "cpu", True),
+        ({"avx512f", "avx512_bf16"}, torch.bfloat16, "cpu", False),  # an AMD EPYC: no matrix unit
+        (set(), torch.bfloat16, "cpu", False),
+        (set(), torch.bfloat16, "cuda", True),  # tensor cores
+    ],
+)
+def test_low_precision_products_pay_only_with_a_matrix_unit(monkeypatch, flags, dtype, device, want):
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset(flags))
+    assert cpu_gemm.low_precision_products_pay(dtype, torch.device(device)) is want
+
+
+def test_the_flags_are_read_from_cpuinfo():
+    flags = cpu_gemm.cpu_flags()
+    try:
+        lines = [line for line in open("/proc/cpuinfo") if line.startswith("flags")]
+    except OSError:
+        assert flags == frozenset()
+        return
+    assert not lines or flags == frozenset(lines[0].split(":", 1)[1].split())

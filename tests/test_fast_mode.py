@@ -196,11 +196,13 @@ class _MatrixProducts(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("forward_dtype", [None, "bfloat16"])
-def test_gram_products_take_the_forward_dtype(generator, forward_dtype, monkeypatch):
+@pytest.mark.parametrize("forward_dtype, low_pays", [(None, True), ("bfloat16", True), ("bfloat16", False)])
+def test_gram_products_take_the_forward_dtype(generator, forward_dtype, low_pays, monkeypatch):
     """The statistics' products (d×d outputs, contracted over the batch's tokens: 5 images × 5 tokens)
-    take bfloat16 factors in fast mode and float32 ones in exact mode, whether torch computes them
-    (aten mm/addmm) or MKL's mixed-precision GEMM does (`mkl_products.addmm_low_`, fast mode on CPU)."""
+    take bfloat16 factors in fast mode where such products pay (`cpu_gemm.low_precision_products_pay`:
+    an AMX CPU, a GPU; forced here) and float32 ones in exact mode and where they do not, whether
+    torch computes them (aten mm/addmm) or MKL does (`mkl_products.addmm_low_`, fast mode on CPU)."""
+    monkeypatch.setattr(statistics_module, "low_precision_products_pay", lambda dtype, device: low_pays)
     base, experts, merged, data = build_clip_setting(generator, batch_sizes=(5, 5))
     widths = (16, 32)  # hidden size and MLP width of the tiny model
     recorder = _MatrixProducts()
@@ -218,5 +220,5 @@ def test_gram_products_take_the_forward_dtype(generator, forward_dtype, monkeypa
         FeatCalCalibrator(copy.deepcopy(merged), base, experts, data, FeatCalConfig(forward_dtype=forward_dtype),
                           show_progress=False).calibrate()
     statistics = {dtypes for dtypes, shape, inner in recorder.products if shape[0] == shape[1] in widths and inner == 25}
-    expected = torch.float32 if forward_dtype is None else torch.bfloat16
+    expected = torch.bfloat16 if forward_dtype is not None and low_pays else torch.float32
     assert statistics == {(expected, expected)}

@@ -7,13 +7,14 @@ quantities the solver needs are kept across tasks, so memory does not grow with 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from .cpu_gemm import linear_product
+from .cpu_gemm import linear_product, low_precision_products_pay
 from .mkl_products import addmm_low_, syrk_upper_
 from .solver import task_scale
 
@@ -195,7 +196,8 @@ class LinearGroupStatistics:
     #: A task's batches may bring the expert modules' own outputs y_e = W_i x_e + b_i instead
     #: (`expert_outputs_pay`), which spares projecting the teacher tokens.
     direct_rhs: bool = False
-    #: Fast mode: the dtype the products' factors are cast to (None: the accumulation dtype).
+    #: Fast mode: the dtype the products' factors are cast to (None: the accumulation dtype), where
+    #: such products are faster (`cpu_gemm.low_precision_products_pay`; elsewhere they stay float32).
     product_dtype: torch.dtype | None = None
     #: α of a task that saw no batch here (another process holds them): every process must hand the
     #: same sums to the cross-process reduction. 1.0 matches `accumulate` (its input is the teacher).
@@ -288,6 +290,22 @@ class LinearGroupStatistics:
             self._from_outputs = from_outputs
         elif self._from_outputs != from_outputs:
             raise ValueError(f"modules {list(self.modules)}: one task's batches must all bring the expert's outputs, or none")
+        device_type = torch.device(self.device).type
+        # the sums' products in the dtypes chosen here, also when the caller holds fast mode's autocast
+        off = torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else contextlib.nullcontext()
+        with off:
+            self._add_batch(x_student, x_expert, alpha, weights, targets, expert_outputs)
+
+    def _add_batch(
+        self,
+        x_student: Tensor,
+        x_expert: Tensor,
+        alpha: float,
+        weights: Tensor,
+        targets: dict[str, LinearTargets] | None,
+        expert_outputs: Mapping[str, Tensor] | None,
+    ) -> None:
+        from_outputs = expert_outputs is not None
         x_s, w = flatten_tokens(x_student, weights)
         x_e, _ = flatten_tokens(x_expert, weights)
         x_s = x_s.to(self.dtype)
@@ -296,7 +314,11 @@ class LinearGroupStatistics:
         # unit weights (no padding, no pooled-token weighting) need no weighted copy of the features
         unit = bool((w == 1).all())
         weighted = x_s if unit else x_s * w[:, None]
+        # fast mode's low-precision factors only where their products are faster (`cpu_gemm`);
+        # elsewhere float32 products of the same captured features
         low = self.product_dtype
+        if low is not None and not low_precision_products_pay(low, torch.device(self.device)):
+            low = None
         self._w += w.sum()
         self._count += int(w.numel())
         self._sx_s += weighted.sum(0)
