@@ -30,31 +30,27 @@ GEMM_LIBRARIES = ("mkl", "onednn")
 
 
 @functools.cache
-def cpu_vendor() -> str | None:
-    """The CPU's vendor string (`GenuineIntel`, `AuthenticAMD`, ...) from /proc/cpuinfo, or None
-    where it cannot be read (not Linux)."""
+def _cpuinfo(field: str) -> str | None:
+    """The value of the first `field` line of /proc/cpuinfo, or None (no such line, not Linux)."""
     try:
         with open("/proc/cpuinfo") as handle:
             for line in handle:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                name, _, value = line.partition(":")
+                if name.strip() == field:
+                    return value.strip()
     except OSError:
         pass
     return None
 
 
-@functools.cache
+def cpu_vendor() -> str | None:
+    """The CPU's vendor string (`GenuineIntel`, `AuthenticAMD`, ...), or None where it cannot be read."""
+    return _cpuinfo("vendor_id")
+
+
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (`avx512f`, `amx_bf16`, ...) from /proc/cpuinfo; empty where it
-    cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    """The CPU's feature flags (`avx512f`, `amx_bf16`, ...); empty where they cannot be read."""
+    return frozenset((_cpuinfo("flags") or "").split())
 
 
 #: The CPU flag of the matrix unit that makes MKL's low-precision GEMM faster than its float32 one.
