@@ -24,6 +24,7 @@ from .architectures import LayerMap, get_layer_map, model_config, supported_mode
 from .architectures.auto import infer_layer_map
 from .checkpointing import check_writable_folder, fingerprint
 from .config import FeatCalConfig
+from .cpu_gemm import gemm_library
 from .cpu_memory import reuse_freed_memory
 from .data import Batch, batch_size_of, prepare_batches
 from .devices import usable_device
@@ -121,6 +122,7 @@ class FeatCalCalibrator:
         self.show_progress = show_progress
 
         tasks = check_tasks(experts, calibration_data)
+        gemm_library()  # a bad HF_FEATCAL_CPU_GEMM is refused here, before anything is loaded
         self.tasks = tasks
         # the selection is checked before anything is loaded; it is grouped into plans once the
         # layer map has seen the batches
