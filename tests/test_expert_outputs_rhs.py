@@ -164,3 +164,22 @@ def test_a_calibration_takes_the_outputs_with_the_same_result(generator, monkeyp
     assert changed >= 10
     for expert in experts.values():  # the output hooks are gone
         assert not any(m._forward_hooks for m in expert.modules())
+
+
+def test_the_projected_path_reuses_its_scratch(generator):
+    """On the CPU the teacher inputs and each module's right-hand-side sum are written into matrices
+    kept across batches and tasks (a fresh one is page-faulted in again each time); the sums still
+    equal the definition, so each task's sum starts from zero."""
+    tasks = _tasks(generator, d=6, out=3, n=60)
+    stats = LinearGroupStatistics(("m",), 6, dtype=F64, device=torch.device("cpu"), epsilon=1e-8, direct_rhs=True)
+    buffers = set()
+    for t in tasks:
+        target = {"m": LinearTargets(t["weight"], t["bias"])}
+        for rows in (slice(None, 40), slice(40, None)):  # a larger batch, then a smaller one
+            stats.accumulate_mixture(t["x_s"][rows, None], t["x_e"][rows, None], 0.25, t["w"][rows, None], target)
+            buffers.add((stats._teacher.data_ptr(), stats._rhs_task["m"].data_ptr()))
+        stats.finish_task(target)
+    assert len(buffers) == 1
+    _, rhs, bias, _ = _brute_force(tasks, 0.25, 1e-8)
+    torch.testing.assert_close(stats.rhs_sum["m"], rhs, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(stats.bias_target_sum["m"], bias, rtol=1e-10, atol=1e-12)
