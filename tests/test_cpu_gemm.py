@@ -171,20 +171,34 @@ def test_a_calibration_on_onednn_equals_one_on_mkl_to_rounding(clip_setting, mon
     assert moved > 1e-3  # the calibration did change the model
 
 
+FLOAT32, ROUNDED = cpu_gemm.FLOAT32_RESULTS, cpu_gemm.ROUNDED_RESULTS
+
+
 @pytest.mark.parametrize(
     "flags, dtype, device, want",
     [
-        ({"avx512f", "amx_bf16", "amx_tile"}, torch.bfloat16, "cpu", True),
-        ({"avx512f", "amx_bf16", "amx_tile"}, torch.float16, "cpu", False),  # AMX without its fp16 unit
-        ({"avx512f", "amx_bf16", "amx_fp16"}, torch.float16, "cpu", True),
-        ({"avx512f", "avx512_bf16"}, torch.bfloat16, "cpu", False),  # an AMD EPYC: no matrix unit
-        (set(), torch.bfloat16, "cpu", False),
-        (set(), torch.bfloat16, "cuda", True),  # tensor cores
+        ({"avx512f", "amx_bf16", "amx_tile"}, torch.bfloat16, "cpu", FLOAT32),
+        ({"avx512f", "amx_bf16", "amx_tile", "avx512_bf16"}, torch.bfloat16, "cpu", FLOAT32),  # a Sapphire Rapids
+        ({"avx512f", "amx_bf16", "amx_tile"}, torch.float16, "cpu", None),  # AMX without its fp16 unit
+        ({"avx512f", "amx_bf16", "amx_fp16"}, torch.float16, "cpu", FLOAT32),
+        ({"avx512f", "avx512_bf16"}, torch.bfloat16, "cpu", ROUNDED),  # an AMD EPYC (Zen 4): no matrix unit
+        ({"avx512f", "avx512_bf16"}, torch.float16, "cpu", None),
+        ({"avx512f", "avx2"}, torch.bfloat16, "cpu", None),
+        (set(), torch.bfloat16, "cpu", None),
+        (set(), torch.bfloat16, "cuda", FLOAT32),  # tensor cores
     ],
 )
-def test_low_precision_products_pay_only_with_a_matrix_unit(monkeypatch, flags, dtype, device, want):
+def test_low_precision_products_by_matrix_unit_and_dot_products(monkeypatch, flags, dtype, device, want):
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset(flags))
-    assert cpu_gemm.low_precision_products_pay(dtype, torch.device(device)) is want
+    assert cpu_gemm.low_precision_products(dtype, torch.device(device)) == want
+    assert cpu_gemm.low_precision_products_pay(dtype, torch.device(device)) is (want is not None)
+
+
+def test_no_rounded_products_without_onednn(monkeypatch):
+    # torch's bf16 product runs on oneDNN; without it, float32 products are the faster ones
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert cpu_gemm.low_precision_products(torch.bfloat16, torch.device("cpu")) is None
 
 
 def test_the_flags_are_read_from_cpuinfo():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_featcal import mkl_products
+from hf_featcal import cpu_gemm, mkl_products
 from hf_featcal import statistics as statistics_module
 from hf_featcal.mkl_products import addmm_low_, available, syrk_available, syrk_upper_
 
@@ -124,14 +124,21 @@ def test_without_the_kernel_nothing_is_done(generator, monkeypatch):
     assert torch.equal(out, torch.zeros(3, 3))
 
 
-@needs_mkl
-def test_fast_mode_products_come_out_in_float32(generator, monkeypatch):
-    """`statistics.product` in fast mode on the CPU: float32 results of the bfloat16 factors, new
-    or added into the sums; without the kernel, torch's products rounded to bfloat16 (the fallback)."""
+def _product_factors(generator):
+    """Float32 factors a (300×40), b (300×24) of aᵀb, their bfloat16 values and aᵀb of those in float64."""
     a = torch.randn(300, 40, generator=generator)
     b = torch.randn(300, 24, generator=generator)
     a16, b16 = a.bfloat16(), b.bfloat16()
-    reference = a16.double().T @ b16.double()
+    return a, b, a16, b16, a16.double().T @ b16.double()
+
+
+@needs_mkl
+def test_fast_mode_products_come_out_in_float32(generator, monkeypatch):
+    """`statistics.product` in fast mode on a CPU whose low-precision products give float32 results
+    (AMX, stubbed here): float32 results of the bfloat16 factors, new or added into the sums; without
+    the kernel, torch's products rounded to bfloat16 (the fallback)."""
+    monkeypatch.setattr(statistics_module, "low_precision_products", lambda dtype, device: cpu_gemm.FLOAT32_RESULTS)
+    a, b, a16, b16, reference = _product_factors(generator)
     new = statistics_module.product(a.T, b, torch.bfloat16)
     assert new.dtype == torch.float32
     assert _relative(new, reference) < 1e-6
@@ -143,6 +150,24 @@ def test_fast_mode_products_come_out_in_float32(generator, monkeypatch):
     fallback = statistics_module.product(a.T, b, torch.bfloat16)
     assert fallback.dtype == torch.float32
     assert 1e-4 < _relative(fallback, reference) < 1e-2  # rounded to bfloat16 once
+
+
+def test_products_rounded_where_torchs_own_low_precision_product_is_the_faster(generator, monkeypatch):
+    """Where `cpu_gemm.low_precision_products` is `ROUNDED_RESULTS` (AVX-512 BF16 without AMX, stubbed
+    here), `statistics.product` leaves MKL's mixed GEMM alone and takes torch's bfloat16 product: the
+    bfloat16 factors' product rounded to bfloat16 once, in float32, new or added into the sums."""
+    monkeypatch.setattr(statistics_module, "low_precision_products", lambda dtype, device: cpu_gemm.ROUNDED_RESULTS)
+    called = []
+    monkeypatch.setattr(statistics_module, "addmm_low_", lambda *args, **kwargs: called.append(args) or False)
+    a, b, a16, b16, reference = _product_factors(generator)
+    new = statistics_module.product(a.T, b, torch.bfloat16)
+    assert new.dtype == torch.float32
+    assert torch.equal(new, torch.mm(a16.T, b16).float())
+    assert 1e-4 < _relative(new, reference) < 1e-2  # rounded to bfloat16 once
+    acc = torch.ones(40, 24)
+    assert statistics_module.product(a.T, b, torch.bfloat16, out=acc) is acc
+    assert torch.equal(acc, torch.mm(a16.T, b16).float() + 1.0)
+    assert called == []
 
 
 # ---------------------------------------------------------------------------- syrk

@@ -108,9 +108,10 @@ class FeatCalConfig:
         metadata={
             "help": "Fast mode (off by default). None: block forwards in the model's own dtype (exact). "
             "'bfloat16' or 'float16': block forwards under torch.autocast in that dtype (AMX on CPU, tensor "
-            "cores on GPU) and the statistics' products take factors in that dtype with float32 outputs (CUDA's "
-            "`out_dtype`; on CPU the mixed-precision GEMM of the MKL inside torch, else each product rounded "
-            "once); statistics are still accumulated and solved in `compute_dtype`. Changes results slightly."
+            "cores on GPU) and, where that is faster, the statistics' products take factors in that dtype with "
+            "float32 outputs (CUDA's `out_dtype`; on AMX CPUs the mixed-precision GEMM of the MKL inside torch) or, "
+            "on CPUs with AVX-512 BF16 but no AMX (e.g. AMD Zen 4), as torch's bf16 product rounded once per batch; "
+            "statistics are still accumulated and solved in `compute_dtype`. Changes results slightly."
         },
     )
     restore_snapshot: str = field(

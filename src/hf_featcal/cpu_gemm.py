@@ -55,19 +55,44 @@ def cpu_flags() -> frozenset[str]:
 
 #: The CPU flag of the matrix unit that makes MKL's low-precision GEMM faster than its float32 one.
 LOW_PRECISION_MATRIX_UNITS = {torch.bfloat16: "amx_bf16", torch.float16: "amx_fp16"}
+#: The CPU flag of the vector dot-product instructions with which oneDNN's low-precision matmul (torch's
+#: own bf16 `mm` on the CPU) runs ~2× its float32 products where there is no matrix unit for the dtype.
+LOW_PRECISION_DOT_PRODUCTS = {torch.bfloat16: "avx512_bf16"}
+
+#: `low_precision_products` kinds: products of low-precision factors that come out in float32, or
+#: whose result (one batch's sum over tokens) is rounded to the low dtype once before it is added.
+FLOAT32_RESULTS = "float32 results"
+ROUNDED_RESULTS = "rounded results"
+
+
+def low_precision_products(dtype: torch.dtype, device: torch.device) -> str | None:
+    """How fast mode's statistics multiply factors of `dtype` on `device`, where that is faster than
+    float32 products; None where it is not (they then take float32 products of the captured features,
+    exact mode's kernels: syrk, oneDNN's projections).
+
+    - `FLOAT32_RESULTS`: on an accelerator (tensor cores, `torch.mm(out_dtype=)`), and on a CPU with
+      the matrix unit for `dtype` (AMX), where MKL's mixed-precision GEMM ran at 1.5–1.6 TFLOP/s
+      against float32's 0.35 (Intel Xeon).
+    - `ROUNDED_RESULTS`: on a CPU with only the dot-product instructions for `dtype` (AVX-512 BF16:
+      AMD Zen 4, Intel Cooper Lake). There MKL's mixed GEMM runs no faster than float32 (97–112
+      against 103–108 ms for a 3072-wide Gram of 800 tokens, AMD EPYC), but oneDNN's bf16 matmul
+      takes 74 against float32's 160 ms (3072² from 1 600 tokens; 18 against 39 ms for 3072 × 768).
+      It gives its result in bf16 only: each batch's product is rounded once, then added to the
+      float32 sums (the rounding fast mode's accuracy table measured, `docs/scale.md`)."""
+    if device.type != "cpu":
+        return FLOAT32_RESULTS
+    flags = cpu_flags()
+    if LOW_PRECISION_MATRIX_UNITS.get(dtype) in flags:
+        return FLOAT32_RESULTS
+    if LOW_PRECISION_DOT_PRODUCTS.get(dtype) in flags and torch.backends.mkldnn.is_available():
+        return ROUNDED_RESULTS
+    return None
 
 
 def low_precision_products_pay(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether fast mode's statistics' products run faster with `dtype` factors than in float32.
-    On an accelerator, yes (tensor cores). On the CPU only with the matrix unit for `dtype` (AMX):
-    there MKL's bf16 GEMM ran at 1.5–1.6 TFLOP/s against float32's 0.35 (Intel Xeon); without it it
-    was no faster than float32 (97–112 against 103–108 ms for a 3072-wide Gram of 800 tokens, AMD
-    EPYC), and it cannot take syrk's half product. Where this is False, fast mode's statistics take
-    float32 products of the captured features (exact mode's kernels)."""
-    if device.type != "cpu":
-        return True
-    unit = LOW_PRECISION_MATRIX_UNITS.get(dtype)
-    return unit is not None and unit in cpu_flags()
+    """Whether fast mode's statistics' products run faster with `dtype` factors than in float32
+    (`low_precision_products` names how)."""
+    return low_precision_products(dtype, device) is not None
 
 
 def _linear_operator() -> Callable | None:

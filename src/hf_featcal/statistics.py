@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .cpu_gemm import linear_product, low_precision_products_pay
+from .cpu_gemm import ROUNDED_RESULTS, linear_product, low_precision_products, low_precision_products_pay
 from .mkl_products import addmm_low_, syrk_upper_
 from .solver import task_scale
 
@@ -78,8 +78,10 @@ def product(a: Tensor, b: Tensor, low: torch.dtype | None, out: Tensor | None = 
     """a @ b (float32 or better), added into `out` when given. With `low` (fast mode) the factors
     are cast to that dtype and the product comes out in float32: on CUDA by `torch.mm(...,
     out_dtype=)`, on the CPU by MKL's mixed-precision GEMM (`hf_featcal.mkl_products`, which adds
-    it into a float32 `out` in place). Where neither is available the product is rounded to `low`
-    once per batch, as the inputs already are, and converted back before it is added to the sums."""
+    it into a float32 `out` in place). On a CPU where torch's own low-precision product is the
+    faster one (`cpu_gemm.low_precision_products` is `ROUNDED_RESULTS`), and where neither is
+    available, the product is rounded to `low` once per batch, as the inputs already are, and
+    converted back before it is added to the sums."""
     if low is None:
         return torch.mm(a, b) if out is None else out.addmm_(a, b)
     a, b = a.to(low), b.to(low)
@@ -88,6 +90,8 @@ def product(a: Tensor, b: Tensor, low: torch.dtype | None, out: Tensor | None = 
             result = torch.mm(a, b, out_dtype=torch.float32)
         except (TypeError, RuntimeError):  # a torch without out_dtype
             result = torch.mm(a, b)
+    elif low_precision_products(low, a.device) == ROUNDED_RESULTS:
+        result = torch.mm(a, b)  # oneDNN's matmul, rounded to `low`
     elif out is not None:
         if addmm_low_(out, a, b):
             return out
@@ -332,8 +336,9 @@ class LinearGroupStatistics:
             if targets is None:
                 raise ValueError("direct right-hand-side accumulation needs the expert's parameters")
             x_t = torch.lerp(x_s, x_e, alpha, out=self._teacher_rows(x_s.shape[0]))
-        if low is not None:  # fast mode: the products' factors cast once per batch, not once per block
-            x_s, x_e = x_s.to(low), x_e.to(low)
+        if low is not None:  # fast mode: the Gram's factors cast once per batch, not once per block
+            # (x_e enters one product at most, the cross moment's, which casts it)
+            x_s = x_s.to(low)
             weighted = x_s if unit else weighted.to(low)
         add_upper_gram(self._gram, weighted, x_s, low)
         if self.direct_rhs:
