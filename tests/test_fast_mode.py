@@ -200,8 +200,9 @@ class _MatrixProducts(TorchDispatchMode):
 def test_gram_products_take_the_forward_dtype(generator, forward_dtype, low_pays, monkeypatch):
     """The statistics' products (d×d outputs, contracted over the batch's tokens: 5 images × 5 tokens)
     take bfloat16 factors in fast mode where such products pay (`cpu_gemm.low_precision_products_pay`:
-    an AMX CPU, a GPU; forced here) and float32 ones in exact mode and where they do not, whether
-    torch computes them (aten mm/addmm) or MKL does (`mkl_products.addmm_low_`, fast mode on CPU)."""
+    an AMX CPU, a CPU with AVX-512 BF16, a GPU; forced here) and float32 ones in exact mode and where
+    they do not, whether torch computes them (aten mm/addmm) or MKL does (`mkl_products.addmm_low_`,
+    fast mode on an AMX CPU)."""
     monkeypatch.setattr(statistics_module, "low_precision_products_pay", lambda dtype, device: low_pays)
     base, experts, merged, data = build_clip_setting(generator, batch_sizes=(5, 5))
     widths = (16, 32)  # hidden size and MLP width of the tiny model
