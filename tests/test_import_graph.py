@@ -1,0 +1,77 @@
+"""scripts/import_graph.py finds import circles however the import is written (top level, inside a
+function, under TYPE_CHECKING, through a package's lazy loader) and fails on any circle edge not in its
+baseline; the package itself has no circle edge beyond the recorded baseline."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def import_graph():
+    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["import_graph"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    src = tmp_path / "src"
+    for name, text in {"__init__.py": "", **files}.items():
+        path = src / "hf_featcal" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return src
+
+
+def test_function_level_and_type_checking_imports_close_a_circle(import_graph, tmp_path, capsys):
+    src = _package(tmp_path, {
+        "low.py": "def f():\n    from .high import g\n    return g\n",
+        "high.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import mid\n",
+        "mid.py": "from .low import f\n",
+        "leaf.py": "import os\n",
+    })
+    assert import_graph.main(["--src", str(src)]) == 1
+    out = capsys.readouterr().out
+    assert "circle of 3: hf_featcal.high, hf_featcal.low, hf_featcal.mid" in out
+    assert "leaf" not in out.split("largest files")[0]
+
+
+def test_a_lazy_package_loader_depends_on_the_modules_it_names(import_graph, tmp_path, capsys):
+    src = _package(tmp_path, {
+        "maps/__init__.py": (
+            "import importlib\n_MODULES = ('one',)\n"
+            "def __getattr__(name):\n"
+            "    if name == 'extra':\n        return importlib.import_module('.extra', __name__)\n"
+            "    for module in _MODULES:\n        importlib.import_module(f'.{module}', __name__)\n"
+        ),
+        "maps/one.py": "from ..io import read\n",
+        "maps/extra.py": "",
+        "io.py": "def read():\n    from .maps import thing\n",
+    })
+    assert import_graph.main(["--src", str(src)]) == 1
+    assert "circle of 3: hf_featcal.io, hf_featcal.maps, hf_featcal.maps.one" in capsys.readouterr().out
+
+
+def test_no_circle_passes_and_the_baseline_fails_only_on_new_edges(import_graph, tmp_path):
+    src = _package(tmp_path, {"a.py": "from .b import x\n", "b.py": "x = 1\n"})
+    assert import_graph.main(["--src", str(src)]) == 0
+    (src / "hf_featcal" / "b.py").write_text("def f():\n    from .a import x\n")
+    baseline = tmp_path / "baseline.txt"
+    assert import_graph.main(["--src", str(src), "--write-baseline", str(baseline)]) == 0
+    assert baseline.read_text() == "hf_featcal.a -> hf_featcal.b\nhf_featcal.b -> hf_featcal.a\n"
+    assert import_graph.main(["--src", str(src), "--baseline", str(baseline)]) == 0
+    (src / "hf_featcal" / "c.py").write_text("from .a import x\n")
+    (src / "hf_featcal" / "b.py").write_text("def f():\n    from .a import x\n    from .c import y\n")
+    assert import_graph.main(["--src", str(src), "--baseline", str(baseline)]) == 1  # b -> c -> a -> b is new
+
+
+def test_the_package_adds_no_import_circle_edge(import_graph):
+    assert import_graph.main(["--baseline", str(ROOT / "scripts" / "import_circles_baseline.txt")]) == 0
