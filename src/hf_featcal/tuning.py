@@ -46,10 +46,10 @@ from typing import Any
 
 from torch import nn
 
-from .architectures import get_layer_map
+from .architectures import get_layer_map, model_config
 from .calibrator import FeatCalCalibrator
 from .config import FeatCalConfig
-from .data import prepare_batches
+from .data import prepare_batches, text_length_limit
 from .experts import make_source
 
 __all__ = ["DEFAULT_GRID", "TuningResult", "train_holdout_split", "tune_featcal"]
@@ -189,16 +189,20 @@ def tune_featcal(
     # opened, bin-only checkpoints loaded) and the batches (one set per distinct sampling setting).
     base_source = None if base_model is None else make_source(base_model, "base_model")
     expert_sources = {task: make_source(expert, f"experts[{task!r}]", base_source) for task, expert in experts.items()}
-    main_input_name = get_layer_map(merged_model, "merged_model").main_input_name
+    layer_map = get_layer_map(merged_model, "merged_model")
+    main_input_name, merged_config = layer_map.main_input_name, layer_map.tower_config(model_config(merged_model))
     prepared: dict[tuple[Any, ...], dict[str, Any]] = {}
 
     def batches_for(config: FeatCalConfig) -> Mapping[str, Any]:
-        key = (config.num_samples_per_task, config.batch_size, config.seed)
+        key = (config.num_samples_per_task, config.batch_size, config.seed, config.max_length)
         if key not in prepared:
+            processing_class = kwargs.get("processing_class")
+            max_length = text_length_limit(config.max_length, merged_config, processing_class)
             prepared[key] = {
                 task: prepare_batches(task, data, main_input_name=main_input_name, num_samples=config.num_samples_per_task,
                                       batch_size=config.batch_size, seed=config.seed,
-                                      data_collator=kwargs.get("data_collator"), processing_class=kwargs.get("processing_class"))
+                                      data_collator=kwargs.get("data_collator"), processing_class=processing_class,
+                                      max_length=max_length)
                 if task in expert_sources else data
                 for task, data in calibration_data.items()
             }
