@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,7 +27,7 @@ from .checkpointing import check_writable_folder, fingerprint
 from .config import FeatCalConfig
 from .cpu_gemm import gemm_library
 from .cpu_memory import reuse_freed_memory
-from .data import Batch, batch_size_of, prepare_batches
+from .data import Batch, batch_size_of, prepare_batches, text_length_limit
 from .devices import usable_device
 from .experts import ModelLike, ModelSource, make_source
 from .hooks import eval_mode, restore_on_failure
@@ -140,6 +141,9 @@ class FeatCalCalibrator:
 
         # Data: batches per task, non-empty, accepted by the merged model's input path.
         self.batches: dict[str, list[Batch]] = {}
+        text_max_length = text_length_limit(
+            config.max_length, self.layer_map.tower_config(self.model_config), processing_class
+        )
         for task in tasks:
             batches = prepare_batches(
                 task,
@@ -150,6 +154,7 @@ class FeatCalCalibrator:
                 seed=config.seed,
                 data_collator=data_collator,
                 processing_class=processing_class,
+                max_length=text_max_length,
             )
             if not batches:
                 raise ValueError(f"calibration_data[{task!r}] is empty: FeatCal needs at least one example per task.")
@@ -258,6 +263,17 @@ class FeatCalCalibrator:
             report = self._sweep()
         self._report = report
         self._calibrated = True
+        rising = [] if report is None else report.rising_tasks()
+        if rising:
+            stages = {task: report.tasks[task] for task in rising}
+            moves = ", ".join(f"{t}: {s['head_before'][-1]:.2%} → {s['head_after'][-1]:.2%}" for t, s in stages.items())
+            warnings.warn(
+                f"what the head reads moved away from the expert for task(s) {rising} (relative drift at the last "
+                f"block {moves}) while calibration served all tasks jointly: check their accuracy; a larger "
+                "lambda_ratio, or tune_featcal on held-out data, softens the compromise (docs/tuning.md).",
+                FeatCalWarning,
+                stacklevel=2,
+            )
         return self.model
 
     def save_model(self, output_dir: str | os.PathLike, *, processing_class: Any = None) -> None:
@@ -417,7 +433,7 @@ class FeatCalCalibrator:
         leaving = Streams(student, captured.expert, captured.given)
         if drift is not None:
             with ctx.timed("drift (merged-as-given stream)"):
-                record_drift(ctx, drift, leaving)
+                record_drift(ctx, drift, leaving, plan.pooled_token_index)
         return leaving
 
     def _solve_and_write(self, plan: BlockPlan, block: nn.Module, statistics: BlockStatistics) -> None:

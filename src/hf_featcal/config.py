@@ -59,6 +59,15 @@ class FeatCalConfig:
         default=256,
         metadata={"help": "Calibration examples used per task (None: all that are given)."},
     )
+    max_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Longest text in tokens when `processing_class` tokenises a `datasets.Dataset` text column: "
+            "longer texts are truncated. None: the model's maximum (the smaller of the model config's "
+            "max_position_embeddings and the tokenizer's model_max_length, where known; no truncation when "
+            "neither is). Batches given as tensors are used as given."
+        },
+    )
     batch_size: int = field(
         default=16,
         metadata={"help": "Batch size when calibration data is a `datasets.Dataset` (iterables are used as given)."},
@@ -195,6 +204,10 @@ class FeatCalConfig:
             raise ValueError(
                 f"FeatCalConfig.num_samples_per_task must be a positive integer or None, got {self.num_samples_per_task!r}."
             )
+        if self.max_length is not None and (
+            isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 1
+        ):
+            raise ValueError(f"FeatCalConfig.max_length must be a positive integer or None, got {self.max_length!r}.")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"FeatCalConfig.batch_size must be a positive integer, got {self.batch_size!r}.")
         for name in ("calibrate_bias", "calibrate_norms", "report_drift", "reuse_freed_cpu_memory"):

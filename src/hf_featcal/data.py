@@ -51,15 +51,19 @@ def prepare_batches(
     seed: int,
     data_collator: Callable[[list[dict]], Batch] | None = None,
     processing_class: Any = None,
+    max_length: int | None = None,
 ) -> list[Batch]:
     """The calibration batches of one task.
 
     An iterable is used as given (each item one batch, examples taken in order, the last batch cut so
     that at most `num_samples` are used). A `datasets.Dataset` is shuffled with `seed`, cut to
-    `num_samples` and batched by `batch_size` through `data_collator` and/or `processing_class`.
+    `num_samples` and batched by `batch_size` through `data_collator` and/or `processing_class`; a
+    text column tokenised by `processing_class` is truncated to `max_length` tokens (None: not truncated).
     """
     if Dataset is not None and isinstance(data, Dataset):
-        return _batches_from_dataset(task, data, main_input_name, num_samples, batch_size, seed, data_collator, processing_class)
+        return _batches_from_dataset(
+            task, data, main_input_name, num_samples, batch_size, seed, data_collator, processing_class, max_length
+        )
     if isinstance(data, (str, bytes, Mapping)) or not isinstance(data, Iterable):
         raise TypeError(
             f"calibration_data[{task!r}] must be a datasets.Dataset or an iterable of batches "
@@ -122,6 +126,7 @@ def _batches_from_dataset(
     seed: int,
     data_collator: Callable | None,
     processing_class: Any,
+    max_length: int | None = None,
 ) -> list[Batch]:
     if len(dataset) == 0:
         return []
@@ -131,7 +136,7 @@ def _batches_from_dataset(
     batches = []
     for start in range(0, len(dataset), batch_size):
         rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
-        batches.append(collate(task, rows, main_input_name, data_collator, processing_class))
+        batches.append(collate(task, rows, main_input_name, data_collator, processing_class, max_length))
     return batches
 
 
@@ -141,10 +146,12 @@ def collate(
     main_input_name: str,
     data_collator: Callable | None,
     processing_class: Any,
+    max_length: int | None = None,
 ) -> Batch:
-    """Turn dataset rows into a batch: the processor first (images or text), then the collator."""
+    """Turn dataset rows into a batch: the processor first (images, or text truncated to `max_length`
+    tokens), then the collator."""
     if processing_class is not None and main_input_name not in rows[0]:
-        rows = _process(task, rows, processing_class)
+        rows = _process(task, rows, processing_class, max_length)
     if data_collator is None:
         # as `Trainer` drops unused columns: raw text (e.g. a prompt kept beside its token ids) is no input
         rows = [{k: v for k, v in row.items() if not _is_text(v)} for row in rows]
@@ -159,7 +166,7 @@ def _is_text(value: Any) -> bool:
     return isinstance(value, str) or (isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], str))
 
 
-def _process(task: str, rows: list[dict], processing_class: Any) -> list[dict]:
+def _process(task: str, rows: list[dict], processing_class: Any, max_length: int | None = None) -> list[dict]:
     image_column = next((c for c in _IMAGE_COLUMNS if c in rows[0]), None)
     text_column = next((c for c in _TEXT_COLUMNS if c in rows[0]), None)
     if image_column is not None and hasattr(processing_class, "preprocess"):
@@ -168,7 +175,10 @@ def _process(task: str, rows: list[dict], processing_class: Any) -> list[dict]:
         # a per-image transform (open_clip's / torchvision's preprocess): PIL image → tensor
         return [{"pixel_values": processing_class(r[image_column])} for r in rows]
     elif text_column is not None:
-        out = processing_class([r[text_column] for r in rows], return_tensors="pt", padding=True)
+        out = processing_class(
+            [r[text_column] for r in rows], return_tensors="pt", padding=True,
+            truncation=max_length is not None, max_length=max_length,
+        )
     else:
         raise ValueError(
             f"calibration_data[{task!r}]: the processing_class needs an image column {_IMAGE_COLUMNS} or a "
@@ -176,6 +186,24 @@ def _process(task: str, rows: list[dict], processing_class: Any) -> list[dict]:
         )
     keys = list(out.keys())
     return [{k: out[k][i] for k in keys} for i in range(len(rows))]
+
+
+#: A tokenizer's `model_max_length` at or above this is transformers' "no limit known" placeholder.
+_UNKNOWN_TOKENIZER_LIMIT = 10**12
+
+
+def text_length_limit(max_length: int | None, model_config: Any, processing_class: Any) -> int | None:
+    """The length texts are truncated to: `max_length` when set, else the model's maximum, the smaller
+    of `model_config.max_position_embeddings` and the tokenizer's `model_max_length` where known
+    (a tokenizer built without one reports a huge placeholder); None when neither is known."""
+    if max_length is not None:
+        return max_length
+    known = [
+        value
+        for value in (getattr(model_config, "max_position_embeddings", None), getattr(processing_class, "model_max_length", None))
+        if isinstance(value, int) and not isinstance(value, bool) and 0 < value < _UNKNOWN_TOKENIZER_LIMIT
+    ]
+    return min(known) if known else None
 
 
 def _default_collator(rows: list[dict], processing_class: Any) -> Callable[[list[dict]], Batch]:

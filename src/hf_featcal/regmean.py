@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .architectures import LINEAR, get_layer_map
-from .data import prepare_batches
+from .architectures import LINEAR, get_layer_map, model_config
+from .data import prepare_batches, text_length_limit
 from .hooks import capture_module_inputs, eval_mode
 from .merging import simple_average
 from .solver import symmetric_solve
@@ -95,14 +95,15 @@ def regmean_merging(
         calibration_data: task → a `datasets.Dataset` or an iterable of batches, as for FeatCal.
         reduction: r, the factor on the Grams' off-diagonal entries (1 keeps them; RegMean's default 0.9).
         num_samples_per_task, batch_size, processing_class, seed: how calibration data is batched
-            (as in `FeatCalConfig` / `FeatCalCalibrator`).
+            (as in `FeatCalConfig` / `FeatCalCalibrator`; texts truncated to the model's maximum).
     """
     _check_arguments(base_model, experts, calibration_data, reduction)
     layer_map = get_layer_map(base_model, "base_model")
+    max_length = text_length_limit(None, layer_map.tower_config(model_config(base_model)), processing_class)
     batches = {
         task: prepare_batches(task, calibration_data[task], main_input_name=layer_map.main_input_name,
                               num_samples=num_samples_per_task, batch_size=batch_size, seed=seed,
-                              processing_class=processing_class)
+                              processing_class=processing_class, max_length=max_length)
         for task in experts
     }
     merged = simple_average(base_model, experts)

@@ -17,11 +17,29 @@ REPORT_NAME = "featcal_drift_report.json"
 
 @dataclass
 class DriftReport:
-    """Per task and block: Σ‖h_merged − h_expert‖₂ / N over the N non-padding token positions of the
-    task's calibration examples, at each block's raw output. `before` is the merged model as given,
-    `after` the calibrated one."""
+    """Per task and block, at each block's raw output on the task's calibration examples:
+
+    - `before` / `after`: Σ‖h_merged − h_expert‖₂ / N over the N non-padding token positions, for the
+      merged model as given and the calibrated one;
+    - `head_before` / `head_after`: what the task's head reads, relative to the expert's features:
+      Σ w‖h_merged − h_expert‖₂ / Σ w‖h_expert‖₂ with the token weights w the calibration uses there
+      (padding 0; in the last block of a pooled-head model, the pooled token 1 and every other token
+      `final_block_token_weight`). Its last value is what the head sees move.
+
+    The mean drift can fall while one task's head reads a worse feature (the calibration is a joint
+    compromise of all tasks): `rising_tasks()` names the tasks whose last `head_after` is above their
+    `head_before`; `calibrate()` warns about them and the summary marks them."""
 
     tasks: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+
+    def rising_tasks(self) -> list[str]:
+        """Tasks whose head measure at the last block rose with calibration (`head_after[-1] >
+        head_before[-1]`): calibration moved what their heads read away from their experts."""
+        return [
+            task
+            for task, stages in self.tasks.items()
+            if stages.get("head_before") and stages.get("head_after") and stages["head_after"][-1] > stages["head_before"][-1]
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         """`{"tasks": {task: {"before": [...], "after": [...]}}}` with plain Python floats."""
@@ -54,20 +72,32 @@ class DriftReport:
             return cls.from_dict(json.load(handle))
 
     def summary_markdown(self) -> str:
-        """A table of last-block drift and the mean over blocks, before and after, per task."""
+        """A table per task: last-block drift and the mean over blocks, before and after; what the
+        head reads (relative drift at the last block, before → after), marked "rises" where it rose."""
         if not self.tasks:
             return "No drift was measured."
         lines = [
-            "| task | last block before | last block after | mean over blocks before | mean over blocks after |",
-            "|---|---:|---:|---:|---:|",
+            "| task | last block before | last block after | mean over blocks before | mean over blocks after "
+            "| head reads (relative) before → after |",
+            "|---|---:|---:|---:|---:|---|",
         ]
+        rising = set(self.rising_tasks())
         for task, stages in self.tasks.items():
             before, after = stages.get("before", []), stages.get("after", [])
             if not before or not after:
                 continue
+            head_before, head_after = stages.get("head_before"), stages.get("head_after")
+            head = "not measured"
+            if head_before and head_after:
+                head = f"{head_before[-1]:.2%} → {head_after[-1]:.2%}" + (" **rises**" if task in rising else "")
             lines.append(
                 f"| {task} | {before[-1]:.4g} | {after[-1]:.4g} | "
-                f"{sum(before) / len(before):.4g} | {sum(after) / len(after):.4g} |"
+                f"{sum(before) / len(before):.4g} | {sum(after) / len(after):.4g} | {head} |"
+            )
+        if rising:
+            lines.append(
+                f"\nWhat the head reads moved away from the expert for {sorted(rising)}: check these tasks' "
+                "accuracy; a larger lambda_ratio or tuning on held-out data (docs/tuning.md) softens the compromise."
             )
         return "\n".join(lines)
 
@@ -274,7 +304,7 @@ post-merging models, arXiv 2605.13030) using `hf_featcal`. Same architecture and
 |---|---|
 {config_lines}
 
-## Feature drift (mean ‖h_merged − h_expert‖ per token, per block)
+## Feature drift (mean ‖h_merged − h_expert‖ per token; what the head reads, relative to the expert)
 
 {drift}
 """

@@ -250,7 +250,23 @@ def solve_scale_only_norm(
     return numerator / (second_moment_sum + lambda_ratio).clamp_min(epsilon)
 
 
-def gram_is_singular(gram: Tensor, rtol: float = 1e-5, work: Tensor | None = None) -> bool:
+#: Relative size below which a Gram's pivot counts as zero, and below which the ridge counts as too
+#: weak to set the solution in the Gram's null directions (`ridge_settles_null_directions`).
+SINGULAR_RTOL = 1e-5
+
+
+def ridge_settles_null_directions(gram: Tensor, shift: float, rtol: float = SINGULAR_RTOL) -> bool:
+    """Whether the ridge `shift` (λ + ε) alone keeps `gram + shift·I` well conditioned, whatever the
+    Gram's rank: shift ≥ `rtol`·‖gram‖_F. Its condition number is (σ_max + shift) / (σ_min + shift) ≤
+    (‖gram‖_F + shift) / shift ≤ 1 + 1/`rtol`, so the solve stays accurate (float32: ≲ 1e5 · 6e-8) and a
+    direction the data leave undetermined is set by the ridge, towards the anchor, as the method
+    intends: a singular Gram then changes nothing worth a warning. Below, such a direction is set
+    by ε and round-off. (FeatCal's task scaling makes ‖gram‖_F at most the number of tasks, so the
+    default λ = 0.05 settles them for up to 5,000 tasks.)"""
+    return shift >= rtol * float(torch.linalg.matrix_norm(gram))
+
+
+def gram_is_singular(gram: Tensor, rtol: float = SINGULAR_RTOL, work: Tensor | None = None) -> bool:
     """Cheap test for a numerically singular PSD Gram: a Cholesky pivot of `gram + δI` that is tiny.
 
     With δ well below `rtol`·max(diag), a null direction leaves a pivot of order δ; a well-conditioned

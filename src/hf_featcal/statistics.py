@@ -229,6 +229,8 @@ class LinearGroupStatistics:
     rhs_sum: dict[str, Tensor] = field(init=False, default_factory=dict)
     bias_target_sum: dict[str, Tensor] = field(init=False, default_factory=dict)
     weighted_tokens: int = field(init=False, default=0)
+    #: the sum of the token weights over the finished tasks: a token weighted 0.01 counts as 0.01
+    effective_tokens: float = field(init=False, default=0.0)
     task_scales: list[float] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -431,6 +433,7 @@ class LinearGroupStatistics:
                 cross.mul_(scale)
         self.task_scales.append(s_i)
         self.weighted_tokens += int(count)
+        self.effective_tokens += total
         if self._gram_sum_upper is None:
             self._gram_sum_upper = gram.mul(scale)
         else:

@@ -1,5 +1,5 @@
 """Choose FeatCal's λ (``lambda_ratio``), ρ (``anchor_rho``) and α (``teacher_alpha``) on held-out
-*training* data.
+data the experts never saw.
 
 FeatCal has three knobs that matter: the ridge strength λ towards the anchor, the anchor
 extrapolation ρ (anchor = base + ρ·(merged − base)) and the teacher mix α. The defaults (the
@@ -10,15 +10,21 @@ for every grid point it deep-copies the merged model, calibrates the copy with t
 scores it with your ``validation_fn(model) -> float`` (higher is better, e.g. the mean accuracy over
 tasks). The merged model itself is never modified.
 
-Use a held-out slice of each task's **train** split for ``validation_fn``, disjoint from the
-calibration examples — never the test split you report (that would make the reported numbers
-optimistic). :func:`train_holdout_split` cuts a ``datasets.Dataset`` into the two parts::
+Score ``validation_fn`` on examples the experts never saw, disjoint from the calibration examples —
+never on the test split you report (that would make the reported numbers optimistic). Experts
+fine-tuned on a whole train split have memorised it (often 95–100% accuracy there): a slice of that
+split rewards settings that copy the experts and hides a task the joint calibration hurts. Hold out
+part of each task's **validation** split instead (calibration examples may still come from the train
+split: FeatCal reads only their inputs), or, when you fine-tune the experts yourself, keep a slice of
+train out of their training. :func:`train_holdout_split` cuts a ``datasets.Dataset`` into two
+disjoint parts::
 
     from hf_featcal.tuning import train_holdout_split, tune_featcal
 
-    calibration, held_out = {}, {}
-    for task, train in train_splits.items():
-        calibration[task], held_out[task] = train_holdout_split(train, num_validation=500, seed=0)
+    calibration = {task: train.select(range(256)) for task, train in train_splits.items()}
+    held_out = {}
+    for task, validation in validation_splits.items():   # the experts never trained on these
+        held_out[task], _report_part = train_holdout_split(validation, num_validation=0.5, seed=0)
 
     def validation_fn(model):
         return mean_accuracy(model, held_out)        # your scoring, on held_out only
@@ -46,10 +52,10 @@ from typing import Any
 
 from torch import nn
 
-from .architectures import get_layer_map
+from .architectures import get_layer_map, model_config
 from .calibrator import FeatCalCalibrator
 from .config import FeatCalConfig
-from .data import prepare_batches
+from .data import prepare_batches, text_length_limit
 from .experts import make_source
 
 __all__ = ["DEFAULT_GRID", "TuningResult", "train_holdout_split", "tune_featcal"]
@@ -189,16 +195,20 @@ def tune_featcal(
     # opened, bin-only checkpoints loaded) and the batches (one set per distinct sampling setting).
     base_source = None if base_model is None else make_source(base_model, "base_model")
     expert_sources = {task: make_source(expert, f"experts[{task!r}]", base_source) for task, expert in experts.items()}
-    main_input_name = get_layer_map(merged_model, "merged_model").main_input_name
+    layer_map = get_layer_map(merged_model, "merged_model")
+    main_input_name, merged_config = layer_map.main_input_name, layer_map.tower_config(model_config(merged_model))
     prepared: dict[tuple[Any, ...], dict[str, Any]] = {}
 
     def batches_for(config: FeatCalConfig) -> Mapping[str, Any]:
-        key = (config.num_samples_per_task, config.batch_size, config.seed)
+        key = (config.num_samples_per_task, config.batch_size, config.seed, config.max_length)
         if key not in prepared:
+            processing_class = kwargs.get("processing_class")
+            max_length = text_length_limit(config.max_length, merged_config, processing_class)
             prepared[key] = {
                 task: prepare_batches(task, data, main_input_name=main_input_name, num_samples=config.num_samples_per_task,
                                       batch_size=config.batch_size, seed=config.seed,
-                                      data_collator=kwargs.get("data_collator"), processing_class=kwargs.get("processing_class"))
+                                      data_collator=kwargs.get("data_collator"), processing_class=processing_class,
+                                      max_length=max_length)
                 if task in expert_sources else data
                 for task, data in calibration_data.items()
             }
@@ -248,13 +258,15 @@ def _better(score: float, best: float, greater_is_better: bool) -> bool:
 
 
 def train_holdout_split(dataset: Any, num_validation: int | float, seed: int = 0) -> tuple[Any, Any]:
-    """Cut a task's **train** ``datasets.Dataset`` into (calibration part, held-out validation part).
+    """Cut a task's ``datasets.Dataset`` into two disjoint parts (first, held-out part).
 
-    The two parts are disjoint (one shuffle with `seed`); use the first for FeatCal's calibration
-    data and the second in ``validation_fn``.
+    One shuffle with `seed`. Use it on data the experts never trained on: a validation split (one
+    part to tune on, the other to report), or a train split only when the experts were trained
+    without the held-out part — experts trained on a whole train split have memorised it, and
+    scores there hide what calibration costs a task.
 
     Args:
-        dataset: the train split.
+        dataset: the split to cut.
         num_validation: held-out examples (an int) or fraction (a float in (0, 1)).
         seed: shuffle seed.
     """

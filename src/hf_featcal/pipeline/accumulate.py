@@ -115,8 +115,13 @@ def module_weights(ctx: RunContext, plan: BlockPlan, name: str, weighted: bool, 
     weights = ctx.layer_map.input_weights(name, state)
     if not weighted:
         return weights
-    factor = torch.full_like(weights, ctx.config.final_block_token_weight)
-    factor[:, plan.pooled_token_index] = 1.0
+    return pooled_weighting(weights, plan.pooled_token_index, ctx.config.final_block_token_weight)
+
+
+def pooled_weighting(weights: Tensor, pooled_token_index: int, other_token_weight: float) -> Tensor:
+    """Token weights (B, N) with every token but the pooled one scaled by `other_token_weight`."""
+    factor = torch.full_like(weights, other_token_weight)
+    factor[:, pooled_token_index] = 1.0
     return weights * factor
 
 

@@ -25,7 +25,8 @@ LOGGER = logging.getLogger("hf_featcal.calibrator")
 
 
 class FeatCalWarning(UserWarning):
-    """A module whose solution is set by the ridge rather than by the data."""
+    """A result to look at: a module whose solution is set by the ridge rather than by the data, or a
+    task whose head reads features that calibration moved away from its expert's."""
 
 
 class FeatCalError(ValueError):

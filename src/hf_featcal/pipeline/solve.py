@@ -9,9 +9,11 @@ from torch import Tensor, nn
 
 from ..experts import ModelSource
 from ..solver import (
+    SINGULAR_RTOL,
     anchor,
     gram_is_singular,
     linear_objective_decrease,
+    ridge_settles_null_directions,
     solve_layer_norm,
     solve_linear_bias,
     solve_linear_weights,
@@ -54,17 +56,21 @@ def solve_block(
         names = list(stats.modules)
         work = ctx.workspace(stats.gram_sum)  # the singularity test's and the solve's factorisations
         check_finite(stats.gram_sum, f"features entering {where}, module {', '.join(names)}")
-        if stats.weighted_tokens < stats.dim:
+        # tokens counted by their weights: the pooled last block's other tokens (weight 0.01) add
+        # almost nothing to the Gram, however many there are
+        if stats.effective_tokens < stats.dim:
             warnings.warn(
-                f"{where}, modules {names}: {stats.weighted_tokens} weighted tokens for input dimension "
-                f"{stats.dim}; the solution there is set by the ridge.",
+                f"{where}, modules {names}: {stats.effective_tokens:.4g} weighted tokens for input dimension "
+                f"{stats.dim} (each token counted by its weight, summed over tasks); the solution there is "
+                "set by the ridge: give more calibration examples.",
                 FeatCalWarning,
                 stacklevel=_WARNING_STACKLEVEL,
             )
-        elif gram_is_singular(stats.gram_sum, work=work):
+        elif not ridge_settles_null_directions(stats.gram_sum, lam + eps) and gram_is_singular(stats.gram_sum, work=work):
             warnings.warn(
-                f"{where}, modules {names}: the input Gram is numerically singular; the solution in its "
-                "null directions is set by the ridge.",
+                f"{where}, modules {names}: the input Gram is numerically singular and λ + ε = {lam + eps:.3g} is "
+                f"below {SINGULAR_RTOL:g} of its norm: the solution in its null directions is set by ε and "
+                "round-off, not by the data or the anchor; raise lambda_ratio.",
                 FeatCalWarning,
                 stacklevel=_WARNING_STACKLEVEL,
             )
