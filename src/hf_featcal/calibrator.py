@@ -76,7 +76,8 @@ class FeatCalCalibrator:
         show_progress: show a progress bar per block.
         checkpoint_dir: persist progress there after every block; re-running with the same arguments
             after an interruption continues from the last finished block (same result as an
-            uninterrupted run). A checkpoint of a different run is refused.
+            uninterrupted run). A checkpoint of a different run is refused, and so is one whose files
+            changed since they were written (each is checked against a SHA-256 recorded then).
         allow_inferred_layer_map: for an architecture without a registered layer map, infer its
             blocks from `_no_split_modules` (with a warning naming what was found) instead of raising.
 

@@ -1,10 +1,12 @@
 """Resume: after each block, persist what is needed to continue, tied to a fingerprint of the run.
 
-A checkpoint folder holds `state.json` (format, fingerprint, last finished block), one safetensors
-file of calibrated parameters per finished block, and per process one safetensors file with the
-feature streams entering the next block; the streams' structure (and the drift report and solve
-log so far) is JSON in that file's metadata. Nothing is ever unpickled: a tampered folder can at
-worst be refused.
+A checkpoint folder holds `state.json` (format, fingerprint, last finished block, the SHA-256 of
+every block file), one safetensors file of calibrated parameters per finished block, and per process
+one safetensors file with the feature streams entering the next block; the streams' structure (and
+the drift report and solve log so far) is JSON in that file's metadata, with a SHA-256 of the
+structure and every stream tensor. Nothing is ever unpickled: a tampered folder can at worst be
+refused, and a file whose bytes changed since its commit (bit rot, an edited shared folder) is
+refused before anything is written to the model.
 
 Each block is committed atomically: its parameter and stream files are written under names of
 their own (via temporary names), then `state.json` is replaced in one `os.replace`, which is the
@@ -14,11 +16,13 @@ either the old or the new state, both complete.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +34,7 @@ from torch import Tensor
 from .streams import StreamBatch
 
 STATE_NAME = "state.json"
-FORMAT = 2  # 1: pickled streams (streams-rank<r>.pt), never read
+FORMAT = 3  # 1: pickled streams (streams-rank<r>.pt), never read; 2: no digests of the files, not resumed
 
 try:  # a dependency of `datasets`; ~10x faster than the hashlib fallback
     import xxhash
@@ -57,9 +61,9 @@ def tensor_digest(hasher: Any, name: str, tensor: Tensor) -> None:
     hasher.update(memoryview(data.contiguous().view(torch.uint8).numpy()))
 
 
-def file_digest(path: str, chunk: int = 1 << 24) -> str:
-    """A content hash of a file (read in chunks, never held whole)."""
-    hasher = _new_hasher()
+def file_digest(path: str, chunk: int = 1 << 24, hasher: Any = None) -> str:
+    """A content hash of a file (read in chunks, never held whole); xxh3 unless `hasher` is given."""
+    hasher = _new_hasher() if hasher is None else hasher
     with open(path, "rb") as handle:
         while block := handle.read(chunk):
             hasher.update(block)
@@ -119,6 +123,7 @@ class CheckpointFolder:
     def __init__(self, path: str | os.PathLike, digest: str, rank: int, is_main: bool, device: torch.device) -> None:
         self.path, self.digest, self.rank, self.is_main = os.fspath(path), digest, rank, is_main
         self.device = device
+        self._block_sha256: dict[int, str] = {}  # finished block → SHA-256 of its file's bytes, as committed
 
     # ------------------------------------------------------------------ names
     def _block_file(self, finished: int) -> str:
@@ -129,6 +134,18 @@ class CheckpointFolder:
 
     def _damaged(self, what: str, err: Exception | str) -> ValueError:
         return ValueError(f"`checkpoint_dir` {self.path!r} is damaged ({what}: {err}); delete it to start over.")
+
+    @contextlib.contextmanager
+    def _writing(self, path: str) -> Iterator[None]:
+        """A failure of the disk while writing `path` (full, a file-size limit, read-only) told as what
+        it is, naming the folder and the file, instead of a bare OSError / SafetensorError."""
+        try:
+            yield
+        except (OSError, SafetensorError) as err:
+            raise OSError(
+                f"`checkpoint_dir` {self.path!r}: cannot write {os.path.basename(path)} ({_disk_error(err)}). "
+                "Free space there or pass another folder; the blocks committed before stay resumable."
+            ) from err
 
     # ------------------------------------------------------------------ read
     def load(self, parameter_shapes: Mapping[str, tuple[int, ...]]) -> ResumePoint | None:
@@ -150,7 +167,7 @@ class CheckpointFolder:
         if state.get("format") != FORMAT:
             raise ValueError(
                 f"`checkpoint_dir` {self.path!r} was written by an older hf_featcal (pickled streams, which are "
-                "never loaded); delete it to start over."
+                "never loaded, or block files without digests to verify them); delete it to start over."
             )
         if state.get("fingerprint") != self.digest:
             raise ValueError(
@@ -160,18 +177,23 @@ class CheckpointFolder:
         finished = state.get("finished_blocks")
         if isinstance(finished, bool) or not isinstance(finished, int) or finished < 1:
             raise self._damaged(STATE_NAME, f"finished_blocks is {finished!r}")
+        recorded = state.get("block_sha256")
+        if not isinstance(recorded, dict):
+            raise self._damaged(STATE_NAME, f"block_sha256 is {recorded!r}")
         for index in range(1, finished + 1):
-            self._check_block(index, parameter_shapes)
+            self._check_block(index, parameter_shapes, recorded)
         return ResumePoint(finished, self._load_streams(finished))
 
-    def _check_block(self, index: int, parameter_shapes: Mapping[str, tuple[int, ...]]) -> None:
-        """Refuse block file `index` unless it opens and every tensor in it names a parameter of
-        the model, with the parameter's shape (header only: no tensor data is read)."""
+    def _check_block(self, index: int, parameter_shapes: Mapping[str, tuple[int, ...]], recorded: Mapping[str, Any]) -> None:
+        """Refuse block file `index` unless it opens, every tensor in it names a parameter of the
+        model, with the parameter's shape (its header, which tells what is wrong most clearly), and
+        its bytes are those committed (the SHA-256 `recorded` in `state.json`)."""
         path = self._block_file(index)
         name = os.path.basename(path)
         try:
             with safe_open(path, framework="pt") as handle:
                 shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+            actual = file_digest(path, hasher=hashlib.sha256())
         except (OSError, SafetensorError) as err:
             raise self._damaged(name, err) from None
         for key, shape in shapes.items():
@@ -179,17 +201,28 @@ class CheckpointFolder:
                 raise self._damaged(name, f"{key!r} is not a parameter of the model")
             if shape != tuple(parameter_shapes[key]):
                 raise self._damaged(name, f"{key!r} has shape {list(shape)}, the model's parameter {list(parameter_shapes[key])}")
+        if recorded.get(name) != actual:
+            raise self._damaged(
+                name, f"its contents are not those committed with block {index} (SHA-256 {actual}, recorded {recorded.get(name)})"
+            )
+        self._block_sha256[index] = actual
 
     def read_block(self, index: int) -> dict[str, Tensor]:
-        """The calibrated parameters of finished block `index` (1-based), checked by `load` before.
-        The tensors are views of the memory-mapped file, which stays mapped exactly as long as the
-        caller holds any of them: drop them before reading the next block."""
+        """The calibrated parameters of finished block `index` (1-based), checked by `load` before;
+        refused (naming the file) if any value is not finite. The tensors are views of the
+        memory-mapped file, which stays mapped exactly as long as the caller holds any of them: drop
+        them before reading the next block."""
         path = self._block_file(index)
+        name = os.path.basename(path)
         try:
             with safe_open(path, framework="pt") as handle:
-                return {key: handle.get_tensor(key) for key in handle.keys()}
+                tensors = {key: handle.get_tensor(key) for key in handle.keys()}
         except (OSError, SafetensorError) as err:  # e.g. the file went away after `load`
-            raise self._damaged(os.path.basename(path), err) from None
+            raise self._damaged(name, err) from None
+        for key, value in tensors.items():
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise self._damaged(name, f"{key!r} holds NaN or Inf values")
+        return tensors
 
     def _load_streams(self, finished: int) -> dict[str, Any]:
         path = self._streams_file(finished)
@@ -198,6 +231,8 @@ class CheckpointFolder:
             with safe_open(path, framework="pt") as handle:
                 metadata = handle.metadata() or {}
                 tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+            if metadata["sha256"] != _streams_digest(metadata["structure"], tensors):
+                raise ValueError("its contents are not those committed (SHA-256 of the streams differs)")
             structure = json.loads(metadata["structure"])
             return _decode(structure, tensors, {}, self.device)
         except (OSError, SafetensorError, KeyError, ValueError, TypeError) as err:
@@ -211,22 +246,49 @@ class CheckpointFolder:
         os.makedirs(self.path, exist_ok=True)
         if self.is_main:
             cpu = _unshared({k: v.detach().to("cpu").contiguous() for k, v in parameters.items()})
-            _atomic(self._block_file(finished_blocks), lambda p: save_file(cpu, p))
+            block = self._block_file(finished_blocks)
+
+            def write_block(path: str) -> None:
+                save_file(cpu, path)
+                self._block_sha256[finished_blocks] = file_digest(path, hasher=hashlib.sha256())
+
+            with self._writing(block):
+                _atomic(block, write_block)
         tensors: dict[str, Tensor] = {}
-        structure = _encode(streams, tensors, {}, {})
-        metadata = {"structure": json.dumps(structure), "finished_blocks": str(finished_blocks)}
+        structure = json.dumps(_encode(streams, tensors, {}, {}))
         tensors = _unshared(tensors)
-        _atomic(self._streams_file(finished_blocks), lambda p: save_file(tensors, p, metadata=metadata))
+        metadata = {"structure": structure, "finished_blocks": str(finished_blocks), "sha256": _streams_digest(structure, tensors)}
+        with self._writing(self._streams_file(finished_blocks)):
+            _atomic(self._streams_file(finished_blocks), lambda p: save_file(tensors, p, metadata=metadata))
         barrier()
         if self.is_main:
-            state = {"format": FORMAT, "fingerprint": self.digest, "finished_blocks": finished_blocks}
-            commit_state(os.path.join(self.path, STATE_NAME), state)
+            committed = {os.path.basename(self._block_file(i)): self._block_sha256[i] for i in range(1, finished_blocks + 1)}
+            state = {"format": FORMAT, "fingerprint": self.digest, "finished_blocks": finished_blocks, "block_sha256": committed}
+            with self._writing(STATE_NAME):
+                commit_state(os.path.join(self.path, STATE_NAME), state)
         barrier()
         own = f"streams-rank{self.rank}-block"
         keep = os.path.basename(self._streams_file(finished_blocks))
         for name in os.listdir(self.path):
             if name.startswith(own) and name != keep:
                 os.remove(os.path.join(self.path, name))
+
+
+def _streams_digest(structure: str, tensors: Mapping[str, Tensor]) -> str:
+    """SHA-256 of a streams file's structure and every tensor in it (names, shapes, dtypes, bytes)."""
+    hasher = hashlib.sha256(structure.encode())
+    for key in sorted(tensors):
+        tensor_digest(hasher, key, tensors[key])
+    return hasher.hexdigest()
+
+
+def _disk_error(err: Exception) -> str:
+    """What went wrong in plain words: an OSError's text, or the OS message safetensors wraps
+    (`Error while serializing: I/O error: No space left on device (os error 28)`)."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.strerror}, errno {err.errno}"
+    found = re.search(r"I/O error: (.+) \(os error (\d+)\)", str(err))
+    return f"{found.group(1)}, errno {found.group(2)}" if found else str(err)
 
 
 def commit_state(path: str, state: dict) -> None:

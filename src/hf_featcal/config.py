@@ -127,8 +127,9 @@ class FeatCalConfig:
         default="memory",
         metadata={
             "help": "Where the copy of the merged model kept to restore it if calibration fails is held: "
-            "'memory' (host RAM; fastest) or 'disk' (safetensors files in a temporary folder, read back "
-            "memory-mapped only to restore and removed at the end; for models larger than host RAM). "
+            "'memory' (host RAM; fastest) or 'disk' (safetensors files in a temporary folder, memory-mapped "
+            "as they are written so a temp-folder cleaner cannot take them, read only to restore and removed "
+            "at the end; for models larger than host RAM). "
             "Does not change results."
         },
     )

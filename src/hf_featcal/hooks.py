@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import mmap
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import RESTORE_SNAPSHOTS
+from .interrupts import interrupts_deferred
 from .streams import StopForward, module_input
 
 
@@ -134,11 +138,13 @@ def eval_mode(*modules: nn.Module) -> Iterator[None]:
 #: a disk snapshot is written in files of about this size, so that a model on an accelerator passes
 #: through host memory one file at a time
 SNAPSHOT_FILE_BYTES = 256 * 2**20
-#: dtypes a safetensors file holds (anything else, e.g. a complex buffer, stays in host memory)
-_SAFETENSORS_DTYPES = {
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool,
+#: dtypes a safetensors file holds, by their names in its header (anything else, e.g. a complex
+#: buffer, stays in host memory)
+_SAFETENSORS_NAMES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }
+_SAFETENSORS_DTYPES = set(_SAFETENSORS_NAMES.values())
 
 
 @contextlib.contextmanager
@@ -154,8 +160,12 @@ def restore_on_failure(
 
     `snapshot` says where the copy is kept: "memory" (a CPU copy in host RAM; fastest) or "disk"
     (safetensors files in a new temporary folder under `tempfile.gettempdir()`, i.e. `TMPDIR`,
-    read back memory-mapped only to restore). The folder is removed on exit, on success and on
-    failure alike.
+    each memory-mapped from the moment it is written and read through that mapping only to restore,
+    so a temp-folder cleaner deleting them during a long run takes nothing away). The folder is
+    removed on exit, on success and on failure alike.
+
+    The restore runs with SIGINT deferred (`interrupts_deferred`): a second Ctrl-C while the model is
+    being put back waits until it is back, then raises KeyboardInterrupt.
 
     With "memory", a named parameter on the CPU that shares its memory with no other tensor of the
     model is not copied into the snapshot: the snapshot keeps its memory and the parameter goes on
@@ -199,7 +209,7 @@ def restore_on_failure(
         try:
             yield
         except BaseException:
-            with torch.no_grad(), store.reading():
+            with interrupts_deferred(), torch.no_grad():
                 for module, kind, attr, tensor in slots:
                     getattr(module, kind)[attr] = tensor
                 for index, (ident, tensor) in enumerate(unique.items()):
@@ -254,10 +264,6 @@ class _MemorySnapshot:
     def finish(self) -> None:
         pass
 
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[None]:
-        yield
-
     def read(self, key: str) -> Tensor:
         return self._values[key]
 
@@ -268,16 +274,23 @@ class _MemorySnapshot:
 class _DiskSnapshot:
     """Copies of tensors in safetensors files of a new temporary folder (removed by `close`). Files are
     written about `SNAPSHOT_FILE_BYTES` at a time: CPU tensors are written from their own memory, others
-    copied to the host one file's worth at a time; `reading()` maps the files for `read`."""
+    copied to the host one file's worth at a time.
+
+    Each file is memory-mapped as soon as it is written, and `read` reads through that mapping, never
+    by name: a file deleted from the folder meanwhile (a temp-folder cleaner; the folder itself
+    removed) stays readable as long as it is mapped (POSIX keeps an unlinked file's data while it is
+    open; Windows refuses to delete it). Keeping the files visible, rather than unlinked at once,
+    leaves the disk space they take where a user looking for it finds it."""
 
     def __init__(self) -> None:
         self.folder = tempfile.mkdtemp(prefix="hf_featcal-restore-")
         self._files: dict[str, str] = {}  # key → file
+        self._maps: list[mmap.mmap] = []
+        self._entries: dict[str, tuple[mmap.mmap, torch.dtype, list[int], int, int]] = {}  # key → where it lies
         self._in_memory = _MemorySnapshot()  # dtypes safetensors does not store
         self._pending: dict[str, Tensor] = {}
         self._pending_bytes = 0
         self._pending_storages: set[tuple[int, int]] = set()
-        self._tensors: Any = None
 
     def add(self, key: str, tensor: Tensor) -> None:
         tensor = tensor.detach()
@@ -307,7 +320,8 @@ class _DiskSnapshot:
         path = os.path.join(self.folder, f"snapshot-{len(set(self._files.values())):05d}.safetensors")
         try:
             save_file(self._pending, path)
-        except (OSError, SafetensorError) as err:
+            self._map(path)
+        except (OSError, SafetensorError, ValueError) as err:
             raise OSError(
                 f"FeatCalConfig.restore_snapshot='disk': cannot write the restore snapshot in {self.folder!r} "
                 f"({err}); free space there, set TMPDIR to a larger folder, or use restore_snapshot='memory'."
@@ -315,26 +329,39 @@ class _DiskSnapshot:
         self._files.update(dict.fromkeys(self._pending, path))
         self._pending, self._pending_bytes, self._pending_storages = {}, 0, set()
 
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[None]:
-        from .model_io import LazyTensors
-
-        with LazyTensors(self._files) as tensors:  # one memory-mapped handle per file while restoring
-            self._tensors = tensors
-            try:
-                yield
-            finally:
-                self._tensors = None
+    def _map(self, path: str) -> None:
+        """Map the file just written and note where each tensor lies in it (the safetensors layout: an
+        8-byte little-endian header length, the JSON header, then the data; safetensors itself only
+        reads files by name)."""
+        with open(path, "rb") as handle:
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)  # holds the file on its own
+        self._maps.append(mapped)
+        length = int.from_bytes(mapped[:8], "little")
+        header = json.loads(mapped[8 : 8 + length])
+        for key, entry in header.items():
+            if key != "__metadata__":
+                start, stop = entry["data_offsets"]
+                self._entries[key] = (mapped, _SAFETENSORS_NAMES[entry["dtype"]], entry["shape"], 8 + length + start, stop - start)
 
     def read(self, key: str) -> Tensor:
-        if key not in self._files:
+        if key not in self._entries:
             return self._in_memory.read(key)
-        assert self._tensors is not None, "read() outside reading()"
-        return self._tensors.read(key).clone()  # safetensors' tensor maps the file, which `close` removes
+        mapped, dtype, shape, offset, size = self._entries[key]
+        if size == 0:
+            return torch.empty(shape, dtype=dtype)
+        with warnings.catch_warnings():  # the mapping is read-only; the copy below is what is used
+            warnings.simplefilter("ignore", UserWarning)
+            view = torch.frombuffer(mapped, dtype=dtype, count=size // dtype.itemsize, offset=offset)
+        return view.reshape(shape).clone()
 
     def close(self) -> None:
         self._pending.clear()
         self._in_memory.close()
+        self._entries.clear()
+        for mapped in self._maps:
+            with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
+                mapped.close()
+        self._maps.clear()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 

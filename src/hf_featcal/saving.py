@@ -22,6 +22,8 @@ from typing import Any
 
 from torch import nn
 
+from .interrupts import interrupts_deferred
+
 logger = logging.getLogger(__name__)
 
 #: Files a model save writes (weights, shard indexes, configs, tokenizer / processor files, model card,
@@ -115,7 +117,7 @@ def _put_in_place(staging: str, target: str) -> None:
 
 def _swap_files(staging: str, target: str) -> None:
     """Rename the earlier save's files of `target` aside, those of `staging` in, then delete the old ones;
-    on a failure, rename everything back."""
+    on a failure, rename everything back (SIGINT deferred meanwhile: see `interrupts_deferred`)."""
     new = os.listdir(staging)
     old = [name for name in os.listdir(target) if _is_model_file(name) or name in new]
     previous = _sibling(target, "previous")
@@ -130,12 +132,13 @@ def _swap_files(staging: str, target: str) -> None:
             os.rename(os.path.join(staging, name), os.path.join(target, name))
             moved_in.append(name)
     except BaseException:
-        for name in reversed(moved_in):
-            os.rename(os.path.join(target, name), os.path.join(staging, name))
-        for name in reversed(moved_out):
-            os.rename(os.path.join(previous, name), os.path.join(target, name))
-        with contextlib.suppress(OSError):
-            os.rmdir(previous)  # empty once everything is back (else it keeps the old files: never deleted)
+        with interrupts_deferred():  # a second Ctrl-C waits until the folder is back as it was
+            for name in reversed(moved_in):
+                os.rename(os.path.join(target, name), os.path.join(staging, name))
+            for name in reversed(moved_out):
+                os.rename(os.path.join(previous, name), os.path.join(target, name))
+            with contextlib.suppress(OSError):
+                os.rmdir(previous)  # empty once everything is back (else it keeps the old files: never deleted)
         raise
     shutil.rmtree(previous, ignore_errors=True)
     os.rmdir(staging)
