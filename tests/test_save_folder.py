@@ -360,3 +360,21 @@ def test_saving_into_a_folder_the_run_reads_is_refused(calibrator_of_folders, tm
     assert str(info.value).startswith(f"`output_dir` {str(tmp_path / where)!r} {relation} the folder of `{argument}`")
     assert {name: _snapshot(tmp_path / name) for name in inputs} == inputs
     assert not (tmp_path / "base" / "calibrated").exists()
+
+
+def test_a_file_put_beside_a_save_is_not_replaced_without_overwrite(calibrator, tmp_path):
+    """A later save that would write a name the earlier save did not (the user's file now): refused,
+    nothing changed; with overwrite=True it is replaced, as documented."""
+    from transformers import CLIPImageProcessor
+
+    out = tmp_path / "calibrated"
+    calibrator.save_model(out)
+    (out / "preprocessor_config.json").write_text('{"mine": true}')
+    before = _snapshot(out)
+    processor = CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
+    with pytest.raises(ValueError, match=r"this save writes \['preprocessor_config.json'\], which the earlier save there did not write"):
+        calibrator.save_model(out, processing_class=processor)
+    assert _snapshot(out) == before and _leftovers(tmp_path) == [] and _leftovers(out) == []
+    calibrator.save_model(out, processing_class=processor, overwrite=True)
+    assert "preprocessor_config.json" in read_manifest(out)
+    assert "mine" not in (out / "preprocessor_config.json").read_text()

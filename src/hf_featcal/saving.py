@@ -245,16 +245,23 @@ def _put_in_place(staging: str, target: str, argument: str, overwrite: bool) -> 
         staging = inner
     else:
         check_output_dir(target, argument, overwrite=overwrite)  # changed since the up-front check?
-    _swap_files(staging, target, overwrite)
+    _swap_files(staging, target, overwrite, argument)
 
 
-def _swap_files(staging: str, target: str, overwrite: bool) -> None:
+def _swap_files(staging: str, target: str, overwrite: bool, argument: str = "output_dir") -> None:
     """Rename aside the entries of `target` that the previous manifest lists or that this save
     rewrites, rename those of `staging` (a folder inside `target`) in, then delete the old ones; on a
     failure, rename everything back."""
     new = os.listdir(staging)
     previous_save = read_manifest(target) or []
     present = set(os.listdir(target))
+    added = sorted(name for name in new if name in present and name not in previous_save)
+    if added and not overwrite and previous_save:  # files put beside the earlier save, named as this save's
+        raise ValueError(
+            f"`{argument}` {target!r}: this save writes {added}, which the earlier save there did not write "
+            "(they are someone else's). Move them, or pass overwrite=True (CLI: --overwrite; recipe: overwrite: true) "
+            "to replace them."
+        )
     old = [name for name in dict.fromkeys([*previous_save, *new]) if name in present]
     if overwrite:
         left = sorted(name for name in present if _is_weight_file(name) and name not in new and name not in old)
