@@ -242,7 +242,12 @@ def _put_in_place(staging: str, target: str, argument: str, overwrite: bool) -> 
         check_output_dir(target, argument, overwrite=overwrite)
         inner = os.path.join(target, f"{_TEMPORARY_PREFIX}saving-{uuid.uuid4().hex[:12]}")
         os.rename(staging, inner)  # same parent file system: the target was created beside it
-        staging = inner
+        try:
+            _swap_files(inner, target, overwrite, argument)
+        except BaseException:
+            shutil.rmtree(inner, ignore_errors=True)
+            raise
+        return
     else:
         check_output_dir(target, argument, overwrite=overwrite)  # changed since the up-front check?
     _swap_files(staging, target, overwrite, argument)
