@@ -27,6 +27,9 @@ def main(output: str, family: str = "clip") -> None:
     calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(compute_dtype="float64"), show_progress=False)
     calibrator.calibrate()
     calibrator.save_model(output)  # writes on the main process only
+    # the rank files go beside the finished save (into a folder holding anything but an earlier save, a
+    # save is refused)
+    calibrator.state.wait_for_everyone()
     rank = calibrator.state.process_index
     os.makedirs(output, exist_ok=True)  # save_model creates it on the main process only
     state = {k: v.clone() for k, v in merged.state_dict().items()}

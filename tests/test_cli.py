@@ -184,19 +184,86 @@ def test_run_recipe_end_to_end(world, capsys):
     assert "| zorbs | mean |" in capsys.readouterr().out
 
 
-def test_run_pushes_the_output_folder(world, monkeypatch, capsys):
-    pushed = []
-    monkeypatch.setattr(recipes, "upload_folder", lambda folder, repo: pushed.append((folder, sorted(os.listdir(folder)))))
-    recipe = _recipe(world, evaluation=False, output_dir=str(world / "pushed"))
-    path = _write(world / "push.yaml", recipe)
-    assert cli.main(["run", path, "--quiet", "--push-to-hub", "me/tiny-featcal"]) == 0
+def _hub_stand_in(monkeypatch) -> dict:
+    """The hub cannot be reached here: record what huggingface_hub's `create_repo` and `upload_folder`
+    receive, with every file under the uploaded folder as `upload_folder` reads it (no patterns given)."""
+    from huggingface_hub import HfApi
+
+    calls: dict = {"create_repo": [], "upload_folder": []}
+
+    def create_repo(self, repo_id, **kwargs):
+        calls["create_repo"].append((repo_id, kwargs))
+
+    def upload_folder(self, *, repo_id, folder_path, commit_message=None, **kwargs):
+        assert kwargs.get("allow_patterns") is None and kwargs.get("ignore_patterns") is None
+        files = {os.path.relpath(os.path.join(root, name), folder_path): open(os.path.join(root, name), "rb").read()
+                 for root, _, names in os.walk(folder_path) for name in names}
+        calls["upload_folder"].append((repo_id, files, kwargs))
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    return calls
+
+
+def test_run_pushes_exactly_the_files_of_the_save(world, monkeypatch, capsys):
+    """The output folder also holds the user's `.env`, a private subfolder and notes: the run refuses
+    it unless --overwrite, then pushes only the files of this save (the manifest's), with no local path
+    in them, to a repo created private with --private; the user's files stay untouched."""
+    from hf_featcal.saving import read_manifest
+
+    calls = _hub_stand_in(monkeypatch)
+    out = world / "pushed"
+    (out / "private").mkdir(parents=True)
+    (out / ".env").write_text("HF_TOKEN=hf_secret\n")
+    (out / "private" / "notes.txt").write_text("secret plans")
+    path = _write(world / "push.yaml", _recipe(world, evaluation=False, output_dir=str(out)))
+
+    assert cli.main(["run", path, "--quiet", "--push-to-hub", "me/tiny-featcal"]) == 2
+    err = capsys.readouterr().err
+    assert "output_dir: " in err and "is not an earlier hf_featcal save" in err and "it holds: .env, private" in err
+    assert "Loading" not in err and calls["upload_folder"] == []  # refused before any work
+
+    assert cli.main(["run", path, "--quiet", "--push-to-hub", "me/tiny-featcal", "--private", "--overwrite"]) == 0
     assert "Pushed to https://huggingface.co/me/tiny-featcal" in capsys.readouterr().out
-    (folder, files), = pushed
-    assert folder == str(world / "pushed")
+    assert calls["create_repo"] == [("me/tiny-featcal", {"private": True, "exist_ok": True})]
+    (repo, files, kwargs), = calls["upload_folder"]
+    assert repo == "me/tiny-featcal"
+    assert sorted(files) == sorted(read_manifest(out))
     assert {"README.md", "config.json", "model.safetensors", "featcal_drift.png", "featcal_recipe.yaml"} <= set(files)
-    assert "featcal_evaluation.json" not in files  # evaluation: false
+    assert not [name for name in files if name.startswith((".env", "private"))]
+    for name, content in files.items():
+        assert str(world).encode() not in content, f"{name} publishes a local path"
+    pushed_recipe = yaml.safe_load(files["featcal_recipe.yaml"])
+    assert pushed_recipe["base"] == "<local>/base" and pushed_recipe["output_dir"] == "<local>/pushed"
+    assert yaml.safe_load((out / "featcal_recipe.yaml").read_text())["base"] == str(world / "base")  # kept locally
+    assert (out / ".env").read_text() == "HF_TOKEN=hf_secret\n" and (out / "private" / "notes.txt").exists()
+    assert not [name for name in os.listdir(out) if name.startswith(".featcal-")]
+
     assert cli.main(["run", path, "--quiet", "--push-to-hub", "me/tiny-featcal", "--no-push"]) == 0
-    assert len(pushed) == 1
+    assert len(calls["upload_folder"]) == 1
+
+
+def test_an_output_folder_the_run_reads_is_refused_before_any_work(world, capsys):
+    """merge / calibrate / run into (or inside) one of their inputs: exit 2 naming the option or key,
+    before anything is loaded; the input is untouched."""
+    experts = [arg for task in TASKS for arg in ("--expert", f"{task}={world / 'experts' / task}")]
+    data = [arg for task in TASKS for arg in ("--data", f"{task}={world / 'data' / task}")]
+    before = sorted(os.listdir(world / "base"))
+    assert cli.main(["merge", "--base", str(world / "base"), *experts, "--output-dir", str(world / "base")]) == 2
+    err = capsys.readouterr().err
+    assert f"--output-dir: {str(world / 'base')!r} is the folder of `--base`" in err and "Merging" not in err
+    assert cli.main(["calibrate", "--model", str(world / "base"), *experts, *data, "--quiet",
+                     "--output-dir", str(world / "experts" / "zorbs" / "calibrated")]) == 2
+    err = capsys.readouterr().err
+    assert "lies inside the folder of `--expert zorbs`" in err and "Loading" not in err
+    path = _write(world / "into-data.yaml", _recipe(world, output_dir=str(world / "data")))
+    assert cli.main(["run", path, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "output_dir: " in err and "contains the folder of `calibration.tasks.zorbs.dataset`" in err and "Loading" not in err
+    with pytest.raises(RecipeError, match="contains the folder of"):
+        recipes.run_recipe(load_recipe(path), log=lambda message: None)
+    assert sorted(os.listdir(world / "base")) == before
+    assert not os.path.exists(world / "experts" / "zorbs" / "calibrated")
 
 
 def test_merge_then_calibrate_commands(world, capsys):
@@ -317,6 +384,8 @@ BAD = [
                                                       "templates": {"zorbs": ["a photo of {}"]}}}),
     ("evaluation.split", {"evaluation": {"split": "train", "class_names": {"zorbs": ["a", "b", "c"], "glyphs": ["x", "y"]}}}),
     ("push_to_hub", {"push_to_hub": "not a repo"}),
+    ("private", {"private": "yes"}),
+    ("overwrite", {"overwrite": 1}),
     ("surprise", {"surprise": 1}),
 ]
 

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from .architectures import LayerMap, get_layer_map, model_config, supported_model_types
 from .architectures.auto import infer_layer_map
-from .checkpointing import check_writable_folder, fingerprint
+from .checkpointing import fingerprint
 from .config import FeatCalConfig
 from .cpu_gemm import gemm_library
 from .cpu_memory import reuse_freed_memory
@@ -45,6 +45,7 @@ from .pipeline.solve import solve_block
 from .pipeline.steps import forward_order, module_steps
 from .pipeline.write import write_block
 from .report import DriftReport, build_model_card
+from .saving import check_writable_folder
 from .streams import StreamBatch
 
 __all__ = ["FeatCalCalibrator", "FeatCalError", "FeatCalWarning", "model_type_of"]
@@ -126,6 +127,7 @@ class FeatCalCalibrator:
         tasks = check_tasks(experts, calibration_data)
         gemm_library()  # a bad HF_FEATCAL_CPU_GEMM is refused here, before anything is loaded
         self.tasks = tasks
+        self._calibration_data = {task: calibration_data[task] for task in tasks}  # for `input_folders`
         # the selection is checked before anything is loaded; it is grouped into plans once the
         # layer map has seen the batches
         selection = select_modules(self.layer_map, self.context.tower, config)
@@ -277,36 +279,72 @@ class FeatCalCalibrator:
             )
         return self.model
 
-    def save_model(self, output_dir: str | os.PathLike, *, processing_class: Any = None) -> None:
+    def save_model(self, output_dir: str | os.PathLike, *, processing_class: Any = None, overwrite: bool = False) -> None:
         """Save the calibrated model with its processing class, model card, drift report and FeatCal
         config in one folder (on the main process only), so that the folder loads as it is with the Auto
         classes, `pipeline(...)` and tools such as lm-evaluation-harness.
 
         Args:
-            output_dir: the folder. It is written as a temporary sibling folder and renamed into place:
-                a failure part-way leaves the previous folder (or none), never a partial one. In an
-                existing folder the files of an earlier save (weights, shards, indexes, tokenizer, card:
-                `hf_featcal.saving.MODEL_FOLDER_PATTERNS`) are replaced, none left stale; other files stay.
+            output_dir: the folder. Checked first (`hf_featcal.saving.check_output_dir`): it must be
+                writable and must not be, lie inside or contain a folder this run reads
+                (`input_folders()`: the base, experts, adapters, the merged model's folder, local
+                datasets, the checkpoint folder). Everything is written into a temporary folder (inside
+                an existing `output_dir`, so a mount point works) and renamed into place: a failure
+                part-way leaves the previous folder (or none), never a partial one. The save records
+                what it wrote in ``featcal_manifest.json``; saving again into the folder replaces exactly
+                those files (no stale shard is left) and keeps every other file.
             processing_class: what to save beside the model (a tokenizer, image processor or
                 processor, or a list of them); default: the calibrator's `processing_class`. open_clip's
                 preprocessing is recorded in `open_clip_config.json` with the model.
+            overwrite: a non-empty `output_dir` that is not an earlier save of this library is refused
+                (naming what it holds) unless True; then the files this save writes replace same-named
+                ones there and every other file is kept.
         """
-        from .saving import atomic_folder, save_model_files
+        from .saving import atomic_folder
 
         if not self._calibrated:
             raise RuntimeError("save_model() needs a calibrated model: call calibrate() first.")
         if not self.state.is_main_process:
             return
         card = self.create_model_card()  # before anything is written: an unreadable source fails here
-        with atomic_folder(output_dir) as folder:
-            save_model_files(
-                self.model, folder, layer_map=self.layer_map,
-                processing_class=self.processing_class if processing_class is None else processing_class,
-            )
-            self.config.save_pretrained(folder)
-            if self._report is not None:
-                self._report.save(folder)
-            card.save(os.path.join(folder, "README.md"))
+        with atomic_folder(output_dir, inputs=self.input_folders(), overwrite=overwrite) as folder:
+            self.write_model_folder(folder, processing_class=processing_class, card=card)
+
+    def write_model_folder(self, folder: str, *, processing_class: Any = None, card: Any = None) -> None:
+        """Write what `save_model` saves (model, processing classes, FeatCal config, drift report, model
+        card) into `folder` as it is: no checks, not atomic. For code that adds files to the same save
+        inside `hf_featcal.saving.atomic_folder` (the recipes' save stage)."""
+        from .saving import save_model_files
+
+        save_model_files(
+            self.model, folder, layer_map=self.layer_map,
+            processing_class=self.processing_class if processing_class is None else processing_class,
+        )
+        self.config.save_pretrained(folder)
+        if self._report is not None:
+            self._report.save(folder)
+        (self.create_model_card() if card is None else card).save(os.path.join(folder, "README.md"))
+
+    def input_folders(self) -> dict[str, str]:
+        """Argument → local folder (or file) of everything this run reads: the merged model's folder,
+        the base, the experts (and LoRA adapters), local calibration datasets and `checkpoint_dir`.
+        A save into, inside or around any of them is refused (`hf_featcal.saving.check_output_dir`)."""
+        folders: dict[str, str] = {}
+        merged_from = getattr(getattr(self.model, "config", None), "_name_or_path", None) or getattr(self.model, "name_or_path", None)
+        if isinstance(merged_from, str) and os.path.isdir(merged_from):
+            folders["model"] = merged_from
+        sources = {**({"base_model": self.base} if self.base is not None else {}),
+                   **{f"experts[{task!r}]": source for task, source in self.experts.items()}}
+        for argument, source in sources.items():
+            for index, path in enumerate(_source_paths(source)):
+                folders[argument if not index else f"{argument} ({index})"] = path
+        for task, data in self._calibration_data.items():
+            for index, cache in enumerate(getattr(data, "cache_files", None) or []):
+                if isinstance(cache, dict) and cache.get("filename"):
+                    folders[f"calibration_data[{task!r}]" + (f" ({index})" if index else "")] = cache["filename"]
+        if self.checkpoint_dir is not None:
+            folders["checkpoint_dir"] = os.fspath(self.checkpoint_dir)
+        return folders
 
     def push_to_hub(
         self,
@@ -317,24 +355,20 @@ class FeatCalCalibrator:
         commit_message: str = "Upload FeatCal-calibrated merged model",
         processing_class: Any = None,
     ) -> Any:
-        """Upload what `save_model` writes to the hub in one commit (weight files of an earlier upload
-        that this one does not write, e.g. stale shards, are deleted in the same commit)."""
-        from huggingface_hub import HfApi
-
-        from .saving import STALE_WEIGHT_PATTERNS
+        """Upload what `save_model` writes (saved into a fresh temporary folder; local paths redacted) to
+        the hub in one commit, creating the repo (`private` as in `HfApi.create_repo`) if needed; weight
+        files of an earlier upload that this one does not write, e.g. stale shards, are deleted in the
+        same commit (`hf_featcal.saving.push_folder`)."""
+        from .saving import push_folder
 
         if not self._calibrated:
             raise RuntimeError("push_to_hub() needs a calibrated model: call calibrate() first.")
         if not self.state.is_main_process:
             return None
-        api = HfApi(token=token)
-        api.create_repo(repo_id, private=private, exist_ok=True)
         with tempfile.TemporaryDirectory() as staging:
             folder = os.path.join(staging, "model")
             self.save_model(folder, processing_class=processing_class)
-            return api.upload_folder(
-                repo_id=repo_id, folder_path=folder, commit_message=commit_message, delete_patterns=STALE_WEIGHT_PATTERNS
-            )
+            return push_folder(folder, repo_id, private=private, token=token, commit_message=commit_message)
 
     def create_model_card(self) -> Any:
         """The model card (a `huggingface_hub.ModelCard`) describing this calibration, with hub metadata
@@ -489,6 +523,23 @@ def _step_note(note: Callable[[str], None], steps: list[BlockPlan], index: int) 
         return note
     prefix = f"step {index + 1}/{len(steps)} ({steps[index].capture_sources[0]})"
     return lambda message: note(f"{prefix} {message}")
+
+
+def _source_paths(source: ModelSource) -> list[str]:
+    """The local folders (or files) a model source reads: a checkpoint's folder or files, a LoRA
+    adapter's folder and its base's, an in-memory model's folder when it was loaded from one."""
+    adapter = getattr(source, "adapter", None)
+    if adapter is not None:
+        base = getattr(source, "base", None)
+        return [adapter.folder, *(_source_paths(base) if base is not None else [])]
+    folder = getattr(source, "folder", None)
+    if folder:
+        return [folder]
+    files = getattr(getattr(source, "_tensors", None), "files", None)  # a library checkpoint's safetensors files
+    if isinstance(files, Mapping) and files:
+        return sorted({os.path.dirname(path) for path in files.values()})
+    name = getattr(source, "name", None)
+    return [name] if isinstance(name, str) and os.path.isdir(name) else []
 
 
 def _default_state() -> PartialState:

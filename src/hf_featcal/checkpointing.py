@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -82,28 +81,6 @@ def fingerprint(parts: Iterable[tuple[str, Any]]) -> str:
         else:
             hasher.update(f"{name}={json.dumps(value, sort_keys=True, default=str)}".encode())
     return hasher.hexdigest()
-
-
-def check_writable_folder(path: str | os.PathLike, argument: str) -> str:
-    """Check, before any work, that folder `path` can be created and written (a probe file is written
-    and removed in it, or in its nearest existing parent; nothing is left behind). Raises ValueError
-    naming `argument`; returns the path as a string."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"`{argument}` must be a folder path (str or os.PathLike), got {type(path).__name__}.")
-    path = os.fspath(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"`{argument}` {path!r} is a file, not a folder.")
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ValueError(f"`{argument}` {path!r} cannot be created: {existing!r} is a file.")
-    try:
-        with tempfile.NamedTemporaryFile(dir=existing, prefix=".hf_featcal-write-check-"):
-            pass
-    except OSError as err:
-        raise ValueError(f"`{argument}` {path!r} is not writable: {err.strerror or err}.") from None
-    return path
 
 
 @dataclass

@@ -264,6 +264,9 @@ def _add_recipe_options(
             default = key.describe_default() if key.default is None else key.default
             if default not in (None, "null"):
                 text += f" (default: {default})"
+        if key.kind == "bool":  # a switch: given → True, absent → None (the recipe's or the default)
+            parser.add_argument(key.flag, dest=dest_prefix + name, action="store_true", default=None, help=_help(text))
+            continue
         kwargs: dict[str, Any] = {"dest": dest_prefix + name, "metavar": key.metavar or ("N" if key.kind == "int" else name.upper()), "help": _help(text)}
         if key.kind not in ("model", "dataset"):  # those are resolved (local path or hub id) by the command
             kwargs["type"] = _recipe_value(key)
@@ -355,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an expert (hub id or local folder) for TASK; repeat for every expert")
     _add_merge_options(p)
     p.add_argument("--output-dir", required=True, help="folder the merged model is saved to")
+    _add_recipe_options(p, "", ("overwrite",))
     _add_common(p)
     p.set_defaults(func=_cmd_merge)
 
@@ -380,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processor", help="processor / tokenizer folder or hub id (default: the model folder, else the base)")
     _add_featcal_options(p)
     p.add_argument("--device", help="device for calibration, e.g. cuda or cpu (default: accelerate's)")
-    _add_recipe_options(p, "", ("output_dir", "push_to_hub"), required=("output_dir",))
+    _add_recipe_options(p, "", ("output_dir", "push_to_hub", "private", "overwrite"), required=("output_dir",))
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_common(p)
     p.set_defaults(func=_cmd_calibrate)
@@ -420,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_run_epilog(), formatter_class=_FORMATTER,
     )
     p.add_argument("recipe", metavar="RECIPE", help="the recipe file (YAML)")
-    _add_recipe_options(p, "", ("output_dir", "push_to_hub"), override=True)
+    _add_recipe_options(p, "", ("output_dir", "push_to_hub", "private", "overwrite"), override=True)
     p.add_argument("--no-push", action="store_true", help="do not push even if the recipe says so")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation before and after calibration")
     p.add_argument("--device", help="device, e.g. cuda or cpu (default: accelerate's)")
@@ -438,6 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help=f"where the built scenario is cached (default {DEFAULT_CACHE_DIR})")
     p.add_argument("--output-dir", default="hf-featcal-demo", help="where the calibrated model is saved (default ./hf-featcal-demo)")
+    _add_recipe_options(p, "", ("overwrite",))
     p.add_argument("--samples-per-task", type=_positive_int, default=64, help="calibration images per task (default 64)")
     p.add_argument("--scaling-factor", type=float, default=0.3, help="Task Arithmetic λ (default 0.3)")
     p.add_argument("--seed", type=int, default=0, help="scenario seed (default 0)")
@@ -514,13 +519,17 @@ def _check_device(device: str | None) -> None:
         raise CLIError(str(err)) from None
 
 
-def _check_output_dir(path: str, option: str = "--output-dir") -> None:
-    """Refuse an output folder that cannot be written (before merging or calibrating): the run's
-    `check_output_dir` stage."""
+def _check_output_dir(
+    path: str, option: str = "--output-dir", *, inputs: dict[str, Any] | None = None, overwrite: bool = False,
+    model_folder: bool = True,
+) -> None:
+    """Refuse, before merging or calibrating, an output folder the save would refuse (the run's
+    `check_output_dir` stage: not writable, one of the `inputs` or inside / around one, non-empty and
+    not an earlier save unless `overwrite`); `model_folder=False`: writability only."""
     from .recipes import RecipeError, check_output_dir
 
     try:
-        check_output_dir(path, option)
+        check_output_dir(path, option, inputs=inputs, overwrite=overwrite, model_folder=model_folder)
     except RecipeError as err:
         raise CLIError(str(err)) from None
 
@@ -664,7 +673,8 @@ def _cmd_merge(args: argparse.Namespace) -> int:
         name = err.key.split(".", 1)[-1]
         option = options[name][0][1].flag if err.key.startswith("merge.") and name in options else err.key
         raise CLIError(f"{option}: {str(err).split(': ', 1)[-1]}") from None
-    _check_output_dir(args.output_dir)
+    inputs = {"--base": base, **{f"--expert {task}": source for task, source in experts.items()}}
+    _check_output_dir(args.output_dir, inputs=inputs, overwrite=bool(args.overwrite))
     start = time.perf_counter()
     merged = merge_experts(base, experts, spec, log=_log)  # the recipe run's merge stage
     from .saving import atomic_folder, save_model_files
@@ -672,7 +682,8 @@ def _cmd_merge(args: argparse.Namespace) -> int:
     family = detect_family(merged)
     processing = _maybe_processing(family, [base])
     to_save = family.processing_to_save(processing) if family is not None else []
-    with atomic_folder(args.output_dir, "--output-dir") as folder:  # as FeatCalCalibrator.save_model saves
+    with atomic_folder(args.output_dir, "--output-dir", inputs=inputs,
+                       overwrite=bool(args.overwrite)) as folder:  # as FeatCalCalibrator.save_model saves
         save_model_files(merged, folder, processing_class=to_save)
     saved = processing is not None
     print(f"Merged {type(merged).__name__} ({spec.describe()}; tasks: {', '.join(experts)}) "
@@ -699,10 +710,20 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         raise CLIError(f"--data: no calibration dataset for {missing}; give --data TASK=DATASET or --data-default")
     config = _featcal_config(args)
     _check_device(args.device)
-    _check_output_dir(args.output_dir)
+    _check_output_dir(args.output_dir, inputs=_calibrate_inputs(args, model_source, base_source, experts, data),
+                      overwrite=bool(args.overwrite))
 
     with _ProgressBars(args.quiet):
         return _calibrate(args, model_source, base_source, experts, data, configs, default, config)
+
+
+def _calibrate_inputs(
+    args: argparse.Namespace, model_source: str, base_source: str | None, experts: dict[str, str], data: dict[str, str]
+) -> dict[str, Any]:
+    """Flag → source of everything ``calibrate`` reads (local ones are checked against --output-dir)."""
+    return {"--model": model_source, "--base": base_source, "--processor": args.processor,
+            **{f"--expert {task}": source for task, source in experts.items()},
+            **{f"--data {task}": source for task, source in data.items()}}
 
 
 def _calibrate(
@@ -745,7 +766,8 @@ def _calibrate(
         run = calibrate_merged(calibrator, model, family, processing, log=_log)
     finally:
         ridge = finish()
-    plot, _ = save_run(run, args.output_dir, family, processing)
+    plot, _ = save_run(run, args.output_dir, family, processing, overwrite=bool(args.overwrite),
+                       inputs=_calibrate_inputs(args, model_source, base_source, experts, data))
     if run.calibrator.report is not None:
         print("Feature drift per task (before → after FeatCal)\n")
         print(run.calibrator.report.summary_markdown())
@@ -753,7 +775,7 @@ def _calibrate(
         print(f"\n{ridge} module groups had input directions without data (their solution there is set by the ridge).")
     print(f"\nCalibrated in {run.timings['calibrate']:.1f} s; saved model, model card and drift report to {args.output_dir}"
           + (f" (plot: {plot})" if plot else ""))
-    pushed = push_run(args.output_dir, args.push_to_hub, log=_log)
+    pushed = push_run(args.output_dir, args.push_to_hub, private=args.private, log=_log)
     if pushed:
         print(f"Pushed to https://huggingface.co/{pushed}")
     return 0
@@ -830,17 +852,20 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .recipes import load_recipe, run_recipe
+    from .recipes import load_recipe, recipe_input_folders, run_recipe
 
     overrides: dict[str, Any] = {}
     if args.output_dir is not None:
         overrides["output_dir"] = args.output_dir
     if args.push_to_hub is not None:
         overrides["push_to_hub"] = args.push_to_hub
+    for switch in ("private", "overwrite"):
+        if getattr(args, switch):
+            overrides[switch] = True
     recipe = load_recipe(args.recipe, overrides)
     if not args.check:
         _check_device(args.device)
-        _check_output_dir(recipe.output_dir, "output_dir")
+        _check_output_dir(recipe.output_dir, "output_dir", inputs=recipe_input_folders(recipe), overwrite=recipe.overwrite)
     print(f"Recipe {args.recipe}: {recipe.model_family}, base {recipe.base}, {len(recipe.experts)} experts "
           f"({', '.join(recipe.tasks)}), merge {recipe.merge.describe()}, output {recipe.output_dir}")
     if args.check:
@@ -936,10 +961,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"\n{ridge} module groups had input directions without data (their solution there is set by the ridge).")
     from .scenarios.base import quiet_transformers
 
-    with quiet_transformers():
-        calibrator.save_model(args.output_dir)
-    plot = plot_drift(report, os.path.join(args.output_dir, "featcal_drift.png"),
-                      title="FeatCal on the digits demo: feature drift per block")
+    from .saving import atomic_folder
+
+    with quiet_transformers(), atomic_folder(args.output_dir, "--output-dir", inputs=calibrator.input_folders(),
+                                             overwrite=bool(args.overwrite)) as folder:  # one save, plot included
+        calibrator.write_model_folder(folder)
+        plot_drift(report, os.path.join(folder, "featcal_drift.png"), title="FeatCal on the digits demo: feature drift per block")
+    plot = os.path.join(args.output_dir, "featcal_drift.png")
     print(f"\nSaved the calibrated model, model card and drift report to {args.output_dir}/ (drift plot: {plot})")
     return 0
 
@@ -979,7 +1007,7 @@ def _compare_demo(args: argparse.Namespace, merges: list[str] | None, steps: lis
 
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     output_dir = args.output_dir or "hf-featcal-compare"
-    _check_output_dir(output_dir)
+    _check_output_dir(output_dir, model_folder=False)  # tables and plots, not a model save
     cache_dir = os.path.expanduser(args.cache_dir)
     _log(f"Building the digits scenario (cache: {cache_dir}) ...")
     start = time.perf_counter()
@@ -1001,7 +1029,7 @@ def _compare_recipe(args: argparse.Namespace, merges: list[str] | None, steps: l
     if recipe.evaluation is None:
         raise CLIError(f"{args.recipe}: evaluation: false; compare scores every row, so it needs the evaluation")
     _check_device(args.device)
-    _check_output_dir(recipe.output_dir, "output_dir")
+    _check_output_dir(recipe.output_dir, "output_dir", model_folder=False)  # tables and plots, not a model save
     grid = recipe.compare.merges if recipe.compare is not None else DEFAULT_MERGES
     if merges is not None:
         missing = [m for m in merges if m not in grid]

@@ -244,7 +244,7 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
 
     The experts are held in memory (RegMean runs each expert's own forward; the ceiling row
     evaluates each expert on its own task)."""
-    from .checkpointing import check_writable_folder
+    from .saving import check_writable_folder
     from .experts import load_model
     from .recipes import RecipeError, prepare_recipe_inputs, recipe_evaluator
 

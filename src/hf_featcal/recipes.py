@@ -87,6 +87,7 @@ __all__ = [
     "load_calibration_data",
     "merge_experts",
     "push_run",
+    "recipe_input_folders",
     "save_run",
     "evaluate_model",
     "load_dataset_spec",
@@ -225,6 +226,8 @@ class Recipe:
     output_dir: str
     push_to_hub: str | None = None
     source: str | None = None
+    overwrite: bool = False
+    private: bool | None = None
     compare: CompareSpec | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)  # the recipe as given
 
@@ -277,6 +280,8 @@ class Recipe:
             result["evaluation"] = evaluation
         result["output_dir"] = os.path.abspath(self.output_dir)
         result["push_to_hub"] = self.push_to_hub
+        result["private"] = self.private
+        result["overwrite"] = self.overwrite
         if self.compare is not None:
             result["compare"] = {"merges": copy.deepcopy(self.compare.merges)}
             if self.compare.post_merging is not None:
@@ -373,6 +378,8 @@ def parse_recipe(
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise v.error("output_dir", f"{output_dir!r} exists and is not a folder")
     push = v.checked("push_to_hub", data.get("push_to_hub"))
+    private = v.checked("private", data.get("private"))
+    overwrite = v.checked("overwrite", data.get("overwrite", False))
     compare = _parse_compare(v, data["compare"]) if data.get("compare") is not None else None
     return Recipe(
         model_family=family,
@@ -385,6 +392,8 @@ def parse_recipe(
         output_dir=output_dir,
         push_to_hub=push,
         source=source,
+        overwrite=overwrite,
+        private=private,
         compare=compare,
         raw=copy.deepcopy(dict(data)),
     )
@@ -1017,18 +1026,49 @@ class RecipeResult:
 #   build_calibrator → calibrate_merged (evaluating before and after when asked) → save_run → push_run
 
 
-def check_output_dir(output_dir: str, key: str = "output_dir", source: str | None = None) -> None:
-    """Stage *check*: refuse an output folder that cannot be written, before anything is loaded.
+def check_output_dir(
+    output_dir: str,
+    key: str = "output_dir",
+    source: str | None = None,
+    *,
+    inputs: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    model_folder: bool = True,
+) -> None:
+    """Stage *check*: refuse, before anything is loaded, an output folder a save cannot go to
+    (`hf_featcal.saving.check_output_dir`, the rule the save applies again): not writable, one of the
+    run's `inputs` (or inside or around one), or non-empty and not an earlier save unless `overwrite`.
+    `model_folder=False` (outputs that are not a model save, e.g. compare's tables): writability only.
 
     Raises:
         RecipeError: naming `key`.
     """
-    from .checkpointing import check_writable_folder
+    from .saving import check_output_dir as check_save_folder
+    from .saving import check_writable_folder
 
     try:
-        check_writable_folder(output_dir, key)
-    except ValueError as err:
+        if model_folder:
+            check_save_folder(output_dir, key, inputs=inputs, overwrite=overwrite)
+        else:
+            check_writable_folder(output_dir, key)
+    except (TypeError, ValueError) as err:
         raise RecipeError(key, str(err).split(" ", 1)[1], source) from None
+
+
+def recipe_input_folders(recipe: Recipe) -> dict[str, str]:
+    """Recipe key → local path of everything the run reads (base, experts, local datasets, the
+    evaluation's CLIP model); hub ids are left out by `hf_featcal.saving.check_output_dir`."""
+    folders = {"base": recipe.base, **{f"experts.{task}": path for task, path in recipe.experts.items()}}
+    for task, spec in recipe.calibration.items():
+        if spec.is_local:
+            folders[f"calibration.tasks.{task}.dataset"] = spec.dataset
+    if recipe.evaluation is not None:
+        for task, spec in recipe.evaluation.datasets.items():
+            if spec.is_local:
+                folders[f"evaluation.datasets.{task}"] = spec.dataset
+        if recipe.evaluation.clip_model:
+            folders["evaluation.clip_model"] = recipe.evaluation.clip_model
+    return folders
 
 
 def merge_experts(base: Any, experts: Mapping[str, Any], merge: MergeSpec, *, log: Callable[[str], None] = print) -> Any:
@@ -1095,35 +1135,49 @@ def save_run(
     processing: Mapping[str, Any] | None,
     *,
     recipe: Recipe | None = None,
+    overwrite: bool = False,
+    inputs: Mapping[str, Any] | None = None,
 ) -> tuple[str | None, str | None]:
-    """Stage *save*: the calibrated folder (`save_calibrated`); with the run's `recipe`, also the
-    before / after table (``featcal_evaluation.json``, the model card's evaluation section) and the
-    resolved recipe (``featcal_recipe.yaml``). Returns (drift plot path, scores table)."""
+    """Stage *save*: one save (`hf_featcal.saving.atomic_folder`, one manifest) of the calibrated folder
+    (`save_calibrated`'s files) and, with the run's `recipe`, the before / after table
+    (``featcal_evaluation.json``, the model card's evaluation section) and the resolved recipe
+    (``featcal_recipe.yaml``). `output_dir` is checked as the *check* stage does (`inputs`: the run's
+    sources besides the calibrator's own; `overwrite`). Returns (drift plot path, scores table)."""
     import yaml
 
-    plot_path = save_calibrated(run.calibrator, output_dir, model_family, processing)
+    from .saving import atomic_folder
+
     table = None
     if recipe is not None and recipe.evaluation is not None and run.before is not None and run.after is not None:
         rows = {recipe.merge.describe(): run.before, f"{recipe.merge.describe()} + FeatCal": run.after}
         table = scores_table(rows, recipe.evaluation.tasks)
-        with open(os.path.join(output_dir, "featcal_evaluation.json"), "w", encoding="utf-8") as handle:
-            json.dump({"before": run.before, "after": run.after, "details": run.details}, handle, indent=2, default=str)
-            handle.write("\n")
-        _append_to_card(output_dir, table, recipe)
-    if recipe is not None:
-        with open(os.path.join(output_dir, "featcal_recipe.yaml"), "w", encoding="utf-8") as handle:
-            handle.write(f"# The recipe of this run (from {recipe.source or 'a dict'}), resolved: hf-featcal run <this file>\n")
-            yaml.safe_dump(recipe.to_dict(), handle, sort_keys=False, allow_unicode=True)
-    return plot_path, table
+    if not run.calibrator.state.is_main_process:
+        return None, table
+    with atomic_folder(output_dir, inputs={**run.calibrator.input_folders(), **(inputs or {})}, overwrite=overwrite) as folder:
+        plot_name = _write_calibrated(run.calibrator, folder, model_family, processing)
+        if table is not None:
+            assert recipe is not None
+            with open(os.path.join(folder, "featcal_evaluation.json"), "w", encoding="utf-8") as handle:
+                json.dump({"before": run.before, "after": run.after, "details": run.details}, handle, indent=2, default=str)
+                handle.write("\n")
+            _append_to_card(folder, table, recipe)
+        if recipe is not None:
+            with open(os.path.join(folder, "featcal_recipe.yaml"), "w", encoding="utf-8") as handle:
+                handle.write(f"# The recipe of this run (from {recipe.source or 'a dict'}), resolved: hf-featcal run <this file>\n")
+                yaml.safe_dump(recipe.to_dict(), handle, sort_keys=False, allow_unicode=True)
+    return (None if plot_name is None else os.path.join(output_dir, plot_name)), table
 
 
-def push_run(output_dir: str, repo_id: str | None, *, log: Callable[[str], None] = print) -> str | None:
-    """Stage *push*: upload `output_dir` to `repo_id` (`upload_folder`); returns the repo id, None
+def push_run(
+    output_dir: str, repo_id: str | None, *, private: bool | None = None, log: Callable[[str], None] = print
+) -> str | None:
+    """Stage *push*: upload exactly the files of the save in `output_dir` (its manifest's, local paths
+    redacted: `upload_folder`) to `repo_id`, created `private` when asked; returns the repo id, None
     when `repo_id` is None."""
     if not repo_id:
         return None
-    log(f"Uploading {output_dir} to {repo_id} ...")
-    upload_folder(output_dir, repo_id)
+    log(f"Uploading the saved files of {output_dir} to {repo_id} ...")
+    upload_folder(output_dir, repo_id, private=private)
     return repo_id
 
 
@@ -1150,15 +1204,35 @@ def build_calibrator(
     )
 
 
-def save_calibrated(calibrator: Any, output_dir: str, model_family: ModelFamily, processing: Mapping[str, Any] | None) -> str | None:
-    """Save a calibrated run's folder (model, processing classes, card, drift report, config) and the
-    drift plot; returns the plot's path (None without a drift report)."""
+def save_calibrated(
+    calibrator: Any,
+    output_dir: str,
+    model_family: ModelFamily,
+    processing: Mapping[str, Any] | None,
+    *,
+    overwrite: bool = False,
+) -> str | None:
+    """Save a calibrated run's folder (model, processing classes, card, drift report, config, drift
+    plot) as one save (`hf_featcal.saving.atomic_folder`); returns the plot's path (None without a
+    drift report)."""
+    from .saving import atomic_folder
+
+    if not calibrator.state.is_main_process:
+        return None
+    with atomic_folder(output_dir, inputs=calibrator.input_folders(), overwrite=overwrite) as folder:
+        plot_name = _write_calibrated(calibrator, folder, model_family, processing)
+    return None if plot_name is None else os.path.join(output_dir, plot_name)
+
+
+def _write_calibrated(calibrator: Any, folder: str, model_family: ModelFamily, processing: Mapping[str, Any] | None) -> str | None:
+    """`calibrator.write_model_folder` and the drift plot into `folder`; returns the plot's file name."""
     from .plotting import plot_drift
 
-    calibrator.save_model(output_dir, processing_class=model_family.processing_to_save(processing))
+    calibrator.write_model_folder(folder, processing_class=model_family.processing_to_save(processing))
     if calibrator.report is None:
         return None
-    return plot_drift(calibrator.report, os.path.join(output_dir, "featcal_drift.png"))
+    plot_drift(calibrator.report, os.path.join(folder, "featcal_drift.png"))
+    return "featcal_drift.png"
 
 
 def run_recipe(
@@ -1182,7 +1256,9 @@ def run_recipe(
     """
     timings: dict[str, float] = {}
     clock = time.perf_counter()
-    check_output_dir(recipe.output_dir, "output_dir", recipe.source)  # before anything is loaded or merged
+    inputs_read = recipe_input_folders(recipe)
+    check_output_dir(recipe.output_dir, "output_dir", recipe.source, inputs=inputs_read,
+                     overwrite=recipe.overwrite)  # before anything is loaded or merged
     inputs = prepare_recipe_inputs(recipe, evaluate=evaluate, log=log)
     timings["load"] = time.perf_counter() - clock
 
@@ -1195,8 +1271,9 @@ def run_recipe(
     run = calibrate_merged(calibrator, merged, recipe.family, inputs.processing,
                            evaluation=recipe.evaluation if evaluate else None, clip_model=inputs.clip_model, log=log)
     timings.update(run.timings)
-    plot_path, table = save_run(run, recipe.output_dir, recipe.family, inputs.processing, recipe=recipe)
-    pushed = push_run(recipe.output_dir, recipe.push_to_hub if push_to_hub else None, log=log)
+    plot_path, table = save_run(run, recipe.output_dir, recipe.family, inputs.processing, recipe=recipe,
+                                overwrite=recipe.overwrite, inputs=inputs_read)
+    pushed = push_run(recipe.output_dir, recipe.push_to_hub if push_to_hub else None, private=recipe.private, log=log)
     return RecipeResult(
         output_dir=recipe.output_dir,
         report=run.calibrator.report,
@@ -1223,13 +1300,10 @@ def _append_to_card(output_dir: str, table: str, recipe: Recipe) -> None:
         handle.write(text)
 
 
-def upload_folder(folder: str, repo_id: str) -> Any:
-    """Create (if needed) the hub model repo `repo_id` and upload `folder` in one commit."""
-    from huggingface_hub import HfApi
+def upload_folder(folder: str, repo_id: str, *, private: bool | None = None) -> Any:
+    """Create (if needed) the hub model repo `repo_id` and upload exactly the files of the save in
+    `folder` in one commit (`hf_featcal.saving.push_folder`: its manifest's files, local paths redacted;
+    nothing else of the folder)."""
+    from .saving import push_folder
 
-    api = HfApi()
-    api.create_repo(repo_id, exist_ok=True)
-    from .saving import STALE_WEIGHT_PATTERNS
-
-    return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message="Upload FeatCal-calibrated merged model",
-                             delete_patterns=STALE_WEIGHT_PATTERNS)  # weights of an earlier upload not rewritten now
+    return push_folder(folder, repo_id, private=private)

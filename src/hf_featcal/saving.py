@@ -1,23 +1,37 @@
 """Saving a model folder that downstream tools take as it is: the model, its processing classes and
-whatever else the caller writes, put in place atomically.
+whatever else the caller writes, put in place atomically; and pushing exactly what a save wrote.
 
-Everything is written into a temporary sibling folder, then put in place by renames only: a failure
+Every save records what it wrote in `featcal_manifest.json` (`MANIFEST_NAME`). Saving into a folder
+replaces the files this save writes and the files the folder's previous manifest lists; nothing else
+there is touched. A non-empty folder without a manifest (not an earlier save of this library) is
+refused, naming what is in it, unless the caller passes ``overwrite=True``: then the files of this save
+replace same-named ones and every other file stays.
+
+Everything is written into a temporary folder first, then put in place by renames only: a failure
 while writing (a full disk, an interrupt) leaves the previous folder, or nothing, at the target, never a
-partial one, and no shard or index of an earlier save survives beside the new weights. A new target is
-the temporary folder renamed; into an existing one the files are swapped (see `atomic_folder`), so other
-content there (the user's, another process's) is kept.
+partial one. The temporary folder is made inside an existing target (so a mount point, a Docker or
+Kubernetes volume, works: no rename crosses file systems) and beside a target that is still to be
+created (in the folder it is created in).
+
+`check_output_dir` is the one rule for an output folder, used before any work (the CLI, recipes) and
+again at the save: writable (a probe file in the folder, or in the nearest existing parent it will be
+created in), not a file, not one of the run's inputs (nor inside one, nor holding one) and, unless
+overwriting, empty or an earlier save.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
 import logging
 import os
+import re
 import shutil
+import tempfile
 import uuid
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -26,9 +40,14 @@ from .interrupts import interrupts_deferred
 
 logger = logging.getLogger(__name__)
 
+#: What every save writes: the top-level entries it put in the folder (a later save replaces exactly
+#: these), so that a save never deletes a file it did not write.
+MANIFEST_NAME = "featcal_manifest.json"
+_MANIFEST_FORMAT = 1
+
 #: Files a model save writes (weights, shard indexes, configs, tokenizer / processor files, model card,
-#: open_clip files, hf_featcal's own outputs). Saving into an existing folder replaces all of these (so
-#: no stale shard or index is left) and leaves every other entry alone.
+#: open_clip files, hf_featcal's own outputs). Used only to warn when ``overwrite=True`` leaves weight
+#: files of another save beside the new ones; a save removes what a manifest lists, never by pattern.
 MODEL_FOLDER_PATTERNS: tuple[str, ...] = (
     "*.safetensors", "*.index.json", "pytorch_model*.bin", "tf_model*.h5", "flax_model*.msgpack",
     "config.json", "generation_config.json", "README.md", ".gitattributes",
@@ -48,63 +67,171 @@ STALE_WEIGHT_PATTERNS: list[str] = [
     "open_clip_model.safetensors", "open_clip_pytorch_model.bin",
 ]
 
+#: Prefix of the temporary entries a save or a push makes (inside or beside the target).
+_TEMPORARY_PREFIX = ".featcal-"
 
-def _is_model_file(name: str) -> bool:
-    return any(fnmatch.fnmatch(name, pattern) for pattern in MODEL_FOLDER_PATTERNS)
+
+def _is_weight_file(name: str) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for pattern in STALE_WEIGHT_PATTERNS)
 
 
-def check_output_dir(output_dir: str | os.PathLike, argument: str = "output_dir") -> str:
-    """The absolute target path, after checking that a model folder can be put there (it is absent or a
-    folder, and the folder or its first existing parent is writable). Raises a TypeError / ValueError
-    naming `argument` otherwise. Nothing is created."""
-    if not isinstance(output_dir, (str, os.PathLike)) or not os.fspath(output_dir):
-        raise TypeError(f"`{argument}` must be a folder path, got {output_dir!r}.")
-    target = os.path.realpath(os.fspath(output_dir))  # a symlinked output folder: fill what it points to
-    if os.path.exists(target) and not os.path.isdir(target):
-        raise ValueError(f"`{argument}` {os.fspath(output_dir)!r} is a file, not a folder.")
-    parent = os.path.dirname(target)
-    while not os.path.isdir(parent):  # missing parents are created on saving: the first existing one must be writable
-        if os.path.exists(parent):
-            raise ValueError(f"`{argument}` {os.fspath(output_dir)!r}: {parent!r} is a file, not a folder.")
-        parent = os.path.dirname(parent)
-    for folder in ([target] if os.path.isdir(target) else []) + [parent]:
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise ValueError(f"`{argument}` {os.fspath(output_dir)!r}: {folder!r} is not writable.")
+def check_writable_folder(path: str | os.PathLike, argument: str) -> str:
+    """The one rule for "a folder can be written here", checked before any work and again at the save:
+    `path` is absent or a folder, and the folder itself (when it exists) or else its nearest existing
+    parent (where it will be created) accepts a new file — a probe file is written and removed there,
+    which is also where a save stages its files. Raises TypeError / ValueError naming `argument`;
+    returns the path as given (a string). Nothing is left behind."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"`{argument}` must be a folder path (str or os.PathLike), got {type(path).__name__}.")
+    if not os.fspath(path):
+        raise ValueError(f"`{argument}` must be a folder path, got an empty string.")
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"`{argument}` {path!r} is a file, not a folder.")
+    existing = os.path.realpath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"`{argument}` {path!r} cannot be created: {existing!r} is a file, not a folder.")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=_TEMPORARY_PREFIX + "write-check-"):
+            pass
+    except OSError as err:
+        raise ValueError(f"`{argument}` {path!r} is not writable: {existing!r}: {err.strerror or err}.") from None
+    return path
+
+
+def check_output_dir(
+    output_dir: str | os.PathLike,
+    argument: str = "output_dir",
+    *,
+    inputs: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+) -> str:
+    """The absolute target path (symlinks resolved), after checking that a save may go there: it is
+    writable (`check_writable_folder`); it is not, does not lie inside and does not contain any local
+    folder the run reads from (`inputs`: argument name → path; hub ids and in-memory models are
+    skipped); and it is absent, empty, or an earlier save of this library (it holds `MANIFEST_NAME`)
+    unless `overwrite`. Raises TypeError / ValueError naming `argument`. Nothing is created."""
+    check_writable_folder(output_dir, argument)
+    given = os.fspath(output_dir)
+    target = os.path.realpath(given)  # a symlinked output folder: fill what it points to
+    for name, source in (inputs or {}).items():
+        if not isinstance(source, (str, os.PathLike)) or not os.fspath(source):
+            continue
+        source = os.fspath(source)
+        if source.startswith("local-dir:"):  # open_clip's reference to a local folder
+            source = source[len("local-dir:"):]
+        if not os.path.exists(source):  # a hub id
+            continue
+        read = os.path.realpath(source)
+        if not os.path.isdir(read):
+            read = os.path.dirname(read)  # a file input (a dataset's arrow file): its folder is read
+        if read == target:
+            relation = "is"
+        elif _inside(target, read):
+            relation = "lies inside"
+        elif _inside(read, target):
+            relation = "contains"
+        else:
+            continue
+        raise ValueError(
+            f"`{argument}` {given!r} {relation} the folder of `{name}` ({read!r}), which this run reads: "
+            "saving there could replace its files. Choose an output folder outside every input."
+        )
+    if not overwrite and os.path.isdir(target):
+        foreign = _foreign_entries(target)
+        if foreign:
+            shown = ", ".join(foreign[:8]) + (f", … ({len(foreign)} entries)" if len(foreign) > 8 else "")
+            raise ValueError(
+                f"`{argument}` {given!r} is not empty and is not an earlier hf_featcal save (no {MANIFEST_NAME}); "
+                f"it holds: {shown}. Choose an empty or new folder, or pass overwrite=True (CLI: --overwrite; "
+                "recipe: overwrite: true) to write this save's files there; the other files are kept."
+            )
     return target
 
 
-@contextlib.contextmanager
-def atomic_folder(output_dir: str | os.PathLike, argument: str = "output_dir") -> Iterator[str]:
-    """Yield an empty temporary folder beside `output_dir`; when the block finishes, its content is put
-    in place by renames only (no data is written then). When the block raises, the temporary folder is
-    removed and `output_dir` is left exactly as it was.
+def _inside(path: str, folder: str) -> bool:
+    """Whether `path` lies strictly inside `folder` (both absolute and resolved)."""
+    return path != folder and os.path.commonpath([path, folder]) == folder
 
-    A new (or empty) `output_dir` is the temporary folder renamed: all or nothing. Into an existing
-    folder, the earlier save's files (weights, shards, indexes, configs, tokenizer, card, hf_featcal
-    outputs: `MODEL_FOLDER_PATTERNS`) are renamed aside, the new ones renamed in, then the old ones
-    deleted; any other entry (yours, another process's) is left as it is."""
-    target = check_output_dir(output_dir, argument)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    staging = _sibling(target, "saving")
+
+def _foreign_entries(target: str) -> list[str]:
+    """Entries of an existing folder a save would have to refuse: everything when the folder holds no
+    manifest (not a save of this library), nothing otherwise (an earlier save: its files are replaced,
+    every other entry is kept)."""
+    if read_manifest(target) is not None:
+        return []
+    return sorted(name for name in os.listdir(target) if not name.startswith(_TEMPORARY_PREFIX))
+
+
+def read_manifest(folder: str | os.PathLike) -> list[str] | None:
+    """The top-level entries the save in `folder` wrote (its manifest included), or None when the
+    folder holds no readable manifest."""
+    path = os.path.join(os.fspath(folder), MANIFEST_NAME)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, list) or not all(_plain_name(name) for name in files):
+        return None  # damaged or not ours: never trusted to decide what is deleted
+    return [*files, MANIFEST_NAME] if MANIFEST_NAME not in files else list(files)
+
+
+def _plain_name(name: Any) -> bool:
+    """A top-level entry name (no separator, no `..`): a manifest can only name entries of its folder."""
+    return isinstance(name, str) and name not in ("", ".", "..") and os.sep not in name and "/" not in name
+
+
+def _write_manifest(staging: str) -> None:
+    files = sorted(name for name in os.listdir(staging) if name != MANIFEST_NAME)
+    with open(os.path.join(staging, MANIFEST_NAME), "w", encoding="utf-8") as handle:
+        json.dump({"format": _MANIFEST_FORMAT, "library": "hf_featcal", "files": files}, handle, indent=2)
+        handle.write("\n")
+
+
+@contextlib.contextmanager
+def atomic_folder(
+    output_dir: str | os.PathLike,
+    argument: str = "output_dir",
+    *,
+    inputs: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Iterator[str]:
+    """Yield an empty temporary folder; when the block finishes, a manifest of its entries is added and
+    its content is put in place at `output_dir` by renames only (no data is written then). When the
+    block raises, the temporary folder is removed and `output_dir` is left exactly as it was.
+
+    `output_dir` is first checked by `check_output_dir` (with `inputs` and `overwrite`). A new
+    `output_dir` is the temporary folder (made beside it) renamed: all or nothing. Into an existing
+    folder (the temporary folder is made inside it: a mount point works), the entries the previous
+    manifest lists and those this save writes are renamed aside, the new ones renamed in, then the old
+    ones deleted; any other entry (yours, another process's) is left as it is."""
+    target = check_output_dir(output_dir, argument, inputs=inputs, overwrite=overwrite)
+    if os.path.isdir(target):
+        staging = os.path.join(target, f"{_TEMPORARY_PREFIX}saving-{uuid.uuid4().hex[:12]}")
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        staging = _sibling(target, "saving")
     os.mkdir(staging)  # with the usual permissions (tempfile.mkdtemp's would be private)
     try:
         yield staging
-        _put_in_place(staging, target)
+        _write_manifest(staging)
+        _put_in_place(staging, target, argument, overwrite)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
 def _sibling(target: str, purpose: str) -> str:
-    """A fresh hidden name beside `target` (same file system, so renames between them are atomic)."""
+    """A fresh hidden name beside `target` (in the folder `target` is created in: renames are atomic)."""
     parent, name = os.path.split(target)
-    return os.path.join(parent, f".{name}.{purpose}-{uuid.uuid4().hex[:12]}")
+    return os.path.join(parent, f"{_TEMPORARY_PREFIX}{name}.{purpose}-{uuid.uuid4().hex[:12]}")
 
 
-def _put_in_place(staging: str, target: str) -> None:
-    if os.path.isdir(target):
-        with contextlib.suppress(OSError):  # not empty: the files are swapped in below
-            os.rmdir(target)
+def _put_in_place(staging: str, target: str, argument: str, overwrite: bool) -> None:
     if not os.path.exists(target):
         try:
             os.rename(staging, target)
@@ -112,15 +239,45 @@ def _put_in_place(staging: str, target: str) -> None:
         except OSError:
             if not os.path.isdir(target):  # not created meanwhile by another process: a real failure
                 raise
-    _swap_files(staging, target)
+        # created meanwhile: checked as any existing folder, the files swapped in from a staging
+        # folder inside it
+        check_output_dir(target, argument, overwrite=overwrite)
+        inner = os.path.join(target, f"{_TEMPORARY_PREFIX}saving-{uuid.uuid4().hex[:12]}")
+        os.rename(staging, inner)  # same parent file system: the target was created beside it
+        try:
+            _swap_files(inner, target, overwrite, argument)
+        except BaseException:
+            shutil.rmtree(inner, ignore_errors=True)
+            raise
+        return
+    else:
+        check_output_dir(target, argument, overwrite=overwrite)  # changed since the up-front check?
+    _swap_files(staging, target, overwrite, argument)
 
 
-def _swap_files(staging: str, target: str) -> None:
-    """Rename the earlier save's files of `target` aside, those of `staging` in, then delete the old ones;
-    on a failure, rename everything back (SIGINT deferred meanwhile: see `interrupts_deferred`)."""
+def _swap_files(staging: str, target: str, overwrite: bool, argument: str = "output_dir") -> None:
+    """Rename aside the entries of `target` that the previous manifest lists or that this save
+    rewrites, rename those of `staging` (a folder inside `target`) in, then delete the old ones; on a
+    failure, rename everything back (SIGINT deferred meanwhile: see `interrupts_deferred`)."""
     new = os.listdir(staging)
-    old = [name for name in os.listdir(target) if _is_model_file(name) or name in new]
-    previous = _sibling(target, "previous")
+    previous_save = read_manifest(target) or []
+    present = set(os.listdir(target))
+    added = sorted(name for name in new if name in present and name not in previous_save)
+    if added and not overwrite and previous_save:  # files put beside the earlier save, named as this save's
+        raise ValueError(
+            f"`{argument}` {target!r}: this save writes {added}, which the earlier save there did not write "
+            "(they are someone else's). Move them, or pass overwrite=True (CLI: --overwrite; recipe: overwrite: true) "
+            "to replace them."
+        )
+    old = [name for name in dict.fromkeys([*previous_save, *new]) if name in present]
+    if overwrite:
+        left = sorted(name for name in present if _is_weight_file(name) and name not in new and name not in old)
+        if left:
+            warnings.warn(
+                f"overwrite=True: weight files this save does not write stay in {target!r}: {left} "
+                "(remove them if they belong to another model: loaders may pick them up).", stacklevel=4,
+            )
+    previous = os.path.join(target, f"{_TEMPORARY_PREFIX}previous-{uuid.uuid4().hex[:12]}")
     os.mkdir(previous)
     moved_out: list[str] = []
     moved_in: list[str] = []
@@ -142,6 +299,107 @@ def _swap_files(staging: str, target: str) -> None:
         raise
     shutil.rmtree(previous, ignore_errors=True)
     os.rmdir(staging)
+
+
+#: An absolute POSIX path in text (not part of a URL or of `owner/name`): redacted from what is pushed.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~<>-])/[^\s\"'`|,;)\]}>]+")
+#: JSON files larger than this are not rewritten when pushed (weights indexes, tokenizers: no local paths).
+_REDACT_JSON_LIMIT = 2 << 20
+
+
+def _local_path(text: str) -> bool:
+    """Whether `text` is an absolute path on this machine (its first component exists here)."""
+    parts = text.split("/")
+    return len(parts) > 1 and bool(parts[1]) and os.path.exists("/" + parts[1])
+
+
+def _redacted(path: str) -> str:
+    """What is published instead of a local path: its last component, marked as local."""
+    return "<local>/" + (os.path.basename(path.rstrip("/")) or "")
+
+
+def _redact_text(text: str) -> str:
+    return _ABSOLUTE_PATH.sub(lambda m: _redacted(m.group(0)) if _local_path(m.group(0)) else m.group(0), text)
+
+
+def _redact_value(value: Any) -> Any:
+    if isinstance(value, str):
+        return _redacted(value) if value.startswith("/") and _local_path(value) else value
+    if isinstance(value, list):
+        return [_redact_value(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _redact_value(item) for key, item in value.items()}
+    return value
+
+
+def _public_copy(source: str, destination: str) -> None:
+    """Put `source` (a file of a save) at `destination` for a push: the saved card, recipe and JSON
+    files with local absolute paths replaced by ``<local>/<name>``; everything else linked (or copied
+    where links cannot be made), never changed in the saved folder."""
+    name = os.path.basename(source)
+    if name.endswith((".md", ".yaml", ".yml", ".txt")) and os.path.getsize(source) <= _REDACT_JSON_LIMIT:
+        with open(source, encoding="utf-8") as handle:
+            text = handle.read()
+        with open(destination, "w", encoding="utf-8") as handle:
+            handle.write(_redact_text(text))
+        return
+    if name.endswith(".json") and name != "tokenizer.json" and os.path.getsize(source) <= _REDACT_JSON_LIMIT:
+        with open(source, encoding="utf-8") as handle:
+            data = json.load(handle)
+        public = _redact_value(data)
+        if public != data:
+            with open(destination, "w", encoding="utf-8") as handle:
+                json.dump(public, handle, indent=2)
+                handle.write("\n")
+            return
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+
+
+@contextlib.contextmanager
+def push_staging(folder: str | os.PathLike) -> Iterator[str]:
+    """A fresh folder holding exactly the entries the manifest of the save in `folder` lists (with local
+    paths redacted, see `_public_copy`), to upload; removed afterwards. Made inside `folder` (so files
+    are linked, not copied). Raises ValueError when `folder` holds no save of this library."""
+    folder = os.fspath(folder)
+    files = read_manifest(folder)
+    if files is None:
+        raise ValueError(f"{folder!r} holds no hf_featcal save ({MANIFEST_NAME} is missing or unreadable): nothing is pushed.")
+    staging = os.path.join(folder, f"{_TEMPORARY_PREFIX}push-{uuid.uuid4().hex[:12]}")
+    os.mkdir(staging)
+    try:
+        for name in files:
+            source = os.path.join(folder, name)
+            if os.path.isdir(source):
+                shutil.copytree(source, os.path.join(staging, name), copy_function=_public_copy)
+            elif os.path.isfile(source):
+                _public_copy(source, os.path.join(staging, name))
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def push_folder(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool | None = None,
+    token: str | None = None,
+    commit_message: str = "Upload FeatCal-calibrated merged model",
+) -> Any:
+    """Create (if needed) the hub model repo `repo_id` (`private` as in `HfApi.create_repo`) and upload
+    exactly the files of the save in `folder` (its manifest's; no other file of the folder, no local
+    absolute path) in one commit; remote weight files of an earlier upload that this one does not write
+    (stale shards) are deleted in the same commit. Returns `upload_folder`'s result."""
+    from huggingface_hub import HfApi
+
+    with push_staging(folder) as staging:
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        return api.upload_folder(repo_id=repo_id, folder_path=staging, commit_message=commit_message,
+                                 delete_patterns=STALE_WEIGHT_PATTERNS)
 
 
 def save_processing_class(processing_class: Any, output_dir: str, model: nn.Module | None = None) -> list[str]:
@@ -213,10 +471,15 @@ def processing_to_save(processing: Any) -> list[Any]:
 
 
 __all__: Sequence[str] = [
+    "MANIFEST_NAME",
     "MODEL_FOLDER_PATTERNS",
     "STALE_WEIGHT_PATTERNS",
     "atomic_folder",
     "check_output_dir",
+    "check_writable_folder",
+    "push_folder",
+    "push_staging",
+    "read_manifest",
     "processing_to_save",
     "save_model_files",
     "save_processing_class",

@@ -185,6 +185,7 @@ _KIND_TEXT = {
     "section": "",
     "mapping": "",
     "list": "[<name>, ...]",
+    "bool": "true | false",
 }
 
 
@@ -194,7 +195,7 @@ class RecipeKey:
 
     ``kind`` is one of ``choice`` (one of ``choices``), ``int`` (≥ ``minimum``), ``str``, ``model`` /
     ``dataset`` (a hub id or a local path, resolved against the recipe's folder), ``folder``,
-    ``repo_id``, ``list`` (of strings), ``section`` (a mapping declared in `RECIPE_SECTIONS`) or
+    ``repo_id``, ``bool``, ``list`` (of strings), ``section`` (a mapping declared in `RECIPE_SECTIONS`) or
     ``mapping`` (task → value). ``nullable``: null is accepted (and means the default's meaning).
     ``default_text`` spells a default that depends on other keys. ``option``: the CLI flag that sets
     this key, where the commands spell it differently from ``--<name>``.
@@ -257,6 +258,12 @@ class RecipeKey:
             if not isinstance(value, str) or not value:
                 raise ValueError(f"must be a string (a folder), got {value!r}")
             return value
+        if self.kind == "bool":
+            if value is None and nullable:
+                return None
+            if not isinstance(value, bool):
+                raise ValueError(f"must be true or false{', or null' if nullable else ''}, got {value!r}")
+            return value
         if self.kind == "repo_id":
             if value is None and nullable:
                 return None
@@ -299,8 +306,11 @@ RECIPE_SECTIONS: dict[str, tuple[RecipeKey, ...]] = {
                   value_text="false | {...}", default_text="enabled with defaults"),
         RecipeKey("output_dir", "folder", "where the calibrated model is saved (relative to the working directory)",
                   default_text="outputs/<recipe file stem>"),
-        RecipeKey("push_to_hub", "repo_id", "also upload the output folder to this hub repo", nullable=True,
-                  metavar="REPO_ID"),
+        RecipeKey("push_to_hub", "repo_id", "also upload the files of this save (not the rest of the output folder) "
+                  "to this hub repo", nullable=True, metavar="REPO_ID"),
+        RecipeKey("private", "bool", "create the push_to_hub repo private (null: the hub's default)", nullable=True),
+        RecipeKey("overwrite", "bool", "save into a non-empty output_dir that is not an earlier hf_featcal save: "
+                  "this save's files replace same-named ones, other files are kept", default=False),
         RecipeKey("compare", "section", "the grid of hf-featcal compare RECIPE (ignored by run)"),
     ),
     "experts": (RecipeKey(TASK, "model", "the expert of this task"),),
