@@ -122,7 +122,7 @@ def test_compare_exits_non_zero_when_no_requested_row_succeeded(world, tmp_path,
     assert list(saved["scores"]) == ["experts"] and list(saved["errors"]) == ["average+featcal"]
     assert "non-finite values" in saved["errors"]["average+featcal"]
     assert "| average+featcal | failed: FeatCalError: non-finite values" in captured.out
-    assert "hf-featcal compare: error: every requested row failed (1 rows)" in captured.err
+    assert "hf-featcal compare: error: none of the 1 requested rows succeeded" in captured.err
 
 
 BAD_COMPARE = [

@@ -732,6 +732,7 @@ def _calibrate(
     import dataclasses
 
     from .experts import load_model
+    from .pipeline.checks import check_forward_dtype
     from .recipes import (
         RecipeError, build_calibrator, calibrate_merged, load_calibration_data, parse_calibration, push_run, save_run,
     )
@@ -740,8 +741,6 @@ def _calibrate(
     _log(f"Loading the merged model {args.model} ...")
     model = load_model(model_source, "--model")
     family = _family(model, args.family)
-    from .pipeline.checks import check_forward_dtype
-
     try:  # before the calibration data are loaded
         check_forward_dtype(config, {"--model": model})
     except ValueError as err:
@@ -1020,7 +1019,7 @@ def _compare_status(result: Any) -> int:
     """1 (with one line on stderr) when no requested row of the grid succeeded, else 0."""
     if result.succeeded():
         return 0
-    print(f"{PROG} compare: error: every requested row failed ({len(result.errors)} rows); the table shows why",
+    print(f"{PROG} compare: error: none of the {len(result.errors)} requested rows succeeded; the table says why",
           file=sys.stderr)
     return 1
 

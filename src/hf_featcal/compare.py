@@ -188,7 +188,7 @@ def compare_post_merging(
         calibration_data: task → calibration data, as for `FeatCalCalibrator` (also RegMean's data).
         evaluate: model → {task: score} (higher is better; a "mean" key, if any, is ignored and
             recomputed as the plain mean over the tasks).
-        merges: method names (with `DEFAULT_MERGES` parameters) or method → parameters.
+        merges: method names (with `DEFAULT_MERGES` parameters) or method → parameters (`check_merges`).
         post_merging: steps from `post_merging_steps()`; default all of them.
         featcal_config: the `FeatCalConfig` of the FeatCal runs (default: the paper's defaults).
         processing_class: passed to FeatCal and RegMean for `datasets.Dataset` calibration data.
@@ -196,6 +196,12 @@ def compare_post_merging(
             which scores every task).
         device: the device FeatCal runs on (default: accelerate's).
         log: called with one line per finished row (e.g. `print`).
+
+    Before any row is computed, a ValueError names what would fail every row: an unknown method or
+    step, a parameter name or value its declaration refuses, a task without calibration data or with
+    empty data, and (with a FeatCal step) a `forward_dtype` the models' dtype cannot run. A row that
+    fails later is recorded in `errors`. `evaluate` must score every task: a ValueError names the
+    missing tasks (a merged row fails with it; the experts' row, computed first, stops the grid).
     """
     from .calibrator import FeatCalCalibrator
     from .config import FeatCalConfig
