@@ -60,6 +60,16 @@ def test_a_recipe_fast_mode_dtype_is_refused_before_merging(world, tmp_path, cap
     assert "featcal.forward_dtype: FeatCalConfig.forward_dtype='bfloat16' cannot run `base`, whose weights are float16" in line
     assert "Merging" not in capsys.readouterr().err
     assert not out.exists()
+    # calibrate: found before the calibration data are loaded (a dataset that cannot load is not reached)
+    featcal = tmp_path / "fast.json"
+    featcal.write_text('{"forward_dtype": "bfloat16"}')
+    unloadable = tmp_path / "not-a-dataset"
+    unloadable.mkdir()
+    assert cli.main(["calibrate", "--model", str(tmp_path / "base16"), "--base", str(tmp_path / "base16"),
+                     *_experts(world), *_data(world, zorbs=unloadable), "--featcal-config", str(featcal),
+                     "--output-dir", str(out), "--quiet"]) == 2
+    line = _one_error_line(capsys, "calibrate")
+    assert "forward_dtype='bfloat16' cannot run `--model`, whose weights are float16" in line and not out.exists()
 
 
 # ============================================================================= seeds
