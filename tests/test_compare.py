@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
+from datasets import Dataset
 
 import hf_featcal.merging as merging
 from conftest import build_clip_setting
@@ -59,17 +61,82 @@ def test_rows_are_the_scores_of_the_models_they_name(setting, monkeypatch):
 
 def test_a_failing_combination_is_reported_and_the_grid_goes_on(setting, tmp_path):
     base, experts, data, evaluate = setting
-    result = compare_post_merging(base, experts, data, evaluate,
-                                  merges={"ties": {"density": 5.0}, "average": {}}, post_merging=["none", "featcal"],
-                                  featcal_config=FeatCalConfig(num_samples_per_task=8))
-    assert set(result.errors) == {"ties", "ties+featcal"} and "density" in result.errors["ties"]
-    assert {"average", "average+featcal"} <= set(result.scores)
+    ties = merging.merge_models(base, experts, "ties", scaling_factor=0.3, density=0.2)
+
+    def evaluate_or_fail(model):  # the caller's evaluation fails on the TIES merge only, with a multi-line message
+        if all(torch.equal(p, q) for p, q in zip(model.state_dict().values(), ties.state_dict().values())):
+            raise RuntimeError("out of memory | try a smaller batch\nor another device")
+        return evaluate(model)
+
+    result = compare_post_merging(base, experts, data, evaluate_or_fail, merges=["ties", "average"],
+                                  post_merging=["none", "featcal"], featcal_config=FeatCalConfig(num_samples_per_task=8))
+    assert result.errors == {"ties": "RuntimeError: out of memory | try a smaller batch\nor another device"}
+    assert {"ties+featcal", "average", "average+featcal"} <= set(result.scores)
     table = result.to_markdown()
-    assert "| ties | failed: merge: ValueError" in table and "| average+featcal |" in table
+    # every line of the table has the header's cells: an error's `|` is escaped, its line break removed
+    cells = [len(re.split(r"(?<!\\)\|", line)) for line in table.splitlines()]
+    assert len(cells) == 2 + len(result.rows()) and set(cells) == {len(["", "", *result.tasks, "mean", "drift", ""])}
+    assert "| ties | failed: RuntimeError: out of memory \\| try a smaller batch or another device |" in table
+    assert "| average+featcal |" in table
     paths = result.save(tmp_path / "out")
     assert json.loads(open(paths["json"]).read()) == json.loads(json.dumps(result.to_dict()))
     assert open(paths["md"]).read() == table
     assert open(paths["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _evaluations(evaluate):
+    calls = []
+
+    def counted(model):
+        calls.append(model)
+        return evaluate(model)
+
+    return calls, counted
+
+
+@pytest.mark.parametrize("merges,match", [
+    ({"ties": {"density": 5.0}, "average": {}}, r"`merges\['ties'\]\['density'\]` must be in \(0, 1\], got 5.0"),
+    ({"regmean": {"reduction": -1}}, r"`merges\['regmean'\]\['reduction'\]` must be in \[0, 1\], got -1"),
+    ({"dare": {"drop_rate": 0.5, "density": 0.2}}, r"`merges\['dare'\]`: unknown parameter 'density'"),
+])
+def test_bad_merge_parameters_are_refused_before_any_work(setting, merges, match):
+    base, experts, data, evaluate = setting
+    calls, counted = _evaluations(evaluate)
+    with pytest.raises(ValueError, match=match):
+        compare_post_merging(base, experts, data, counted, merges=merges)
+    assert calls == []  # not even the experts' row (computed before the first merge)
+
+
+def test_missing_or_empty_calibration_data_is_refused_before_any_merge(setting):
+    base, experts, data, evaluate = setting
+    calls, counted = _evaluations(evaluate)
+    with pytest.raises(ValueError, match=r"tasks \['dtd'\] have an expert in `experts` but no entry in `calibration_data`"):
+        compare_post_merging(base, experts, {"cars": data["cars"]}, counted, merges=["average"])
+    for empty in ([], Dataset.from_dict({"pixel_values": []})):
+        with pytest.raises(ValueError, match=r"calibration_data\['dtd'\] is empty"):
+            compare_post_merging(base, experts, {**data, "dtd": empty}, counted, merges=["average"])
+    assert calls == []
+
+
+def test_an_evaluation_without_a_task_names_it(setting):
+    base, experts, data, evaluate = setting
+
+    def only_cars(model):
+        return {"cars": evaluate(model)["cars"]}
+
+    with pytest.raises(ValueError, match=r"`evaluate` returned no score for the tasks \['dtd'\] of experts\['dtd'\] "
+                                         r"\(it returned \['cars'\]\)"):
+        compare_post_merging(base, experts, data, only_cars, merges=["average"], post_merging=["none"])
+
+
+def test_a_fast_mode_dtype_that_cannot_run_the_models_is_refused_before_any_merge(setting):
+    base, experts, data, evaluate = setting
+    calls, counted = _evaluations(evaluate)
+    half = {t: copy.deepcopy(e).to(torch.float16) for t, e in experts.items()}
+    with pytest.raises(ValueError, match=r"forward_dtype='bfloat16' cannot run `base`, whose weights are float16"):
+        compare_post_merging(copy.deepcopy(base).to(torch.float16), half, data, counted, merges=["average"],
+                             featcal_config=FeatCalConfig(forward_dtype="bfloat16"))
+    assert calls == []
 
 
 def test_unknown_methods_and_steps_are_named(setting):

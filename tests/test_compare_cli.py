@@ -1,6 +1,6 @@
 """`hf-featcal compare`: the demo grid on the fast digits scenario, and a recipe-driven grid on tiny
-local CLIP models and datasets (rows re-evaluated directly, a failing combination reported while the
-rest runs, schema errors naming the key path)."""
+local CLIP models and datasets (rows re-evaluated directly, a non-zero exit when every requested row
+failed, schema errors naming the key path and bad values refused before any work)."""
 
 from __future__ import annotations
 
@@ -63,14 +63,13 @@ def test_compare_demo_refuses_unknown_names_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "c").exists()
 
 
-def test_compare_recipe_rows_and_a_failing_combination(world, capsys):  # noqa: F811
+def test_compare_recipe_rows(world, capsys):  # noqa: F811
     from transformers import CLIPModel
 
     from hf_featcal.merging import merge_models
 
     out = world / "compare-out"
-    grid = {"merges": {"task_arithmetic": {"scaling_factor": 0.5}, "ties": {"density": 5.0}, "average": None,
-                       "regmean": None},
+    grid = {"merges": {"task_arithmetic": {"scaling_factor": 0.5}, "average": None, "regmean": None},
             "post_merging": ["none", "featcal"]}
     path = _write(world / "compare.yaml", _recipe(world, compare=grid, output_dir=str(out)))
     assert cli.main(["compare", path, "--quiet"]) == 0
@@ -79,8 +78,7 @@ def test_compare_recipe_rows_and_a_failing_combination(world, capsys):  # noqa: 
     assert saved["tasks"] == list(TASKS)
     assert list(saved["scores"]) == ["experts", "task_arithmetic", "task_arithmetic+featcal", "average", "average+featcal",
                                    "regmean", "regmean+featcal"]
-    assert set(saved["errors"]) == {"ties", "ties+featcal"} and "density" in saved["errors"]["ties"]
-    assert "| ties | failed: merge: ValueError" in text and "| ties+featcal | failed: merge: ValueError" in text
+    assert saved["errors"] == {}
     assert "| average+featcal | " in text and "zero-shot" in text.lower()
     assert set(saved["drift"]) == {"task_arithmetic", "task_arithmetic+featcal", "average", "average+featcal",
                                    "regmean", "regmean+featcal"}
@@ -105,9 +103,34 @@ def test_compare_recipe_rows_and_a_failing_combination(world, capsys):  # noqa: 
     assert "task_arithmetic (scaling_factor=0.3)" not in text
 
 
+def test_compare_exits_non_zero_when_no_requested_row_succeeded(world, tmp_path, capsys):  # noqa: F811
+    """Experts whose first MLP overflows float32 features: every FeatCal row fails while calibrating."""
+    from transformers import CLIPVisionModel
+
+    for task in TASKS:
+        expert = CLIPVisionModel.from_pretrained(world / "experts" / task)
+        with torch.no_grad():
+            next(p for n, p in expert.named_parameters() if n.endswith("layers.0.mlp.fc1.weight")).mul_(1e20)
+        expert.save_pretrained(tmp_path / "experts" / task)
+    out = tmp_path / "out"
+    recipe = _recipe(world, experts={t: str(tmp_path / "experts" / t) for t in TASKS}, output_dir=str(out),
+                     compare={"merges": {"average": None}, "post_merging": ["featcal"]})
+    path = _write(world / "overflow.yaml", recipe)
+    assert cli.main(["compare", path, "--quiet"]) == 1
+    captured = capsys.readouterr()
+    saved = json.loads((out / "comparison.json").read_text())
+    assert list(saved["scores"]) == ["experts"] and list(saved["errors"]) == ["average+featcal"]
+    assert "non-finite values" in saved["errors"]["average+featcal"]
+    assert "| average+featcal | failed: FeatCalError: non-finite values" in captured.out
+    assert "hf-featcal compare: error: none of the 1 requested rows succeeded" in captured.err
+
+
 BAD_COMPARE = [
     ("compare.merges.slerp", {"merges": {"slerp": {}}}),
     ("compare.merges.ties.densty", {"merges": {"ties": {"densty": 0.2}}}),
+    ("compare.merges.ties.density", {"merges": {"ties": {"density": 5.0}}}),
+    ("compare.merges.regmean.reduction", {"merges": {"regmean": {"reduction": 1.5}}}),
+    ("compare.merges.dare.rescale_mode", {"merges": {"dare": {"rescale_mode": "l2"}}}),
     ("compare.merges.regmean", {"merges": {"regmean": 0.9}}),
     ("compare.post_merging[1]", {"post_merging": ["none", "surgery"]}),
     ("compare.grid", {"grid": []}),

@@ -43,6 +43,7 @@ from .pipeline.plan import BlockPlan, Plan, block_parameter_names, plan_blocks, 
 from .pipeline.propagate import propagate
 from .pipeline.solve import solve_block
 from .pipeline.steps import forward_order, module_steps
+from .pipeline.checks import check_forward_dtype
 from .pipeline.write import write_block
 from .report import DriftReport, build_model_card
 from .saving import check_writable_folder
@@ -141,6 +142,10 @@ class FeatCalCalibrator:
         }
         for source in [*self.experts.values(), *([self.base] if self.base is not None else [])]:
             check_compatible(source, self.layer_map, model, self.model_config)
+        # fast mode's dtype against every model whose blocks run under it (folder experts take the merged dtype)
+        in_memory = [(source.argument, module) for source in [*self.experts.values(), self.base] if source is not None
+                     for module in source.modules_for_eval()]
+        check_forward_dtype(config, [("model", model), *in_memory])
 
         # Data: batches per task, non-empty, accepted by the merged model's input path.
         self.batches: dict[str, list[Batch]] = {}

@@ -155,8 +155,9 @@ Runs every merge method (average, task_arithmetic, ties, dare, dare_ties, regmea
 and then every post-merging step on it (none, featcal and, where this build offers it, featcal_module),
 scores each result per task (the demo: test accuracy; a recipe: its family's evaluation, e.g. CLIP
 zero-shot top-1 or GLUE), and prints one table with the experts' own scores as the ceiling and the
-last-block drift. A combination that fails is a "failed: ..." row; the grid goes on. Writes
-comparison.md, comparison.json and the bar chart comparison.png into the output folder.
+last-block drift. A combination that fails is a "failed: ..." row; the grid goes on (exit status 1
+when every requested row failed). Writes comparison.md, comparison.json and the bar chart
+comparison.png into the output folder.
 
 With a RECIPE, its base, experts, calibration, featcal and evaluation sections are used and its merge
 section is not; an optional compare: section (merges: method -> parameters, post_merging: [...])
@@ -412,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CLIP: a prompt template with '{c}' for TASK; repeat for several")
     p.add_argument("--processor", help="processor / tokenizer folder or hub id (default: the model, else --clip-model)")
     p.add_argument("--device", help="device, e.g. cuda or cpu")
-    p.add_argument("--output-json", metavar="FILE", help="also write the scores as JSON")
+    p.add_argument("--output-json", metavar="FILE", help="also write the scores as JSON (missing folders are created)")
     _add_common(p)
     p.set_defaults(func=_cmd_evaluate)
 
@@ -534,8 +535,21 @@ def _check_output_dir(
         raise CLIError(str(err)) from None
 
 
+def _check_output_file(path: str, option: str) -> None:
+    """Refuse, before any work, a file path that is a folder or whose folder cannot be created and
+    written (missing folders are created when the file is written)."""
+    from .saving import check_writable_folder
+
+    if os.path.isdir(path):
+        raise CLIError(f"{option}: {path!r} is a folder; give a file path")
+    try:
+        check_writable_folder(os.path.dirname(os.path.abspath(path)), option)
+    except ValueError as err:
+        raise CLIError(f"{option}: {path!r} cannot be written: {str(err).split(' ', 1)[1]}") from None
+
+
 def _featcal_config(args: argparse.Namespace) -> Any:
-    from .recipes import RecipeError, parse_featcal
+    from .recipes import RecipeError, load_yaml, parse_featcal
 
     values: dict[str, Any] = {}
     if args.featcal_config:
@@ -548,7 +562,7 @@ def _featcal_config(args: argparse.Namespace) -> Any:
 
         with open(path, encoding="utf-8") as handle:
             try:
-                loaded = yaml.safe_load(handle)  # JSON is YAML
+                loaded = load_yaml(handle)  # JSON is YAML; a key given twice is refused
             except yaml.YAMLError as err:
                 raise CLIError(f"--featcal-config: {path!r} is not valid JSON/YAML: {err}") from None
         if not isinstance(loaded, dict):
@@ -739,6 +753,7 @@ def _calibrate(
     import dataclasses
 
     from .experts import load_model
+    from .pipeline.checks import check_forward_dtype
     from .recipes import (
         RecipeError, build_calibrator, calibrate_merged, load_calibration_data, parse_calibration, push_run, save_run,
     )
@@ -747,6 +762,10 @@ def _calibrate(
     _log(f"Loading the merged model {args.model} ...")
     model = load_model(model_source, "--model")
     family = _family(model, args.family)
+    try:  # before the calibration data are loaded
+        check_forward_dtype(config, {"--model": model})
+    except ValueError as err:
+        raise CLIError(f"{err} (forward_dtype from --featcal-config)") from None
     tasks_section = {t: {"dataset": d, **({"config": configs[t]} if t in configs else {})} for t, d in data.items()}
     try:
         specs = parse_calibration(None, {"default": default, "tasks": tasks_section}, family.name, list(experts),
@@ -823,6 +842,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     model_source = _check_source(args.model, "--model")
     clip_source = _check_source(args.clip_model, "--clip-model") if args.clip_model else None
     _check_device(args.device)
+    if args.output_json:
+        _check_output_file(args.output_json, "--output-json")
     if args.family is not None:
         _evaluation_spec(args, get_family(args.family))  # check the arguments before loading anything
     _log(f"Loading {args.model} ...")
@@ -845,6 +866,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     print(scores_table({os.path.basename(os.path.normpath(args.model)) or args.model: scores}, spec.tasks))
     print(f"\n({time.perf_counter() - start:.1f} s)")
     if args.output_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
         with open(args.output_json, "w", encoding="utf-8") as handle:
             json.dump({"model": args.model, "scores": scores, "details": details}, handle, indent=2, default=str)
             handle.write("\n")
@@ -911,6 +933,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .plotting import plot_drift
     from .scenarios.digits import build_digits_scenario
 
+    _check_output_dir(args.output_dir)  # before the scenario is built
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     cache_dir = os.path.expanduser(args.cache_dir)
     overrides: dict[str, Any] = dict(_DEMO_FAST_OVERRIDES) if args.fast else {}
@@ -1017,7 +1040,16 @@ def _compare_demo(args: argparse.Namespace, merges: list[str] | None, steps: lis
     print("Test accuracy (%) on the digits demo; last-block drift ‖h_merged − h_expert‖ per token\n")
     print(result.to_markdown())
     print(f"({time.perf_counter() - start:.1f} s) Saved comparison.md, comparison.json and comparison.png to {output_dir}/")
-    return 0
+    return _compare_status(result)
+
+
+def _compare_status(result: Any) -> int:
+    """1 (with one line on stderr) when no requested row of the grid succeeded, else 0."""
+    if result.succeeded():
+        return 0
+    print(f"{PROG} compare: error: none of the {len(result.errors)} requested rows succeeded; the table says why",
+          file=sys.stderr)
+    return 1
 
 
 def _compare_recipe(args: argparse.Namespace, merges: list[str] | None, steps: list[str] | None) -> int:
@@ -1056,7 +1088,7 @@ def _compare_recipe(args: argparse.Namespace, merges: list[str] | None, steps: l
         print(f"{ridge} module groups had input directions without data (set by the ridge).")
     print(f"({time.perf_counter() - start:.1f} s) Saved comparison.md, comparison.json and comparison.png to "
           f"{recipe.output_dir}/")
-    return 0
+    return _compare_status(result)
 
 
 # ======================================================================================= main

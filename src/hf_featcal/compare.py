@@ -21,6 +21,8 @@ from typing import Any
 
 from torch import nn
 
+from .schema import MergeParameter, merge_parameters
+
 #: merge method → its parameters (the defaults of the paper settings)
 DEFAULT_MERGES: dict[str, dict[str, Any]] = {
     "average": {},
@@ -30,6 +32,65 @@ DEFAULT_MERGES: dict[str, dict[str, Any]] = {
     "dare_ties": {"scaling_factor": 0.3, "drop_rate": 0.9},
     "regmean": {"reduction": 0.9},
 }
+
+
+#: RegMean's parameter in the grid (its data, sample count, batch size and seed are FeatCal's)
+REGMEAN_PARAMETERS: tuple[MergeParameter, ...] = (
+    MergeParameter("reduction", float, 0.9, "scale r of the Grams' off-diagonal entries", interval=(0.0, 1.0, False, False)),
+)
+
+
+def grid_merge_parameters(method: str) -> dict[str, MergeParameter]:
+    """Name → declaration of the parameters the grid's merge `method` (a `DEFAULT_MERGES` name) takes."""
+    if method == "regmean":
+        return {p.name: p for p in REGMEAN_PARAMETERS}
+    return merge_parameters(method)
+
+
+def check_merges(merges: Mapping[str, Mapping[str, Any]] | Sequence[str] | None) -> dict[str, dict[str, Any]]:
+    """The grid's method → parameters, every method, parameter name and value checked against its
+    declaration before any merge is built; names (with `DEFAULT_MERGES` parameters) or a mapping.
+    Raises ValueError naming ``merges`` and the method and parameter."""
+    if merges is None:
+        return copy.deepcopy(DEFAULT_MERGES)
+    if isinstance(merges, str) or not isinstance(merges, (Mapping, Sequence)):
+        raise ValueError(f"`merges` must be method names or a mapping method → parameters, got {merges!r}.")
+    unknown = [m for m in merges if m not in DEFAULT_MERGES]
+    if unknown:
+        raise ValueError(f"`merges`: unknown methods {unknown}; known: {sorted(DEFAULT_MERGES)}.")
+    if not isinstance(merges, Mapping):
+        return {m: dict(DEFAULT_MERGES[m]) for m in merges}
+    checked: dict[str, dict[str, Any]] = {}
+    for method, params in merges.items():
+        if not isinstance(params, Mapping):
+            raise ValueError(f"`merges[{method!r}]` must be a mapping of parameters, got {params!r}.")
+        declared = grid_merge_parameters(method)
+        checked[method] = {}
+        for name, value in params.items():
+            if name not in declared:
+                raise ValueError(f"`merges[{method!r}]`: unknown parameter {name!r}; valid: {list(declared) or 'none'}.")
+            try:
+                checked[method][name] = declared[name].check(value)
+            except ValueError as err:
+                raise ValueError(f"`merges[{method!r}][{name!r}]` {err}.") from None
+    return checked
+
+
+def check_calibration_tasks(experts: Mapping[str, Any], calibration_data: Any) -> None:
+    """Every expert's task has calibration data that is not empty (a sized one: a `Dataset`, a list);
+    a ValueError naming the task otherwise, before any merge is built."""
+    from .pipeline.checks import check_tasks
+
+    check_tasks(experts, calibration_data)
+    for task in experts:
+        data = calibration_data[task]
+        if hasattr(data, "__len__") and not isinstance(data, (str, bytes, Mapping)) and len(data) == 0:
+            raise ValueError(f"calibration_data[{task!r}] is empty: every merge and FeatCal need examples of each task.")
+
+
+def markdown_cell(text: str) -> str:
+    """`text` as one Markdown table cell: on one line, its `|` escaped."""
+    return " ".join(str(text).split()).replace("|", "\\|")
 
 
 def post_merging_steps() -> tuple[str, ...]:
@@ -59,18 +120,23 @@ class ComparisonResult:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def succeeded(self) -> list[str]:
+        """The requested rows (every row but "experts", the ceiling) that have scores."""
+        return [row for row in self.scores if row != "experts"]
+
     def to_markdown(self) -> str:
         """The table: one row per result, one column per task, then the mean and the mean drift."""
-        header = ["", *self.tasks, "mean", "last-block drift"]
+        header = ["", *map(markdown_cell, self.tasks), "mean", "last-block drift"]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for row in self.rows():
-            if row in self.errors:
-                lines.append(f"| {row} | failed: {self.errors[row]} |" + " |" * (len(header) - 2))
+            if row in self.errors:  # an error's `|` or line breaks would end its row early
+                lines.append(f"| {markdown_cell(row)} | failed: {markdown_cell(self.errors[row])} |"
+                             + " |" * (len(header) - 2))
                 continue
             values = [f"{self.scores[row][t]:.1f}" for t in self.tasks] + [f"{self.scores[row]['mean']:.1f}"]
             drift = self.drift.get(row)
             values.append(f"{sum(drift.values()) / len(drift):.3g}" if drift else "")
-            lines.append(f"| {row} | " + " | ".join(values) + " |")
+            lines.append(f"| {markdown_cell(row)} | " + " | ".join(values) + " |")
         return "\n".join(lines) + "\n"
 
     def save(self, output_dir: str | os.PathLike) -> dict[str, str]:
@@ -122,7 +188,7 @@ def compare_post_merging(
         calibration_data: task → calibration data, as for `FeatCalCalibrator` (also RegMean's data).
         evaluate: model → {task: score} (higher is better; a "mean" key, if any, is ignored and
             recomputed as the plain mean over the tasks).
-        merges: method names (with `DEFAULT_MERGES` parameters) or method → parameters.
+        merges: method names (with `DEFAULT_MERGES` parameters) or method → parameters (`check_merges`).
         post_merging: steps from `post_merging_steps()`; default all of them.
         featcal_config: the `FeatCalConfig` of the FeatCal runs (default: the paper's defaults).
         processing_class: passed to FeatCal and RegMean for `datasets.Dataset` calibration data.
@@ -130,31 +196,41 @@ def compare_post_merging(
             which scores every task).
         device: the device FeatCal runs on (default: accelerate's).
         log: called with one line per finished row (e.g. `print`).
+
+    Before any row is computed, a ValueError names what would fail every row: an unknown method or
+    step, a parameter name or value its declaration refuses, a task without calibration data or with
+    empty data, and (with a FeatCal step) a `forward_dtype` the models' dtype cannot run. A row that
+    fails later is recorded in `errors`. `evaluate` must score every task: a ValueError names the
+    missing tasks (a merged row fails with it; the experts' row, computed first, stops the grid).
     """
     from .calibrator import FeatCalCalibrator
     from .config import FeatCalConfig
 
     config = featcal_config if featcal_config is not None else FeatCalConfig()
-    if merges is None:
-        merges = DEFAULT_MERGES
-    if not isinstance(merges, Mapping):
-        unknown = [m for m in merges if m not in DEFAULT_MERGES]
-        if unknown:
-            raise ValueError(f"`merges`: unknown methods {unknown}; known: {sorted(DEFAULT_MERGES)}.")
-        merges = {m: DEFAULT_MERGES[m] for m in merges}
+    merges = check_merges(merges)
     offered = post_merging_steps()
     steps = tuple(offered if post_merging is None else post_merging)
     unknown = [s for s in steps if s not in offered]
     if unknown:
         raise ValueError(f"`post_merging`: unknown steps {unknown}; this build offers {list(offered)}.")
+    check_calibration_tasks(experts, calibration_data)
+    if any(step != "none" for step in steps):  # what FeatCal would refuse in every row
+        from .pipeline.checks import check_forward_dtype
+
+        check_forward_dtype(config, {"base": base, **{f"experts[{t!r}]": e for t, e in experts.items()}})
     tasks = list(experts)
     result = ComparisonResult(tasks=tasks)
 
-    def score(model: nn.Module) -> dict[str, float]:
+    def scores_of(model: nn.Module, wanted: Sequence[str], what: str) -> Mapping[str, Any]:
         values = evaluate(model)
-        missing = [t for t in tasks if t not in values]
+        missing = [t for t in wanted if not isinstance(values, Mapping) or t not in values]
         if missing:
-            raise ValueError(f"`evaluate` returned no score for the tasks {missing}.")
+            raise ValueError(f"`evaluate` returned no score for the tasks {missing} of {what} "
+                             f"(it returned {sorted(values) if isinstance(values, Mapping) else type(values).__name__}).")
+        return values
+
+    def score(model: nn.Module) -> dict[str, float]:
+        values = scores_of(model, tasks, "a merged model")
         out = {t: float(values[t]) for t in tasks}
         out["mean"] = sum(out.values()) / len(tasks)
         return out
@@ -166,7 +242,8 @@ def compare_post_merging(
             log(f"{row}: {shown} [{result.seconds[row]:.1f} s]")
 
     start = time.perf_counter()
-    own = evaluate_expert if evaluate_expert is not None else (lambda expert, task: evaluate(expert)[task])
+    own = evaluate_expert if evaluate_expert is not None else (
+        lambda expert, task: scores_of(expert, [task], f"experts[{task!r}]")[task])
     result.scores["experts"] = {t: float(own(expert, t)) for t, expert in experts.items()}
     result.scores["experts"]["mean"] = sum(result.scores["experts"].values()) / len(tasks)
     finish("experts", start)
@@ -246,7 +323,7 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
     evaluates each expert on its own task)."""
     from .saving import check_writable_folder
     from .experts import load_model
-    from .recipes import RecipeError, prepare_recipe_inputs, recipe_evaluator
+    from .recipes import RecipeError, check_fast_mode, prepare_recipe_inputs, recipe_evaluator
 
     say = log if log is not None else (lambda message: None)
     if recipe.evaluation is None:
@@ -272,6 +349,7 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
         device = "cuda" if torch.cuda.is_available() else "cpu"
 
     inputs = prepare_recipe_inputs(recipe, evaluate=True, log=say)
+    check_fast_mode(recipe, inputs.base)
     say(f"Loading {len(recipe.experts)} experts ...")
     experts = {t: load_model(source, f"experts.{t}") for t, source in recipe.experts.items()}
     evaluate = recipe_evaluator(recipe, inputs, device)

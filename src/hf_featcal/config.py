@@ -76,7 +76,10 @@ class FeatCalConfig:
     calibrate_norms: bool = field(
         default=True, metadata={"help": "Solve normalisation layers' affine parameters (else keep the merged ones)."}
     )
-    seed: int = field(default=42, metadata={"help": "Seed for shuffling `datasets.Dataset` calibration data."})
+    seed: int = field(
+        default=42,
+        metadata={"help": "Seed for shuffling `datasets.Dataset` calibration data (≥ 0, as `Dataset.shuffle` takes)."},
+    )
     target_modules: list[str] | str | None = field(
         default=None,
         metadata={
@@ -214,8 +217,9 @@ class FeatCalConfig:
         for name in ("calibrate_bias", "calibrate_norms", "report_drift", "reuse_freed_cpu_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"FeatCalConfig.{name} must be a bool, got {getattr(self, name)!r}.")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"FeatCalConfig.seed must be an integer, got {self.seed!r}.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            # `Dataset.shuffle` refuses a negative seed, but only once it shuffles
+            raise ValueError(f"FeatCalConfig.seed must be a non-negative integer, got {self.seed!r}.")
         for name in ("target_modules", "exclude_modules"):
             value = getattr(self, name)
             if value is None:

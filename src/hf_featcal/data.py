@@ -23,6 +23,33 @@ _IMAGE_COLUMNS = ("image", "img", "images")
 _TEXT_COLUMNS = ("text", "sentence", "input_text")
 
 
+def images_from_column(dataset: Any, column: str, what: str) -> Any:
+    """`dataset` with `column` holding images: a `datasets.Image` column as it is, a column of image
+    file paths (strings) cast to `datasets.Image` (opened with PIL when read; relative paths from the
+    working directory; every local path checked now); a column of anything else (ints, arrays) is
+    refused with a ValueError naming `what` and the column, before any work."""
+    import os
+
+    from datasets import Image, Value
+
+    feature = (getattr(dataset, "features", None) or {}).get(column)
+    if feature is None or isinstance(feature, Image):
+        return dataset
+    if isinstance(feature, Value) and feature.dtype in ("string", "large_string"):
+        missing = [p for p in dataset[column] if not isinstance(p, str) or not (os.path.isfile(p) or "://" in p)]
+        if missing:
+            raise ValueError(
+                f"{what}: the image column {column!r} holds file paths, but {len(missing)} of them are no file "
+                f"(e.g. {missing[0]!r}; relative paths are read from the working directory {os.getcwd()!r})"
+            )
+        return dataset.cast_column(column, Image())
+    kind = f"{feature.dtype} values" if isinstance(feature, Value) else f"{type(feature).__name__} values ({feature})"
+    raise ValueError(
+        f"{what}: the image column {column!r} holds {kind[:120]}, not images: give a datasets.Image column "
+        "(e.g. PIL images) or image file paths (strings), or name the image column with image_column"
+    )
+
+
 def batch_size_of(batch: Mapping[str, Any], main_input_name: str) -> int:
     """Number of examples in a batch: the leading dimension of its main input."""
     if main_input_name not in batch:
@@ -152,6 +179,13 @@ def collate(
     tokens), then the collator."""
     if processing_class is not None and main_input_name not in rows[0]:
         rows = _process(task, rows, processing_class, max_length)
+    elif data_collator is None and main_input_name not in rows[0]:
+        # the default collator would fail on the raw column ("Could not infer dtype of PngImageFile")
+        raise ValueError(
+            f"calibration_data[{task!r}]: its rows have no {main_input_name!r} (columns: {sorted(rows[0])}) and no "
+            f"`processing_class` was given to make it from them: pass processing_class=<the model's image processor, "
+            f"per-image transform or tokenizer>, or give rows with {main_input_name!r} (or a `data_collator` that makes it)."
+        )
     if data_collator is None:
         # as `Trainer` drops unused columns: raw text (e.g. a prompt kept beside its token ids) is no input
         rows = [{k: v for k, v in row.items() if not _is_text(v)} for row in rows]

@@ -1,6 +1,7 @@
 """YAML recipes: merge → FeatCal → evaluate → save (→ push), described in one file.
 
-A recipe is read with ``yaml.safe_load`` (no code is ever executed) and validated into a
+A recipe is read with ``yaml.safe_load`` (no code is ever executed; a key given twice in one mapping is
+refused, naming it and its lines) and validated into a
 :class:`Recipe` *before anything is downloaded*: every error is a :class:`RecipeError` that names
 the offending key path (e.g. ``merge.density``) and unknown keys are rejected. Models are loaded
 with ``trust_remote_code=False``; datasets through ``datasets.load_dataset`` (which runs no dataset
@@ -15,8 +16,8 @@ the fields of `FeatCalConfig`), which also drive the validation and the matching
 ``hf-featcal compare RECIPE`` runs the grid merges × post-merging steps on the recipe's base,
 experts, calibration data and evaluation and ignores its ``merge`` section (list that method and its
 parameters under ``compare.merges`` to have it in the grid). A method's parameters are laid over its
-``DEFAULT_MERGES`` entry; their names are checked here, their values by the merge itself, so a bad
-value fails that row of the table only.
+``DEFAULT_MERGES`` entry; their names and values are checked here with the rest of the recipe (so
+``run --check`` refuses a bad one too).
 
 Relative *input* paths (models, datasets) are looked up relative to the recipe's folder first, then
 the working directory; a value that is neither an existing local path nor a valid hub id is an
@@ -83,6 +84,7 @@ __all__ = [
     "RecipeResult",
     "CalibrationRun",
     "calibrate_merged",
+    "check_fast_mode",
     "check_output_dir",
     "load_calibration_data",
     "merge_experts",
@@ -93,6 +95,7 @@ __all__ = [
     "load_dataset_spec",
     "load_processing",
     "load_recipe",
+    "load_yaml",
     "model_family_of",
     "parse_calibration",
     "parse_featcal",
@@ -309,7 +312,7 @@ def load_recipe(path: str | os.PathLike, overrides: Mapping[str, Any] | None = N
         raise RecipeError("", f"recipe file {path!r} does not exist", None)
     try:
         with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
+            data = load_yaml(handle)
     except yaml.YAMLError as err:
         raise RecipeError("", f"not valid YAML: {err}", path) from None
     except (OSError, UnicodeDecodeError) as err:
@@ -323,6 +326,33 @@ def load_recipe(path: str | os.PathLike, overrides: Mapping[str, Any] | None = N
         data[key] = value
     default_output = os.path.join("outputs", Path(path).stem)
     return parse_recipe(data, base_dir=os.path.dirname(os.path.abspath(path)), source=path, default_output_dir=default_output)
+
+
+def load_yaml(stream: Any) -> Any:
+    """``yaml.safe_load`` (plain data only) that refuses a key given twice in one mapping, which
+    ``safe_load`` resolves silently to the last value: a `yaml.YAMLError` naming the key and both lines."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):
+                first_line: dict[Any, int] = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` keys may be overridden
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    line = key_node.start_mark.line + 1
+                    try:
+                        if key in first_line:
+                            raise yaml.constructor.ConstructorError(
+                                None, None, f"duplicate key {key!r} on line {line} (first given on line "
+                                f"{first_line[key]})", key_node.start_mark)
+                        first_line[key] = line
+                    except TypeError:  # an unhashable key: safe_load's own error follows
+                        continue
+            return super().construct_mapping(node, deep=deep)
+
+    return yaml.load(stream, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def parse_recipe(
@@ -535,12 +565,11 @@ def validate_merge_spec(method: str, params: Mapping[str, Any], validator: Any =
 
 # -------------------------------------------------------------------------------- compare
 def _parse_compare(v: _Validator, section: Any) -> CompareSpec:
-    """The ``compare`` section: method names and parameter names are checked (values are left to the
-    merge, whose error then fails that row of the grid only); post-merging steps must be offered."""
-    from .compare import DEFAULT_MERGES, post_merging_steps
+    """The ``compare`` section: method names, parameter names and values are checked against their
+    declarations (as `hf_featcal.compare.check_merges` checks them); post-merging steps must be offered."""
+    from .compare import DEFAULT_MERGES, grid_merge_parameters, post_merging_steps
 
     v.section(section, "compare")
-    params_of = {**MERGE_PARAMETERS, "regmean": ("reduction",)}
     merges: dict[str, dict[str, Any]] = {}
     raw = section.get("merges")
     if raw is None:
@@ -555,10 +584,16 @@ def _parse_compare(v: _Validator, section: Any) -> CompareSpec:
             params = {} if params is None else params
             if not isinstance(params, Mapping):
                 raise v.error(path, f"must be a mapping of parameters or null, got {_show(params)}")
-            for key in params:
-                if key not in params_of[method]:
-                    raise v.error(f"{path}.{key}", f"unknown parameter for method {method!r}; valid: {list(params_of[method]) or 'none'}")
-            merges[method] = {**DEFAULT_MERGES[method], **params}
+            declared = grid_merge_parameters(method)
+            checked = {}
+            for key, value in params.items():
+                if key not in declared:
+                    raise v.error(f"{path}.{key}", f"unknown parameter for method {method!r}; valid: {list(declared) or 'none'}")
+                try:
+                    checked[key] = declared[key].check(value)
+                except ValueError as err:
+                    raise v.error(f"{path}.{key}", str(err)) from None
+            merges[method] = {**DEFAULT_MERGES[method], **checked}
     steps = section.get("post_merging")
     if steps is not None:
         steps = v.string_list(steps, "compare.post_merging")
@@ -1071,6 +1106,20 @@ def recipe_input_folders(recipe: Recipe) -> dict[str, str]:
     return folders
 
 
+def check_fast_mode(recipe: Recipe, base: Any) -> None:
+    """Refuse ``featcal.forward_dtype`` when it cannot run the (loaded) base's dtype, before merging.
+
+    Raises:
+        RecipeError: naming ``featcal.forward_dtype``.
+    """
+    from .pipeline.checks import check_forward_dtype
+
+    try:
+        check_forward_dtype(recipe.featcal, {"base": base})
+    except ValueError as err:
+        raise RecipeError("featcal.forward_dtype", str(err), recipe.source) from None
+
+
 def merge_experts(base: Any, experts: Mapping[str, Any], merge: MergeSpec, *, log: Callable[[str], None] = print) -> Any:
     """Stage *merge*: ``merge_models(base, experts, method, **params)`` of a validated `MergeSpec`."""
     from .merging import merge_models
@@ -1260,6 +1309,7 @@ def run_recipe(
     check_output_dir(recipe.output_dir, "output_dir", recipe.source, inputs=inputs_read,
                      overwrite=recipe.overwrite)  # before anything is loaded or merged
     inputs = prepare_recipe_inputs(recipe, evaluate=evaluate, log=log)
+    check_fast_mode(recipe, inputs.base)  # the merge is in the base's dtype
     timings["load"] = time.perf_counter() - clock
 
     clock = time.perf_counter()

@@ -308,7 +308,9 @@ class _ZeroShotImageFamily(ModelFamily):
                 f"calibration.tasks.{task}: the dataset has no image column "
                 f"{spec.image_column or list(_IMAGE_COLUMNS)!r} (columns: {ds.column_names}); set image_column"
             )
-        ds = ds.select_columns([column])
+        from ..data import images_from_column
+
+        ds = images_from_column(ds.select_columns([column]), column, f"calibration.tasks.{task}")
         return ds.rename_column(column, "image") if column != "image" else ds
 
     def evaluation_source(self, task, data, configs, class_names):  # type: ignore[override]

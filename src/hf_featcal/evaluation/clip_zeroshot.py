@@ -470,6 +470,8 @@ def load_clip_split(
     """
     import datasets as hf_datasets
 
+    from ..data import images_from_column
+
     spec = task if isinstance(task, ClipTask) else resolve_clip_task(task, argument="task")
     if dataset is None:
         if spec.dataset_path is None:
@@ -485,6 +487,7 @@ def load_clip_split(
             raise ValueError(
                 f"dataset of task {spec.name!r} lacks the {argument} {column!r}; it has columns {ds.column_names}"
             )
+    ds = images_from_column(ds, spec.image_column, f"dataset of task {spec.name!r}")
     feature = ds.features.get(spec.label_column)
     num_classes = getattr(feature, "num_classes", None)
     if num_classes is not None and num_classes != spec.num_classes:

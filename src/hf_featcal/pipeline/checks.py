@@ -3,7 +3,7 @@ name the offending argument (and task and batch)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -151,3 +151,24 @@ def _check_batch_tensors(batch: Mapping[str, Any], layer_map: LayerMap, model: n
             raise ValueError(f"{key!r} holds the token id {int(ids.max())}, outside the model's vocabulary of {vocabulary}")
     if main == "pixel_values" and isinstance(batch.get(main), Tensor) and not batch[main].is_floating_point():
         raise ValueError(f"'pixel_values' must be floating point, got dtype {batch[main].dtype}")
+
+
+def check_forward_dtype(config: Any, models: Mapping[str, nn.Module] | Iterable[tuple[str, nn.Module]]) -> None:
+    """Fast mode's `forward_dtype` against the dtypes of the models whose blocks run under it
+    (argument → model): autocast to bfloat16 over float16 weights (or to float16 over bfloat16 ones)
+    mixes two half-precision dtypes, which torch refuses at the first block; a ValueError naming
+    `forward_dtype` and the model's argument instead, before anything runs. float32 / float64 models
+    take either dtype."""
+    if config.forward_dtype is None:
+        return
+    wanted = getattr(torch, config.forward_dtype)
+    halves = (torch.float16, torch.bfloat16)
+    for argument, model in models.items() if isinstance(models, Mapping) else models:
+        other = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                        if p.dtype in halves and p.dtype != wanted})
+        if other:
+            raise ValueError(
+                f"FeatCalConfig.forward_dtype={config.forward_dtype!r} cannot run `{argument}`, whose weights are "
+                f"{' and '.join(other)}: autocast would mix {other[0]} weights with {config.forward_dtype} activations. "
+                f"Set forward_dtype={other[0]!r} (or None, exact mode), or load the model in float32."
+            )
