@@ -241,7 +241,9 @@ class CheckpointSource(ModelSource):
 
 class LoraSource(ModelSource):
     """An expert given as a LoRA adapter on the base: each block is the base's block plus the adapter's
-    deltas, computed per block (no expert is ever materialised in full)."""
+    deltas, computed per block (no expert is ever materialised in full). Biases the adapter trained
+    (`bias="all"` / `"lora_only"`) replace the base's, as PEFT's `merge_and_unload`: in the blocks, and
+    in the tower's input path (`entry_tower`)."""
 
     def __init__(self, folder: str, argument: str, name: str, base: ModelSource | None) -> None:
         if base is None:
@@ -261,7 +263,10 @@ class LoraSource(ModelSource):
         block_modules = {
             _qualified_name(tower, block) for stack in layer_map.stacks(tower) for block in stack.blocks
         }
-        outside = [p for p in paths if not any(p.startswith(b + ".") for b in block_modules)]
+        outside = [
+            p for p, module in paths.items()
+            if module in self.adapter.modules and not any(p.startswith(b + ".") for b in block_modules)
+        ]
         if outside:
             raise ValueError(f"`{self.argument}`: the adapter adapts modules outside the blocks {outside[:3]}; not supported.")
         self._paths = paths
@@ -278,14 +283,33 @@ class LoraSource(ModelSource):
         with torch.no_grad():
             for path, adapter_path in self._module_paths(layer_map, reference).items():
                 if path.startswith(prefix):
-                    weight = block.get_submodule(path[len(prefix):]).weight
-                    weight.add_(self.adapter.delta(adapter_path).to(device=weight.device, dtype=weight.dtype))
+                    module = block.get_submodule(path[len(prefix):])
+                    if adapter_path in self.adapter.modules:
+                        delta = self.adapter.delta(adapter_path)
+                        module.weight.add_(delta.to(device=module.weight.device, dtype=module.weight.dtype))
+                    if adapter_path in self.adapter.biases:
+                        module.bias.copy_(self.adapter.bias(adapter_path))
         return block.eval()
 
     @contextlib.contextmanager
     def entry_tower(self, layer_map: Any, reference: nn.Module) -> Iterator[nn.Module]:
-        with self.base.entry_tower(layer_map, reference) as tower:  # adapters only change blocks
-            yield tower
+        """The base's input path, with the adapter's trained biases outside the blocks (e.g. a
+        pre-LayerNorm's, `bias="all"`) written in for the duration and restored after."""
+        from .offload import ModelParameters
+
+        with self.base.entry_tower(layer_map, reference) as tower:
+            parameters = ModelParameters(tower)  # also reaches accelerate-offloaded parameters
+            blocks = {_qualified_name(tower, b) for stack in layer_map.stacks(tower) for b in stack.blocks}
+            saved: list[tuple[str, torch.Tensor]] = []
+            try:
+                for path, adapter_path in self._module_paths(layer_map, reference).items():
+                    if adapter_path in self.adapter.biases and not any(path.startswith(b + ".") for b in blocks):
+                        saved.append((f"{path}.bias", parameters.read(f"{path}.bias").clone()))
+                        parameters.write(f"{path}.bias", self.adapter.bias(adapter_path))
+                yield tower
+            finally:
+                for name, value in reversed(saved):
+                    parameters.write(name, value)
 
     def modules_for_eval(self) -> list[nn.Module]:
         return self.base.modules_for_eval()

@@ -162,19 +162,25 @@ class _Expert:
 def _open_lora_expert(
     name: str, adapter: LoraAdapter, merged: nn.Module, base_state: dict[str, torch.Tensor], canonical: dict[str, str]
 ) -> _Expert:
-    """A LoRA expert covers the weights it adapts; its task vector there is the adapter's delta."""
+    """A LoRA expert covers the weights it adapts (base + its delta) and the biases it trained
+    (``bias="all"`` / ``"lora_only"``: the stored bias replaces the base's, as PEFT applies it)."""
     # the adapter names modules relative to the model class it was trained on (e.g. a CLIPVisionModel
     # inside a CLIPModel base, or a *ForCausalLM around a *Model base): model_io places them
     root, paths = lora_module_paths(adapter, merged, family_layer_map(merged))
-    by_module = {module: path + ".weight" for module, path in paths.items()}
-    missing = [m for m, key in by_module.items() if key not in base_state]
+    # the adapter's own tensor name (its module + ".weight" / ".bias") -> the base state-dict key
+    by_tensor = {f"{module}.weight": paths[module] + ".weight" for module in adapter.modules}
+    by_tensor.update({f"{module}.bias": paths[module] + ".bias" for module in adapter.biases})
+    missing = [t for t, key in by_tensor.items() if key not in base_state]
     if missing:
         raise ValueError(f"expert {name!r}: the LoRA adapter adapts modules the base model lacks: {missing[:3]}")
-    original = {key: base_state[key].detach().clone() for key in by_module.values()}
-    keys = {canonical[key]: module for module, key in by_module.items()}
+    original = {by_tensor[f"{m}.weight"]: base_state[by_tensor[f"{m}.weight"]].detach().clone() for m in adapter.modules}
+    keys = {canonical[key]: tensor for tensor, key in by_tensor.items()}
 
-    def fetch(module: str) -> torch.Tensor:  # base weight + (B·A)·scaling
-        base = original[by_module[module]]
+    def fetch(tensor: str) -> torch.Tensor:
+        module, _, kind = tensor.rpartition(".")
+        if kind == "bias":
+            return adapter.bias(module)
+        base = original[by_tensor[tensor]]  # base weight + (B·A)·scaling
         return base.float() + adapter.delta(module).to(base.device)
 
     inside = root + "." if root else ""
