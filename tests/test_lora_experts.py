@@ -163,3 +163,19 @@ def test_trained_lora_biases_are_applied_as_peft_does(clip_setting, tmp_path, bi
                 torch.testing.assert_close(tower.state_dict()[key], value, rtol=0, atol=0, msg=key)
     for key, value in base.state_dict().items():  # the base is itself again afterwards
         assert torch.equal(value, before[key]), key
+
+
+def test_non_finite_adapter_is_named_when_opened(clip_setting, tmp_path):
+    """Issue 29 item 7: an adapter with NaN/Inf is refused when opened, naming it and the tensor."""
+    from hf_featcal.merging import task_arithmetic
+
+    base, experts, merged, data = clip_setting
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    with torch.no_grad():
+        peft_model.base_model.model.encoder.layers[1].self_attn.q_proj.lora_B["default"].weight[0, 0] = float("nan")
+    peft_model.save_pretrained(tmp_path / "a")
+    named = r"`experts\['cars'\]`: the LoRA adapter .* has non-finite values \(NaN/Inf\) in 'base_model\.model\.encoder\.layers\.1\.self_attn\.q_proj\.lora_B\.weight'"
+    with pytest.raises(ValueError, match=named):
+        FeatCalCalibrator(merged, base, {**experts, "cars": str(tmp_path / "a")}, data)
+    with pytest.raises(ValueError, match=named):
+        task_arithmetic(base, {**experts, "cars": str(tmp_path / "a")})

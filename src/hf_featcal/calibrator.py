@@ -137,6 +137,7 @@ class FeatCalCalibrator:
         }
         for source in [*self.experts.values(), *([self.base] if self.base is not None else [])]:
             check_compatible(source, self.layer_map, model, self.model_config)
+            source.check_finite(self.layer_map, model)  # NaN/Inf named now, not found at a solve
 
         # Data: batches per task, non-empty, accepted by the merged model's input path.
         self.batches: dict[str, list[Batch]] = {}

@@ -87,6 +87,20 @@ class ModelSource:
         """Something that changes when the model's weights change (for resume fingerprints)."""
         raise NotImplementedError
 
+    def check_finite(self, layer_map: Any, reference: nn.Module) -> None:
+        """Refuse NaN/Inf in the weights the calibration will read, where that costs no extra read (a
+        model in memory); a checkpoint's tensors are checked when they are read (`_finite`)."""
+
+    def _finite(self, key: str, value: torch.Tensor) -> torch.Tensor:
+        """`value` (the tensor `key` of this model), refused with a ValueError naming the model and the
+        tensor when it holds NaN/Inf — before anything computed from it is solved or written."""
+        if value.is_floating_point() and not value.is_meta and not bool(torch.isfinite(value).all()):
+            where = f" ({self.name})" if self.name else ""
+            raise ValueError(
+                f"`{self.argument}`{where} has non-finite values (NaN/Inf) in {key!r}; refusing to calibrate with it."
+            )
+        return value
+
 
 class InMemorySource(ModelSource):
     """A model object the caller handed over (or one loaded whole, for non-safetensors checkpoints)."""
@@ -112,6 +126,10 @@ class InMemorySource(ModelSource):
 
     def digest(self, layer_map: Any, reference: nn.Module) -> Any:
         return layer_map.tower(self.model).state_dict()
+
+    def check_finite(self, layer_map: Any, reference: nn.Module) -> None:
+        for key, value in layer_map.tower(self.model).state_dict().items():
+            self._finite(key, value)
 
 
 class CheckpointSource(ModelSource):
@@ -194,7 +212,7 @@ class CheckpointSource(ModelSource):
             if isinstance(tensor, nn.Parameter):
                 raise ValueError(f"`{self.argument}` ({self.name}) has no tensor for {prefix}.{name}")
             return None
-        value = self._read(key)
+        value = self._finite(key, self._read(key))
         if value.shape != tensor.shape:
             raise ValueError(
                 f"`{self.argument}` ({self.name}): {key} has shape {tuple(value.shape)}, the merged model's "
@@ -232,7 +250,7 @@ class CheckpointSource(ModelSource):
                     continue
                 qualified = f"{tower_prefix}.{name}" if tower_prefix else name
                 saved.append((qualified, parameters.read(qualified).clone()))
-                parameters.write(qualified, self._read(keys[name]))
+                parameters.write(qualified, self._finite(keys[name], self._read(keys[name])))
             yield tower
         finally:
             for qualified, value in reversed(saved):
@@ -313,6 +331,9 @@ class LoraSource(ModelSource):
 
     def modules_for_eval(self) -> list[nn.Module]:
         return self.base.modules_for_eval()
+
+    def check_finite(self, layer_map: Any, reference: nn.Module) -> None:
+        self.base.check_finite(layer_map, reference)  # the adapter's own tensors: checked when it is opened
 
     def digest(self, layer_map: Any, reference: nn.Module) -> Any:
         return {"adapter": self.adapter.digest(), "base": self.base.digest(layer_map, reference)}

@@ -431,6 +431,10 @@ class LoraAdapter:
         with open_safetensors(path, argument) as handle:
             self._shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
         self._tensors = LazyTensors(dict.fromkeys(self._shapes, path), argument)
+        with self._tensors:  # an adapter is small: every tensor is checked now, before any use of it
+            for key in self._shapes:
+                if not bool(torch.isfinite(self._tensors.read(key)).all()):
+                    raise ValueError(f"`{argument}`: the LoRA adapter {folder!r} has non-finite values (NaN/Inf) in {key!r}.")
         suffix = ".lora_A.weight"
         # module path as the adapter names it (relative to the model it was trained on)
         self.modules = [k[len(_PEFT_PREFIX):-len(suffix)] for k in self._shapes if k.endswith(suffix)]
