@@ -34,7 +34,13 @@ from .offload import ModelParameters
 from .pipeline.accumulate import BlockStatistics
 from .pipeline.capture import capture_block
 from .pipeline.checkpoint import open_checkpoint, resume, save_block
-from .pipeline.checks import check_batches_enter_model, check_compatible, check_tasks, model_type_of
+from .pipeline.checks import (
+    check_batches_enter_model,
+    check_compatible,
+    check_not_empty,
+    check_tasks,
+    model_type_of,
+)
 from .pipeline.context import FeatCalError, FeatCalWarning, RunContext
 from .pipeline.drift import DriftLog, record_drift
 from .pipeline.enter import Streams, enter_stack
@@ -152,8 +158,7 @@ class FeatCalCalibrator:
                 data_collator=data_collator,
                 processing_class=processing_class,
             )
-            if not batches:
-                raise ValueError(f"calibration_data[{task!r}] is empty: FeatCal needs at least one example per task.")
+            check_not_empty(task, batches)
             self.batches[task] = batches
         self.samples_per_task = {
             task: sum(batch_size_of(b, self.layer_map.main_input_name) for b in batches)
