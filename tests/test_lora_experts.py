@@ -179,3 +179,17 @@ def test_non_finite_adapter_is_named_when_opened(clip_setting, tmp_path):
         FeatCalCalibrator(merged, base, {**experts, "cars": str(tmp_path / "a")}, data)
     with pytest.raises(ValueError, match=named):
         task_arithmetic(base, {**experts, "cars": str(tmp_path / "a")})
+
+
+def test_adapter_tensors_that_are_not_read_are_refused_not_dropped(clip_setting, tmp_path):
+    """Issue 29 item 4, the class: an adapter tensor this library does not apply (here an Embedding's
+    `lora_embedding_A/B`) used to be skipped silently; it is refused, naming the adapter and the tensor."""
+    from hf_featcal.merging import task_arithmetic
+
+    base, experts, merged, data = clip_setting
+    _adapter(base, tmp_path / "a", 0, r=2, target_modules=["q_proj", "position_embedding"])
+    named = r"`experts\['cars'\]`: the LoRA adapter .* holds tensors other than LoRA A/B weights and biases.*lora_embedding_"
+    with pytest.raises(ValueError, match=named):
+        task_arithmetic(base, {**experts, "cars": str(tmp_path / "a")})
+    with pytest.raises(ValueError, match=named):
+        FeatCalCalibrator(merged, base, {**experts, "cars": str(tmp_path / "a")}, data)
