@@ -333,7 +333,8 @@ class LoraSource(ModelSource):
         return self.base.modules_for_eval()
 
     def check_finite(self, layer_map: Any, reference: nn.Module) -> None:
-        self.base.check_finite(layer_map, reference)  # the adapter's own tensors: checked when it is opened
+        """Nothing more to check: the adapter's tensors were checked when it was opened, the base is
+        checked as `base_model`."""
 
     def digest(self, layer_map: Any, reference: nn.Module) -> Any:
         return {"adapter": self.adapter.digest(), "base": self.base.digest(layer_map, reference)}
