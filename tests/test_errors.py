@@ -161,14 +161,29 @@ def test_non_finite_features_are_reported_with_block_and_module(clip_setting):
     assert calibrator.report is None
 
 
-def test_non_finite_expert_never_reaches_the_model(clip_setting):
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_expert_or_base_weights_are_named_before_any_solve(clip_setting, tmp_path, bad):
+    """Issue 29 item 7: NaN/Inf in an expert's or the base's weights used to surface at that block's
+    solve as a "non-finite solution"; now the model and the tensor are named: in memory at construction,
+    from a checkpoint when the tensor is first read (before the solve that would use it)."""
     base, experts, merged, data = clip_setting
     state = _state(merged)
     broken = copy.deepcopy(experts["dtd"])
     with torch.no_grad():
-        broken.encoder.layers[1].mlp.fc1.weight[0, 0] = float("inf")  # block 0 is solved and written first
-    with pytest.raises(FeatCalError, match=r"solution for block 1 of vision_encoder, module mlp\.fc1\.weight"):
-        FeatCalCalibrator(merged, base, {**experts, "dtd": broken}, data, show_progress=False).calibrate()
+        broken.encoder.layers[1].mlp.fc1.weight[0, 0] = bad  # block 0 is solved and written first
+    named = r"`experts\['dtd'\]`.* has non-finite values \(NaN/Inf\) in '(vision_model\.)?encoder\.layers\.1\.mlp\.fc1\.weight'"
+    with pytest.raises(ValueError, match=named):
+        FeatCalCalibrator(merged, base, {**experts, "dtd": broken}, data, show_progress=False)
+    broken.save_pretrained(tmp_path / "dtd")
+    calibrator = FeatCalCalibrator(merged, base, {**experts, "dtd": str(tmp_path / "dtd")}, data, show_progress=False)
+    with pytest.raises(ValueError, match=named):
+        calibrator.calibrate()
+    _assert_unchanged(merged, state)
+    broken_base = copy.deepcopy(base)
+    with torch.no_grad():
+        broken_base.encoder.layers[1].layer_norm2.bias[3] = bad  # only the anchor
+    with pytest.raises(ValueError, match=r"`base_model` has non-finite values \(NaN/Inf\) in 'encoder\.layers\.1\.layer_norm2\.bias'"):
+        FeatCalCalibrator(merged, broken_base, experts, data, show_progress=False)
     _assert_unchanged(merged, state)
 
 
@@ -177,7 +192,7 @@ def test_non_finite_solution_is_never_written(clip_setting):
     state = _state(merged)
     broken_base = copy.deepcopy(base)
     with torch.no_grad():
-        broken_base.encoder.layers[1].layer_norm2.bias[3] = float("nan")  # only the anchor is non-finite
+        broken_base.encoder.layers[1].layer_norm2.bias[3] = 3.4e38  # finite, but the anchor's solution overflows
     with pytest.raises(FeatCalError, match=r"solution for block 1 of vision_encoder, module layer_norm2"):
         FeatCalCalibrator(merged, broken_base, experts, data, show_progress=False).calibrate()
     _assert_unchanged(merged, state)

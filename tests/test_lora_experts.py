@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 
 from hf_featcal import FeatCalCalibrator
 from transformers import CLIPVisionModel
@@ -115,3 +115,81 @@ def test_load_model_materialises_an_adapter_for_evaluation(clip_setting, tmp_pat
     state = copy.deepcopy(base.state_dict())
     load_model(str(tmp_path / "a"), "model", base=base)
     assert all(torch.equal(v, state[k]) for k, v in base.state_dict().items())  # the given base is copied
+
+
+def _adapter_with_trained_biases(base, folder, seed, bias):
+    """A real adapter whose trainable biases (PEFT's `bias="all"` / `"lora_only"`) moved away from the base's."""
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(
+        copy.deepcopy(base), LoraConfig(r=2, target_modules=["q_proj", "fc1"], init_lora_weights=False, bias=bias)
+    )
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if parameter.requires_grad and name.endswith(".bias"):
+                parameter.add_(torch.randn_like(parameter))
+    peft_model.save_pretrained(folder)
+    # the expert as PEFT applies the adapter folder (independently of this library's reading of it)
+    return PeftModel.from_pretrained(copy.deepcopy(base), folder).merge_and_unload().eval()
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_trained_lora_biases_are_applied_as_peft_does(clip_setting, tmp_path, bias):
+    """Issue 29 item 4: the adapter's trained biases (and, with `bias="all"`, the pre-LayerNorm's outside
+    the blocks) reach merging and FeatCal's expert reading exactly as PEFT's `merge_and_unload` applies them."""
+    from hf_featcal.experts import InMemorySource
+    from hf_featcal.architectures import get_layer_map
+    from hf_featcal.merging import task_arithmetic
+
+    base = clip_setting[0]
+    full = _adapter_with_trained_biases(base, tmp_path / "a", 0, bias)
+    moved = [k for k, v in base.state_dict().items() if k.endswith(".bias") and not torch.equal(v, full.state_dict()[k])]
+    assert len(moved) == (18 if bias == "all" else 4)  # the adapter does carry trained biases
+    # merging: lambda = 1 gives the expert itself
+    merged = task_arithmetic(base, {"a": str(tmp_path / "a")}, scaling_factor=1.0)
+    for key, value in full.state_dict().items():
+        torch.testing.assert_close(merged.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    # FeatCal's reading: every block, and the tower's input path
+    layer_map = get_layer_map(base)
+    source = LoraSource(str(tmp_path / "a"), "experts['a']", "a", InMemorySource(base, "base_model"))
+    want_blocks = layer_map.stacks(layer_map.tower(full))[0].blocks
+    for index, want in enumerate(want_blocks):
+        got = source.block(layer_map, base, 0, index, torch.device("cpu"))
+        for (key, value), expected in zip(got.state_dict().items(), want.state_dict().values()):
+            torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=f"block {index} {key}")
+    before = copy.deepcopy(base.state_dict())
+    with source.entry_tower(layer_map, base) as tower:
+        for key, value in layer_map.tower(full).state_dict().items():
+            if not key.startswith("encoder."):
+                torch.testing.assert_close(tower.state_dict()[key], value, rtol=0, atol=0, msg=key)
+    for key, value in base.state_dict().items():  # the base is itself again afterwards
+        assert torch.equal(value, before[key]), key
+
+
+def test_non_finite_adapter_is_named_when_opened(clip_setting, tmp_path):
+    """Issue 29 item 7: an adapter with NaN/Inf is refused when opened, naming it and the tensor."""
+    from hf_featcal.merging import task_arithmetic
+
+    base, experts, merged, data = clip_setting
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    with torch.no_grad():
+        peft_model.base_model.model.encoder.layers[1].self_attn.q_proj.lora_B["default"].weight[0, 0] = float("nan")
+    peft_model.save_pretrained(tmp_path / "a")
+    named = r"`experts\['cars'\]`: the LoRA adapter .* has non-finite values \(NaN/Inf\) in 'base_model\.model\.encoder\.layers\.1\.self_attn\.q_proj\.lora_B\.weight'"
+    with pytest.raises(ValueError, match=named):
+        FeatCalCalibrator(merged, base, {**experts, "cars": str(tmp_path / "a")}, data)
+    with pytest.raises(ValueError, match=named):
+        task_arithmetic(base, {**experts, "cars": str(tmp_path / "a")})
+
+
+def test_adapter_tensors_that_are_not_read_are_refused_not_dropped(clip_setting, tmp_path):
+    """Issue 29 item 4, the class: an adapter tensor this library does not apply (here an Embedding's
+    `lora_embedding_A/B`) used to be skipped silently; it is refused, naming the adapter and the tensor."""
+    from hf_featcal.merging import task_arithmetic
+
+    base, experts, merged, data = clip_setting
+    _adapter(base, tmp_path / "a", 0, r=2, target_modules=["q_proj", "position_embedding"])
+    named = r"`experts\['cars'\]`: the LoRA adapter .* holds tensors other than LoRA A/B weights and biases.*lora_embedding_"
+    with pytest.raises(ValueError, match=named):
+        task_arithmetic(base, {**experts, "cars": str(tmp_path / "a")})
+    with pytest.raises(ValueError, match=named):
+        FeatCalCalibrator(merged, base, {**experts, "cars": str(tmp_path / "a")}, data)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -237,14 +238,15 @@ def test_invalid_scaling_factor_raises(vision_setting, scaling):
 def test_shape_mismatch_names_the_expert(vision_setting):
     base, experts = vision_setting
     wrong = CLIPVisionModel(vision_config(intermediate_size=48))
-    with pytest.raises(ValueError, match="'wide'.*shape"):
+    # a family the library knows: the calibrator's configuration check speaks first
+    with pytest.raises(ValueError, match=r"experts\['wide'\]` has a different configuration.*intermediate_size"):
         task_arithmetic(base, {**experts, "wide": wrong})
 
 
 def test_key_mismatch_names_the_expert(vision_setting):
     base, experts = vision_setting
     deeper = CLIPVisionModel(vision_config(num_hidden_layers=3))
-    with pytest.raises(ValueError, match="'deep'.*does not line up"):
+    with pytest.raises(ValueError, match=r"experts\['deep'\]` has a different configuration.*num_hidden_layers"):
         task_arithmetic(base, {"deep": deeper})
     # a text model cannot be merged into a vision model either
     text_only = CLIPModel(clip_config()).text_model
@@ -622,10 +624,11 @@ def test_transformers4_vision_checkpoints_and_clip_model_base(tmp_path):
 def test_folder_expert_that_does_not_line_up_is_named(vision_setting, tmp_path):
     base, experts = vision_setting
     CLIPVisionModel(vision_config(num_hidden_layers=3)).save_pretrained(tmp_path / "deep")
-    with pytest.raises(ValueError, match="'deep'.*does not line up"):
+    with pytest.raises(ValueError, match=r"experts\['deep'\]` has a different configuration.*num_hidden_layers"):
         ties_merging(base, {**experts, "deep": tmp_path / "deep"})
     CLIPVisionModel(vision_config(intermediate_size=48)).save_pretrained(tmp_path / "wide")
-    with pytest.raises(ValueError, match="'wide'.*shape"):
+    # a family the library knows: the calibrator's configuration check speaks first
+    with pytest.raises(ValueError, match=r"experts\['wide'\]` has a different configuration.*intermediate_size"):
         dare_merging(base, {"wide": tmp_path / "wide"})
     with pytest.raises(ValueError, match=r"experts\['missing'\]"):
         task_arithmetic(base, {"missing": tmp_path / "does-not-exist"})
@@ -924,3 +927,56 @@ def test_recipe_schema_accepts_the_new_method_and_option():
         validate_merge_spec("dare", {"rescale_mode": "l2"})
     with pytest.raises(RecipeError, match="merge.density"):
         validate_merge_spec("dare_ties", {"density": 0.2})
+
+
+@pytest.mark.parametrize("other", [dict(num_hidden_layers=1), dict(num_attention_heads=2), dict(hidden_act="gelu")])
+@pytest.mark.parametrize("as_folder", [False, True])
+def test_experts_of_another_configuration_are_refused_as_the_calibrator_refuses_them(
+    vision_setting, tmp_path, other, as_folder
+):
+    """Issue 29 item 6: fewer layers (keys a subset of the base's), another head count or activation
+    (same shapes) used to merge silently; `merge` now refuses them up front with the calibrator's message."""
+    from hf_featcal import FeatCalCalibrator
+
+    base, experts = vision_setting
+    odd = CLIPVisionModel(vision_config(**other)).eval()
+    if as_folder:
+        odd.save_pretrained(tmp_path / "odd")
+        odd = str(tmp_path / "odd")
+    (field, value), = other.items()
+    expected = rf"`experts\['odd'\]` has a different configuration from the merged model \({field}: merged .* vs {value!r}\)"
+    with pytest.raises(ValueError, match=expected) as from_merge:
+        task_arithmetic(base, {"task0": experts["task0"], "odd": odd})
+    data = {t: [{"pixel_values": torch.randn(2, 3, 16, 16)}] for t in ("task0", "odd")}
+    with pytest.raises(ValueError) as from_calibrator:
+        FeatCalCalibrator(copy.deepcopy(base), base, {"task0": experts["task0"], "odd": odd}, data)
+    assert str(from_merge.value) == str(from_calibrator.value)
+
+
+@pytest.mark.parametrize("scaling", [1e300, -1e300, 100.5])
+def test_absurd_scaling_factor_is_refused_up_front(vision_setting, scaling):
+    """Issue 29 item 11: `scaling_factor: 1e300` gave a merge full of Inf; the declared range refuses it
+    (the same declaration checks recipes and `hf-featcal merge --scaling-factor`)."""
+    from hf_featcal.recipes import RecipeError, validate_merge_spec
+
+    base, experts = vision_setting
+    with pytest.raises(ValueError, match=r"`scaling_factor` must be in \[-100, 100\], got " + re.escape(repr(scaling))):
+        merge_models(base, experts, "ties", scaling_factor=scaling)
+    with pytest.raises(RecipeError, match=r"merge.scaling_factor.*must be in \[-100, 100\]"):
+        validate_merge_spec("task_arithmetic", {"scaling_factor": scaling})
+
+
+def test_a_non_finite_merge_is_refused_and_the_inputs_stay_as_they_were(vision_setting):
+    """Issue 29 item 11: finite inputs whose merge overflows (here float32: 2 x 3e38) are refused before
+    the tensor is written, naming `scaling_factor` and the tensor; base and experts are unchanged."""
+    base, experts = vision_setting
+    huge = copy.deepcopy(experts["task0"])
+    with torch.no_grad():
+        huge.post_layernorm.weight.fill_(3e38)  # finite in float32
+    before = {"base": snapshot(base), "huge": snapshot(huge)}
+    expected = (r"the merge is not finite \(NaN/Inf\) in 'post_layernorm.weight' with "
+                r"`scaling_factor`=2.0 \(torch.float32\); refusing it")
+    with pytest.raises(ValueError, match=expected):
+        task_arithmetic(base, {"huge": huge}, scaling_factor=2.0)
+    assert_same_state(base, before["base"])
+    assert_same_state(huge, before["huge"])

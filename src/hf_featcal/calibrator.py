@@ -35,7 +35,13 @@ from .offload import ModelParameters
 from .pipeline.accumulate import BlockStatistics
 from .pipeline.capture import capture_block
 from .pipeline.checkpoint import open_checkpoint, resume, save_block
-from .pipeline.checks import check_batches_enter_model, check_compatible, check_tasks, model_type_of
+from .pipeline.checks import (
+    check_batches_enter_model,
+    check_compatible,
+    check_not_empty,
+    check_tasks,
+    model_type_of,
+)
 from .pipeline.context import FeatCalError, FeatCalWarning, RunContext
 from .pipeline.drift import DriftLog, record_drift
 from .pipeline.enter import Streams, enter_stack
@@ -142,6 +148,7 @@ class FeatCalCalibrator:
         }
         for source in [*self.experts.values(), *([self.base] if self.base is not None else [])]:
             check_compatible(source, self.layer_map, model, self.model_config)
+            source.check_finite(self.layer_map, model)  # NaN/Inf named now, not found at a solve
         # fast mode's dtype against every model whose blocks run under it (folder experts take the merged dtype)
         in_memory = [(source.argument, module) for source in [*self.experts.values(), self.base] if source is not None
                      for module in source.modules_for_eval()]
@@ -164,8 +171,7 @@ class FeatCalCalibrator:
                 processing_class=processing_class,
                 max_length=text_max_length,
             )
-            if not batches:
-                raise ValueError(f"calibration_data[{task!r}] is empty: FeatCal needs at least one example per task.")
+            check_not_empty(task, batches)
             self.batches[task] = batches
         self.samples_per_task = {
             task: sum(batch_size_of(b, self.layer_map.main_input_name) for b in batches)

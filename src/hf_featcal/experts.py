@@ -87,6 +87,20 @@ class ModelSource:
         """Something that changes when the model's weights change (for resume fingerprints)."""
         raise NotImplementedError
 
+    def check_finite(self, layer_map: Any, reference: nn.Module) -> None:
+        """Refuse NaN/Inf in the weights the calibration will read, where that costs no extra read (a
+        model in memory); a checkpoint's tensors are checked when they are read (`_finite`)."""
+
+    def _finite(self, key: str, value: torch.Tensor) -> torch.Tensor:
+        """`value` (the tensor `key` of this model), refused with a ValueError naming the model and the
+        tensor when it holds NaN/Inf — before anything computed from it is solved or written."""
+        if value.is_floating_point() and not value.is_meta and not bool(torch.isfinite(value).all()):
+            where = f" ({self.name})" if self.name else ""
+            raise ValueError(
+                f"`{self.argument}`{where} has non-finite values (NaN/Inf) in {key!r}; refusing to calibrate with it."
+            )
+        return value
+
 
 class InMemorySource(ModelSource):
     """A model object the caller handed over (or one loaded whole, for non-safetensors checkpoints)."""
@@ -112,6 +126,10 @@ class InMemorySource(ModelSource):
 
     def digest(self, layer_map: Any, reference: nn.Module) -> Any:
         return layer_map.tower(self.model).state_dict()
+
+    def check_finite(self, layer_map: Any, reference: nn.Module) -> None:
+        for key, value in layer_map.tower(self.model).state_dict().items():
+            self._finite(key, value)
 
 
 class CheckpointSource(ModelSource):
@@ -194,7 +212,7 @@ class CheckpointSource(ModelSource):
             if isinstance(tensor, nn.Parameter):
                 raise ValueError(f"`{self.argument}` ({self.name}) has no tensor for {prefix}.{name}")
             return None
-        value = self._read(key)
+        value = self._finite(key, self._read(key))
         if value.shape != tensor.shape:
             raise ValueError(
                 f"`{self.argument}` ({self.name}): {key} has shape {tuple(value.shape)}, the merged model's "
@@ -232,7 +250,7 @@ class CheckpointSource(ModelSource):
                     continue
                 qualified = f"{tower_prefix}.{name}" if tower_prefix else name
                 saved.append((qualified, parameters.read(qualified).clone()))
-                parameters.write(qualified, self._read(keys[name]))
+                parameters.write(qualified, self._finite(keys[name], self._read(keys[name])))
             yield tower
         finally:
             for qualified, value in reversed(saved):
@@ -241,7 +259,9 @@ class CheckpointSource(ModelSource):
 
 class LoraSource(ModelSource):
     """An expert given as a LoRA adapter on the base: each block is the base's block plus the adapter's
-    deltas, computed per block (no expert is ever materialised in full)."""
+    deltas, computed per block (no expert is ever materialised in full). Biases the adapter trained
+    (`bias="all"` / `"lora_only"`) replace the base's, as PEFT's `merge_and_unload`: in the blocks, and
+    in the tower's input path (`entry_tower`)."""
 
     def __init__(self, folder: str, argument: str, name: str, base: ModelSource | None) -> None:
         if base is None:
@@ -261,7 +281,10 @@ class LoraSource(ModelSource):
         block_modules = {
             _qualified_name(tower, block) for stack in layer_map.stacks(tower) for block in stack.blocks
         }
-        outside = [p for p in paths if not any(p.startswith(b + ".") for b in block_modules)]
+        outside = [
+            p for p, module in paths.items()
+            if module in self.adapter.modules and not any(p.startswith(b + ".") for b in block_modules)
+        ]
         if outside:
             raise ValueError(f"`{self.argument}`: the adapter adapts modules outside the blocks {outside[:3]}; not supported.")
         self._paths = paths
@@ -278,17 +301,40 @@ class LoraSource(ModelSource):
         with torch.no_grad():
             for path, adapter_path in self._module_paths(layer_map, reference).items():
                 if path.startswith(prefix):
-                    weight = block.get_submodule(path[len(prefix):]).weight
-                    weight.add_(self.adapter.delta(adapter_path).to(device=weight.device, dtype=weight.dtype))
+                    module = block.get_submodule(path[len(prefix):])
+                    if adapter_path in self.adapter.modules:
+                        delta = self.adapter.delta(adapter_path)
+                        module.weight.add_(delta.to(device=module.weight.device, dtype=module.weight.dtype))
+                    if adapter_path in self.adapter.biases:
+                        module.bias.copy_(self.adapter.bias(adapter_path))
         return block.eval()
 
     @contextlib.contextmanager
     def entry_tower(self, layer_map: Any, reference: nn.Module) -> Iterator[nn.Module]:
-        with self.base.entry_tower(layer_map, reference) as tower:  # adapters only change blocks
-            yield tower
+        """The base's input path, with the adapter's trained biases outside the blocks (e.g. a
+        pre-LayerNorm's, `bias="all"`) written in for the duration and restored after."""
+        from .offload import ModelParameters
+
+        with self.base.entry_tower(layer_map, reference) as tower:
+            parameters = ModelParameters(tower)  # also reaches accelerate-offloaded parameters
+            blocks = {_qualified_name(tower, b) for stack in layer_map.stacks(tower) for b in stack.blocks}
+            saved: list[tuple[str, torch.Tensor]] = []
+            try:
+                for path, adapter_path in self._module_paths(layer_map, reference).items():
+                    if adapter_path in self.adapter.biases and not any(path.startswith(b + ".") for b in blocks):
+                        saved.append((f"{path}.bias", parameters.read(f"{path}.bias").clone()))
+                        parameters.write(f"{path}.bias", self.adapter.bias(adapter_path))
+                yield tower
+            finally:
+                for name, value in reversed(saved):
+                    parameters.write(name, value)
 
     def modules_for_eval(self) -> list[nn.Module]:
         return self.base.modules_for_eval()
+
+    def check_finite(self, layer_map: Any, reference: nn.Module) -> None:
+        """Nothing more to check: the adapter's tensors were checked when it was opened, the base is
+        checked as `base_model`."""
 
     def digest(self, layer_map: Any, reference: nn.Module) -> Any:
         return {"adapter": self.adapter.digest(), "base": self.base.digest(layer_map, reference)}

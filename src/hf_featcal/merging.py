@@ -51,6 +51,9 @@ from typing import Union
 import torch
 from torch import nn
 
+from .architectures import model_config
+from .experts import InMemorySource, make_source
+from .pipeline.checks import check_compatible
 from .schema import merge_parameters
 from .model_io import (
     LazyTensors,
@@ -162,19 +165,25 @@ class _Expert:
 def _open_lora_expert(
     name: str, adapter: LoraAdapter, merged: nn.Module, base_state: dict[str, torch.Tensor], canonical: dict[str, str]
 ) -> _Expert:
-    """A LoRA expert covers the weights it adapts; its task vector there is the adapter's delta."""
+    """A LoRA expert covers the weights it adapts (base + its delta) and the biases it trained
+    (``bias="all"`` / ``"lora_only"``: the stored bias replaces the base's, as PEFT applies it)."""
     # the adapter names modules relative to the model class it was trained on (e.g. a CLIPVisionModel
     # inside a CLIPModel base, or a *ForCausalLM around a *Model base): model_io places them
     root, paths = lora_module_paths(adapter, merged, family_layer_map(merged))
-    by_module = {module: path + ".weight" for module, path in paths.items()}
-    missing = [m for m, key in by_module.items() if key not in base_state]
+    # the adapter's own tensor name (its module + ".weight" / ".bias") -> the base state-dict key
+    by_tensor = {f"{module}.weight": paths[module] + ".weight" for module in adapter.modules}
+    by_tensor.update({f"{module}.bias": paths[module] + ".bias" for module in adapter.biases})
+    missing = [t for t, key in by_tensor.items() if key not in base_state]
     if missing:
         raise ValueError(f"expert {name!r}: the LoRA adapter adapts modules the base model lacks: {missing[:3]}")
-    original = {key: base_state[key].detach().clone() for key in by_module.values()}
-    keys = {canonical[key]: module for module, key in by_module.items()}
+    original = {by_tensor[f"{m}.weight"]: base_state[by_tensor[f"{m}.weight"]].detach().clone() for m in adapter.modules}
+    keys = {canonical[key]: tensor for tensor, key in by_tensor.items()}
 
-    def fetch(module: str) -> torch.Tensor:  # base weight + (B·A)·scaling
-        base = original[by_module[module]]
+    def fetch(tensor: str) -> torch.Tensor:
+        module, _, kind = tensor.rpartition(".")
+        if kind == "bias":
+            return adapter.bias(module)
+        base = original[by_tensor[tensor]]  # base weight + (B·A)·scaling
         return base.float() + adapter.delta(module).to(base.device)
 
     inside = root + "." if root else ""
@@ -191,18 +200,28 @@ def _open_expert(
     base_label: str,
     stack: contextlib.ExitStack,
 ) -> _Expert:
-    """Match an expert's keys and shapes to the base's; tensors of a checkpoint are read lazily."""
+    """Match an expert's keys and shapes to the base's; tensors of a checkpoint are read lazily.  When
+    the library knows the base's family, the expert must also pass the calibrator's compatibility
+    check (`hf_featcal.pipeline.checks.check_compatible`: model type, the configuration's geometry
+    such as layer and head counts and activation, the tower's shapes), so that a merge FeatCal would
+    refuse is refused here, before any tensor is merged.  (A LoRA adapter is the base plus deltas:
+    it has the base's configuration by construction.)"""
     argument = f"experts[{name!r}]"
     checkpoint = None if isinstance(source, nn.Module) else resolve_checkpoint(source, argument)
     if checkpoint is not None and checkpoint.adapter is not None:
         return _open_lora_expert(name, LoraAdapter(checkpoint.adapter, argument), merged, base_state, canonical)
+    layer_map = family_layer_map(merged)
     if checkpoint is not None and checkpoint.lazy:
+        if layer_map is not None:  # the calibrator's check, on the config and shapes alone
+            check_compatible(make_source(source, argument), layer_map, merged, model_config(merged))
         tensors = stack.enter_context(LazyTensors(checkpoint.files, argument))  # files open until the merge ends
         shapes = {key: tensors.shape(key) for key in tensors.keys() if tensors.is_floating(key)}
         fetch = tensors.read
         label = f"checkpoint {os.fspath(source)!r}"
     else:
         model = source if isinstance(source, nn.Module) else load_model(source, argument)
+        if layer_map is not None:
+            check_compatible(InMemorySource(model, argument), layer_map, merged, model_config(merged))
         state = _float_state(model)
         shapes = {k: tuple(v.shape) for k, v in state.items()}
         fetch = state.__getitem__
@@ -277,7 +296,10 @@ def _merge(
 ) -> nn.Module:
     """``theta = theta_0 + scaling_factor * delta_fn(key, task vectors)`` for every (canonical)
     floating-point base key at least one expert covers, one key at a time; other keys keep the base
-    weights.  Task vectors of an expert that lacks a key are absent from that key's list."""
+    weights.  Task vectors of an expert that lacks a key are absent from that key's list.  A
+    non-finite value in an input is refused when its tensor is first read (naming the expert or the
+    base and the tensor), a non-finite result before it is written (naming ``scaling_factor``); the
+    result is the function's own copy, so the caller's models stay as they were."""
     _validate_base(base_model)
     _validate_experts(experts)
     merged = _load_base(base_model)
@@ -298,7 +320,14 @@ def _merge(
                 target = state[key]
                 base32 = target.detach().float()
                 delta = delta_fn(key, [(r, r.task_vector(key, base32)) for r in covering])
-                target.copy_((base32 + scaling_factor * delta).to(target.dtype))
+                value = (base32 + scaling_factor * delta).to(target.dtype)
+                if not bool(torch.isfinite(value).all()):  # the inputs are finite (task_vector): the parameters overflow
+                    raise ValueError(
+                        f"the merge is not finite (NaN/Inf) in {key!r} with `scaling_factor`={scaling_factor!r} "
+                        f"({target.dtype}); refusing it: use a smaller `scaling_factor` (the base model and the "
+                        "experts are unchanged)."
+                    )
+                target.copy_(value)
 
     # on the config (saved in config.json); a model without one (open_clip) keeps it as an attribute
     config = getattr(merged, "config", None)
@@ -462,15 +491,16 @@ def task_arithmetic(
         experts: Mapping task name -> fine-tuned model (or local folder / hub id, read lazily) of the
             same architecture, or of a sub-module of the base (e.g. ``CLIPVisionModel`` experts for a
             ``CLIPModel`` base: only the vision tower is merged).  Not modified.
-        scaling_factor: The task-vector scaling ``lambda`` (finite real number).
+        scaling_factor: The task-vector scaling ``lambda``, in ``[-100, 100]``.
 
     Returns:
         A new model holding the merged weights, with
         ``config.hf_featcal_merge = {"method": "task_arithmetic", "scaling_factor": ..., "experts": [...]}``.
 
     Raises:
-        ValueError: on an empty/invalid ``experts`` mapping, a non-finite ``scaling_factor``, a source
-            that cannot be loaded, or an expert whose state-dict keys/shapes do not line up with the base.
+        ValueError: on an empty/invalid ``experts`` mapping, a ``scaling_factor`` outside its range, a
+            source that cannot be loaded, an expert whose configuration, state-dict keys or shapes do not
+            line up with the base, non-finite weights, or a non-finite merge.
     """
     (scaling_factor,) = _checked("task_arithmetic", scaling_factor=scaling_factor)
     _validate_base(base_model)
@@ -553,7 +583,7 @@ def ties_merging(
     Args:
         base_model: Pre-trained model, or its local folder / hub id.  Not modified.
         experts: Mapping task name -> fine-tuned model, or local folder / hub id (read lazily).
-        scaling_factor: ``lambda`` (finite real number).
+        scaling_factor: ``lambda``, in ``[-100, 100]``.
         density: Fraction of entries kept by the trim, in ``(0, 1]``.
         per_tensor_trim: Trim per tensor instead of over the whole task vector.
         merge_func: ``"mean"`` (disjoint mean, the TIES paper) or ``"sum"``.
@@ -636,7 +666,7 @@ def dare_merging(
     Args:
         base_model: Pre-trained model, or its local folder / hub id.  Not modified.
         experts: Mapping task name -> fine-tuned model, or local folder / hub id (read lazily).
-        scaling_factor: ``lambda`` (finite real number).
+        scaling_factor: ``lambda``, in ``[-100, 100]``.
         drop_rate: Drop probability ``p`` in ``[0, 1)``.
         rescale: Rescale the kept entries (the DARE rescaling).
         seed: Integer seed.
@@ -707,7 +737,7 @@ def dare_ties_merging(
     Args:
         base_model: Pre-trained model, or its local folder / hub id.  Not modified.
         experts: Mapping task name -> fine-tuned model, or local folder / hub id (read lazily).
-        scaling_factor: ``lambda`` (finite real number).
+        scaling_factor: ``lambda``, in ``[-100, 100]``.
         drop_rate: Drop probability ``p`` in ``[0, 1)``.
         rescale: Rescale the kept entries.
         seed: Integer seed.

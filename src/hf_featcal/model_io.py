@@ -431,9 +431,31 @@ class LoraAdapter:
         with open_safetensors(path, argument) as handle:
             self._shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
         self._tensors = LazyTensors(dict.fromkeys(self._shapes, path), argument)
+        with self._tensors:  # an adapter is small: every tensor is checked now, before any use of it
+            for key in self._shapes:
+                if not bool(torch.isfinite(self._tensors.read(key)).all()):
+                    raise ValueError(f"`{argument}`: the LoRA adapter {folder!r} has non-finite values (NaN/Inf) in {key!r}.")
         suffix = ".lora_A.weight"
         # module path as the adapter names it (relative to the model it was trained on)
         self.modules = [k[len(_PEFT_PREFIX):-len(suffix)] for k in self._shapes if k.endswith(suffix)]
+        # biases trained with `bias="all"` / `"lora_only"`: PEFT loads them over the model's own
+        # (`<module>.bias`, or `<module>.base_layer.bias` for an adapted Linear), so the expert's bias
+        # is the stored value itself; module path (as above) -> the adapter's key
+        self.biases: dict[str, str] = {}
+        unknown = []
+        for key in self._shapes:
+            if re.search(r"\.lora_[AB]\.weight$", key):
+                continue
+            if key.startswith(_PEFT_PREFIX) and key.endswith(".bias"):
+                module = key[len(_PEFT_PREFIX):-len(".bias")]
+                self.biases[module[: -len(".base_layer")] if module.endswith(".base_layer") else module] = key
+            else:
+                unknown.append(key)
+        if unknown:  # never dropped silently: an expert without them is not the adapter PEFT applies
+            raise ValueError(
+                f"`{argument}`: the LoRA adapter {folder!r} holds tensors other than LoRA A/B weights and biases, "
+                f"which are not supported: {unknown[:3]}"
+            )
 
     @property
     def trained_on(self) -> str | None:
@@ -463,6 +485,14 @@ class LoraAdapter:
         delta = (b @ a) * self._scaling(module, a.shape[0])
         return delta.T if self.config.get("fan_in_fan_out") else delta
 
+    def bias_shape(self, module: str) -> tuple[int, ...]:
+        return self._shapes[self.biases[module]]
+
+    def bias(self, module: str) -> torch.Tensor:
+        """The trained bias of `module` (`bias="all"` / `"lora_only"`): the expert's bias, replacing the
+        model's own as PEFT's `merge_and_unload` does, in float32."""
+        return self._tensors.read(self.biases[module]).float()
+
     def digest(self) -> Any:
         from .checkpointing import file_digest
 
@@ -472,7 +502,8 @@ class LoraAdapter:
 def lora_module_paths(
     adapter: LoraAdapter, model: nn.Module, layer_map: Any = None, within: str = ""
 ) -> tuple[str, dict[str, str]]:
-    """(root, adapter module path → qualified module path in `model`) for every adapted module, under one
+    """(root, adapter module path → qualified module path in `model`) for every module the adapter changes
+    (`adapter.modules`, whose weights it adapts, and `adapter.biases`, whose biases it replaces), under one
     rule for merging and calibration: the model-side root is, in order, the submodule of the class the
     adapter records it was trained on, the family's tower (`layer_map`), the model itself; the
     adapter-side prefix stripped is "" or one of the family's checkpoint prefixes (a `*ForCausalLM`'s
@@ -484,6 +515,7 @@ def lora_module_paths(
         for name, module in model.named_modules()
         if isinstance(getattr(module, "weight", None), torch.Tensor)
     }
+    biases = {name: tuple(m.bias.shape) for name, m in model.named_modules() if isinstance(getattr(m, "bias", None), torch.Tensor)}
     trained_on = adapter.trained_on
     recorded = next((n for n, m in model.named_modules() if type(m).__name__ == trained_on), None) if trained_on else None
     roots: list[str] = [] if recorded is None else [recorded]
@@ -501,21 +533,23 @@ def lora_module_paths(
                 f"part of the calibrated tower {within!r}."
             )
         roots = [r for r in roots if r == within or r.startswith(within + ".")] or [within]
-    shapes = {m: adapter.weight_shape(m) for m in adapter.modules}
+    # (module, where its shape is looked up, the shape the adapter needs there)
+    needs = [(m, weights, adapter.weight_shape(m)) for m in adapter.modules]
+    needs += [(m, biases, adapter.bias_shape(m)) for m in adapter.biases]
     for root in dict.fromkeys(roots):
         for strip in dict.fromkeys(strips):
             paths = {}
-            for module in adapter.modules:
+            for module, found, shape in needs:
                 if not module.startswith(strip):
                     break
                 path = ".".join(p for p in (root, module[len(strip):]) if p)
-                if weights.get(path) != shapes[module]:
+                if found.get(path) != shape:
                     break
                 paths[module] = path
             else:
                 return root, paths
     first = next(iter(dict.fromkeys(roots)))
-    missing = [m for m in adapter.modules if weights.get(".".join(p for p in (first, m) if p)) != shapes[m]]
+    missing = [m for m, found, shape in needs if found.get(".".join(p for p in (first, m) if p)) != shape]
     where = f"the submodule {within!r} of " if within else ""
     raise ValueError(
         f"`{adapter.argument}`: the LoRA adapter adapts modules that {where}the model lacks (or with other "

@@ -8,7 +8,9 @@ weight (0 for padding; the layer map's rule, as for FeatCal) and r the reduction
 entries. Every other parameter (biases, norms, embeddings, heads) is the plain average of the experts.
 
 It shares FeatCal's machinery: the layer map walks each expert's own stream block by block, its
-capture helpers record the Linear inputs, and the solve is the library's symmetric solve.
+capture helpers record the Linear inputs, and the solve is the library's symmetric solve; and the
+calibrator's input checks (`hf_featcal.pipeline.checks`: tasks, configuration, batches, non-finite
+features), run before the merge.
 """
 
 from __future__ import annotations
@@ -20,9 +22,14 @@ import torch
 from torch import Tensor, nn
 
 from .architectures import LINEAR, get_layer_map, model_config
+from .config import FeatCalConfig
 from .data import prepare_batches, text_length_limit
+from .experts import module_device
 from .hooks import capture_module_inputs, eval_mode
 from .merging import simple_average
+from .offload import ModelParameters
+from .pipeline.checks import check_batches_enter_model, check_not_empty, check_tasks
+from .pipeline.context import RunContext, check_finite
 from .solver import symmetric_solve
 
 
@@ -39,9 +46,7 @@ def _check_arguments(base_model: Any, experts: Any, calibration_data: Any, reduc
             )
     if not isinstance(calibration_data, Mapping):
         raise TypeError("`calibration_data` must map each task to a datasets.Dataset or an iterable of batches.")
-    missing = sorted(set(experts) - set(calibration_data))
-    if missing:
-        raise ValueError(f"`calibration_data` has no data for the tasks {missing}.")
+    check_tasks(experts, calibration_data)  # the calibrator's: every task has an expert and data
     if isinstance(reduction, bool) or not isinstance(reduction, (int, float)) or not 0.0 <= float(reduction) <= 1.0:
         raise ValueError(f"`reduction` must be a number in [0, 1], got {reduction!r}.")
 
@@ -96,18 +101,42 @@ def regmean_merging(
         reduction: r, the factor on the Grams' off-diagonal entries (1 keeps them; RegMean's default 0.9).
         num_samples_per_task, batch_size, processing_class, seed: how calibration data is batched
             (as in `FeatCalConfig` / `FeatCalCalibrator`; texts truncated to the model's maximum).
+
+    Raises:
+        ValueError: before any Gram is computed, with the calibrator's checks and messages: a task
+            without data or expert, an empty task, out-of-range `num_samples_per_task` / `batch_size`,
+            batches the model cannot take, an expert of another configuration (fewer layers, other
+            head count, ...); after the task's Grams, before any solve: non-finite features
+            (`FeatCalError`, naming the task, block and module).
     """
     _check_arguments(base_model, experts, calibration_data, reduction)
+    try:  # the same ranges as FeatCal's batching
+        config = FeatCalConfig(num_samples_per_task=num_samples_per_task, batch_size=batch_size, seed=seed)
+    except ValueError as err:
+        raise ValueError(f"regmean_merging: {err}") from None
     layer_map = get_layer_map(base_model, "base_model")
     max_length = text_length_limit(None, layer_map.tower_config(model_config(base_model)), processing_class)
-    batches = {
-        task: prepare_batches(task, calibration_data[task], main_input_name=layer_map.main_input_name,
-                              num_samples=num_samples_per_task, batch_size=batch_size, seed=seed,
-                              processing_class=processing_class, max_length=max_length)
-        for task in experts
-    }
+    # the calibrator's checks, before any work: batches that enter the model; then the merge of the other
+    # parameters, which refuses experts of another configuration (the calibrator's `check_compatible`)
+    batches = {}
+    for task in experts:
+        batches[task] = prepare_batches(
+            task, calibration_data[task], main_input_name=layer_map.main_input_name, num_samples=num_samples_per_task,
+            batch_size=batch_size, seed=seed, processing_class=processing_class, max_length=max_length,
+        )
+        check_not_empty(task, batches[task])
+    context = RunContext(
+        model=base_model, layer_map=layer_map, config=config, parameters=ModelParameters(base_model), process=None,
+        device=module_device(base_model), compute_dtype=torch.float64,
+    )
+    check_batches_enter_model(context, batches)
+    stack_names = [stack.name for stack in layer_map.stacks(layer_map.tower(base_model))]
     merged = simple_average(base_model, experts)
-    grams = {task: expert_grams(expert, batches[task]) for task, expert in experts.items()}
+    grams = {}
+    for task, expert in experts.items():
+        grams[task] = expert_grams(expert, batches[task])
+        for (si, bi, name), gram in grams[task].items():  # NaN features: named here, not by the solver
+            check_finite(gram, f"features of calibration_data[{task!r}] entering block {bi} of {stack_names[si]}, module {name}")
     towers = {task: layer_map.tower(expert) for task, expert in experts.items()}
     merged_tower = layer_map.tower(merged)
     with torch.no_grad():

@@ -106,8 +106,11 @@ def _show(value: object) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
+# λ is a small weight in practice (papers and peers use about 0.1-3, negation about -1); the range only
+# refuses what can be no more than a typo (1e300 gives a merge full of Inf)
 _SCALING_FACTOR = MergeParameter(
-    "scaling_factor", float, 0.3, "task-vector scaling λ: theta = theta_0 + λ·merged task vector", metavar="λ"
+    "scaling_factor", float, 0.3, "task-vector scaling λ: theta = theta_0 + λ·merged task vector", metavar="λ",
+    interval=(-100.0, 100.0, False, False),
 )
 _MERGE_FUNC = MergeParameter(
     "merge_func", str, "mean", "how the sign-elected entries combine: disjoint mean or sum", choices=("mean", "sum")

@@ -36,6 +36,12 @@ def check_tasks(experts: Any, calibration_data: Any) -> list[str]:
     return list(experts)
 
 
+def check_not_empty(task: str, batches: list[Batch]) -> None:
+    """A task's calibration data gave at least one batch."""
+    if not batches:
+        raise ValueError(f"calibration_data[{task!r}] is empty: at least one example per task is needed.")
+
+
 def check_compatible(source: ModelSource, layer_map: LayerMap, model: nn.Module, merged_config: Any) -> None:
     """`source` (an expert or the base) has the merged model's architecture, configuration and tower shapes."""
     argument = source.argument
