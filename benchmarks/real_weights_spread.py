@@ -33,6 +33,7 @@ def one_seed(seed: int, full: bool) -> dict:
     built = time.perf_counter() - start
     merged = scenario.task_arithmetic(0.3)
     ta = {t: 100 * v for t, v in scenario.evaluate(merged).items()}  # before: FeatCal calibrates `merged` in place
+    cls_before = {t: scenario.cls_distance(merged, t) for t in scenario.tasks}
     n = min(sum(len(batch["input_ids"]) for batch in batches) for batches in scenario.calibration.values())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -41,12 +42,14 @@ def one_seed(seed: int, full: bool) -> dict:
         calibrated = calibrator.calibrate()
     experts = {t: 100 * v for t, v in scenario.evaluate_experts().items()}
     featcal = {t: 100 * v for t, v in scenario.evaluate(calibrated).items()}
+    cls_ratio = {t: scenario.cls_distance(calibrated, t) / cls_before[t] for t in scenario.tasks}
     drift_ratio = {t: [a / b for b, a in zip(d["before"], d["after"])] for t, d in calibrator.report.tasks.items()}
     return {
         "seed": seed, "experts": experts, "ta": ta, "featcal": featcal,
         "mean_experts": _mean(experts.values()), "mean_ta": _mean(ta.values()), "mean_featcal": _mean(featcal.values()),
         "gain": _mean(featcal.values()) - _mean(ta.values()),
         "max_drift_ratio": max(max(r) for r in drift_ratio.values()),
+        "cls_ratio": cls_ratio, "max_cls_ratio": max(cls_ratio.values()),
         "drift_ratio": drift_ratio, "seconds": round(time.perf_counter() - start, 1), "build_seconds": round(built, 1),
     }
 
@@ -63,7 +66,7 @@ def main() -> None:
         row = one_seed(seed, args.full)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    for key in ("mean_experts", "mean_ta", "mean_featcal", "gain", "max_drift_ratio", "seconds"):
+    for key in ("mean_experts", "mean_ta", "mean_featcal", "gain", "max_drift_ratio", "max_cls_ratio", "seconds"):
         values = [r[key] for r in rows]
         print(f"{key}: min {min(values):.3f} max {max(values):.3f}")
 

@@ -3,7 +3,7 @@
 merged by Task Arithmetic, calibrated with the default `FeatCalConfig`.
 
 The scenario is the quick variant (`QUICK_SETTINGS`: three tasks, 12 steps per expert), built once per
-module into a temporary cache (~40-60 s of one CPU core in all).
+module into a temporary cache.
 """
 
 from __future__ import annotations
@@ -24,15 +24,11 @@ from hf_featcal.scenarios.minilm import QUICK_SETTINGS, build_minilm_scenario, l
 
 torch.set_num_threads(1)
 
-# Thresholds, from `python benchmarks/real_weights_spread.py --seeds 0 1 2 3 4` (QUICK_SETTINGS, one thread):
-EXPERT_GAP_MIN = 2.0  # mean expert - mean TA, points
-FEATCAL_GAIN_MIN = 0.0  # mean TA + FeatCal - mean TA, points
-DRIFT_RATIO_MAX = 1.0  # drift after / before, every block of every task
-
-
-def mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)
+# Thresholds, from `python benchmarks/real_weights_spread.py --seeds 0 1 2 3 4` (QUICK_SETTINGS, one thread, this
+# 2-core machine), each well outside the measured range:
+DRIFT_RATIO_MAX = 0.98  # per-block drift after / before, every block of every task: measured max 0.892-0.936
+CLS_RATIO_MAX = 0.95  # [CLS] distance to the expert after / before, mean over the tasks: measured 0.73-0.82
+FEATCAL_GAIN_MIN = -6.0  # mean TA + FeatCal - mean TA, points: measured -2.2 to +5.9 (see the test)
 
 
 @pytest.fixture(scope="module")
@@ -49,25 +45,30 @@ def scenario(cache_dir):
 def calibrated(scenario):
     merged = scenario.task_arithmetic(0.3)
     merged_scores = scenario.evaluate(merged)
+    cls_before = {t: scenario.cls_distance(merged, t) for t in scenario.tasks}  # FeatCal changes `merged` in place
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the Gram warnings are another item of issue 31
         calibrator = FeatCalCalibrator(merged, scenario.base, scenario.experts, scenario.calibration,
                                        FeatCalConfig(num_samples_per_task=QUICK_SETTINGS["calibration_samples"]),
                                        show_progress=False)
         model = calibrator.calibrate()
-    return merged_scores, scenario.evaluate(model), calibrator.report
+    cls_ratio = {t: scenario.cls_distance(model, t) / cls_before[t] for t in scenario.tasks}
+    return merged_scores, scenario.evaluate(model), calibrator.report, cls_ratio
 
 
-@pytest.mark.slow  # builds the quick real-weights scenario (~40-60 s of one core)
-def test_featcal_raises_the_merge_and_lowers_the_drift_in_every_block_on_real_weights(scenario, calibrated):
-    merged_scores, calibrated_scores, report = calibrated
-    experts = scenario.evaluate_experts()
-    # The merge lags the experts (there is a gap to close): measured over seeds 0-4, SPREAD_GAP points.
-    assert 100 * (mean(experts.values()) - mean(merged_scores.values())) > EXPERT_GAP_MIN
-    # FeatCal above the merge on the mean: measured over seeds 0-4, +SPREAD_GAIN points.
-    gain = 100 * (mean(calibrated_scores.values()) - mean(merged_scores.values()))
+@pytest.mark.slow  # builds and calibrates the quick real-weights scenario
+def test_featcal_moves_the_merge_towards_the_experts_in_every_block_on_real_weights(scenario, calibrated):
+    merged_scores, calibrated_scores, report, cls_ratio = calibrated
+    # What the heads read, the [CLS] output, moves towards the experts on held-out texts, on the mean over the
+    # tasks -- not in every task: `turn`'s rose in 4 of 5 seeds (x0.97 to x1.33) while its accuracy rose and
+    # its per-block drift fell (issue 31's per-task measure is to show this).
+    assert sum(cls_ratio.values()) / len(cls_ratio) < CLS_RATIO_MAX, cls_ratio
+    # On the mean accuracy this training budget (12 steps per expert) is too small for a firm claim: over
+    # seeds 0-4 FeatCal raised the mean in 4 of 5 (+1.4 to +5.9 points) and lowered it in one (-2.2, a seed
+    # whose experts beat the merge by only 1.4). So the test asserts only that FeatCal does not wreck it.
+    gain = 100 * (sum(calibrated_scores.values()) - sum(merged_scores.values())) / len(merged_scores)
     assert gain > FEATCAL_GAIN_MIN, (merged_scores, calibrated_scores)
-    # The drift falls in every block of every task: measured over seeds 0-4, after / before at most SPREAD_RATIO.
+    # The drift falls in every block of every task.
     assert list(report.tasks) == list(scenario.tasks)
     for task, stages in report.tasks.items():
         assert len(stages["before"]) == len(stages["after"]) == scenario.base.config.num_hidden_layers
