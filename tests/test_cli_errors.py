@@ -85,4 +85,6 @@ def test_an_error_found_while_running_is_one_line_with_status_2(world, capsys, t
     code = cli.main(["merge", "--base", str(world / "base"), "--expert", f"zorbs={tmp_path / 'odd'}",
                      "--method", "task_arithmetic", "--output-dir", str(tmp_path / "merged")])
     assert code == 2
-    assert "ValueError: expert 'zorbs'" in _one_error_line(capsys, "merge")
+    line = _one_error_line(capsys, "merge")
+    assert "ValueError: `experts['zorbs']` has a different configuration" in line  # the calibrator's check
+    assert "hidden_size" in line
