@@ -30,7 +30,8 @@ from .cpu_memory import reuse_freed_memory
 from .data import Batch, batch_size_of, prepare_batches, text_length_limit
 from .devices import usable_device
 from .experts import ModelLike, ModelSource, make_source
-from .hooks import eval_mode, restore_on_failure
+from .hooks import eval_mode
+from .restore import restore_on_failure
 from .offload import ModelParameters
 from .pipeline.accumulate import BlockStatistics
 from .pipeline.capture import capture_block
