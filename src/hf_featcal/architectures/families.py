@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from . import model_type_of
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..recipes import DatasetSpec, EvaluationSpec
 
@@ -232,10 +234,6 @@ def detect_family(model_or_config: Any) -> ModelFamily | None:
     return None
 
 
-def _model_type(model_or_config: Any) -> Any:
-    return getattr(getattr(model_or_config, "config", model_or_config), "model_type", None)
-
-
 # ============================================================================== image families
 _IMAGE_COLUMNS = ("image", "img", "images")
 
@@ -384,7 +382,7 @@ class CLIPFamily(_ZeroShotImageFamily):
     evaluation_keys = ("class_names", "templates", "clip_model")
 
     def matches(self, model_or_config: Any) -> bool:
-        return _model_type(model_or_config) in ("clip", "clip_vision_model")
+        return model_type_of(model_or_config) in ("clip", "clip_vision_model")
 
     def load_processing(self, source: str) -> dict[str, Any]:
         """The image processor (``"image"``) and, when there is a tokenizer, a ``CLIPProcessor``."""
@@ -528,7 +526,7 @@ class FlanT5Family(ModelFamily):
     split_optional = True
 
     def matches(self, model_or_config: Any) -> bool:
-        return _model_type(model_or_config) == "t5"
+        return model_type_of(model_or_config) == "t5"
 
     def load_processing(self, source: str) -> dict[str, Any]:
         from transformers import AutoTokenizer
