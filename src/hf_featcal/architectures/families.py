@@ -235,9 +235,6 @@ def detect_family(model_or_config: Any) -> ModelFamily | None:
 
 
 # ============================================================================== image families
-_IMAGE_COLUMNS = ("image", "img", "images")
-
-
 class _ZeroShotImageFamily(ModelFamily):
     """CLIP-like families: calibrated on images, scored by zero-shot classification."""
 
@@ -298,16 +295,16 @@ class _ZeroShotImageFamily(ModelFamily):
 
     def prepare_calibration(self, task: str, ds: Any, spec: DatasetSpec, processing: Mapping[str, Any] | None) -> Any:
         """One ``image`` column (processed per batch by the calibrator); ``pixel_values`` as they are."""
-        column = spec.image_column or next((c for c in _IMAGE_COLUMNS if c in ds.column_names), None)
         if "pixel_values" in ds.column_names and spec.image_column is None:
             return ds.select_columns(["pixel_values"])
+        from ..data import IMAGE_COLUMNS, images_from_column
+
+        column = spec.image_column or next((c for c in IMAGE_COLUMNS if c in ds.column_names), None)
         if column is None or column not in ds.column_names:
             raise ValueError(
                 f"calibration.tasks.{task}: the dataset has no image column "
-                f"{spec.image_column or list(_IMAGE_COLUMNS)!r} (columns: {ds.column_names}); set image_column"
+                f"{spec.image_column or list(IMAGE_COLUMNS)!r} (columns: {ds.column_names}); set image_column"
             )
-        from ..data import images_from_column
-
         ds = images_from_column(ds.select_columns([column]), column, f"calibration.tasks.{task}")
         return ds.rename_column(column, "image") if column != "image" else ds
 
