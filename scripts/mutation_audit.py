@@ -79,9 +79,9 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "activations.py", "        return own(x) if torch.is_grad_enabled() else lean(x)\n", "        return lean(x)\n",
     ),
     "handover_of_a_parameter_sharing_memory": (
-        "hooks.py", " and owners.get(p.untyped_storage().data_ptr()) == 1", "",
+        "restore.py", " and owners.get(p.untyped_storage().data_ptr()) == 1", "",
     ),
-    "handover_snapshot_is_the_live_parameter": ("hooks.py", "                tensor.data = original.clone()\n", "                pass\n"),
+    "handover_snapshot_is_the_live_parameter": ("restore.py", "                tensor.data = original.clone()\n", "                pass\n"),
     "gram_sum_not_remirrored_after_a_task": ("statistics.py", "        self._gram_sum = None\n", "        pass\n"),
     "solve_factors_the_gram_in_place": (
         "solver.py", "    system = shifted(lhs, shift, work)\n    factor, info = cholesky(system, out=system)\n    if info == 0:",

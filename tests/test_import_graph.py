@@ -75,3 +75,16 @@ def test_no_circle_passes_and_the_baseline_fails_only_on_new_edges(import_graph,
 
 def test_the_package_adds_no_import_circle_edge(import_graph):
     assert import_graph.main(["--baseline", str(ROOT / "scripts" / "import_circles_baseline.txt")]) == 0
+
+
+def test_architecture_knowledge_imports_neither_capture_hooks_nor_restore(import_graph):
+    """The `nn.MultiheadAttention` patch is architecture knowledge and lives in architectures/mha.py:
+    no module of architectures/ imports the capture hooks (hooks.py) or the restore code (restore.py)."""
+    names = import_graph.module_names(ROOT / "src")
+    reached = {
+        name: import_graph.imports_of(name, path, set(names)) & {"hf_featcal.hooks", "hf_featcal.restore"}
+        for name, path in names.items()
+        if name.startswith("hf_featcal.architectures")
+    }
+    assert "hf_featcal.architectures.mha" in reached
+    assert {name: found for name, found in reached.items() if found} == {}

@@ -13,10 +13,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-import hf_featcal.hooks as hooks
+import hf_featcal.restore as restore
 import hf_featcal.pipeline.solve as solve_stage
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalError
-from hf_featcal.hooks import restore_on_failure
+from hf_featcal.restore import restore_on_failure
 from hf_featcal.offload import ModelParameters
 from test_failsafe import _assert_bit_identical, _assert_same_result, _Fault, _model_state, damage_outside_the_blocks
 from test_offload import _dispatched, base_failing_in_block_2
@@ -114,7 +114,7 @@ def test_a_successful_run_removes_the_folder_and_equals_the_memory_snapshot_bit_
 def test_a_late_failure_after_a_dtype_change_restores_from_disk_in_small_files(clip_setting, snapshot_tmpdir, monkeypatch):
     """One file per tensor (a 1-byte file size): the snapshot spans many files; the body casts the model to half and zeroes
     tensors outside the blocks, so restoring replaces tensor data from the files."""
-    monkeypatch.setattr(hooks, "SNAPSHOT_FILE_BYTES", 1)
+    monkeypatch.setattr(restore, "SNAPSHOT_FILE_BYTES", 1)
     base, experts, merged, data = clip_setting
     model = copy.deepcopy(merged)
     before = _model_state(model)

@@ -15,7 +15,7 @@ import tempfile
 import pytest
 import torch
 
-import hf_featcal.hooks as hooks
+import hf_featcal.restore as restore
 import hf_featcal.pipeline.solve as solve_stage
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.interrupts import interrupts_deferred
@@ -42,7 +42,7 @@ def _failing_calibrator(model, setting, snapshot: str, monkeypatch, error: type[
 
 
 def test_the_disk_snapshot_survives_a_cleaner_deleting_it_during_the_run(clip_setting, snapshot_tmpdir, monkeypatch):
-    monkeypatch.setattr(hooks, "SNAPSHOT_FILE_BYTES", 4096)  # several files
+    monkeypatch.setattr(restore, "SNAPSHOT_FILE_BYTES", 4096)  # several files
     model = copy.deepcopy(clip_setting[2])
     before = _model_state(model)
     calibrator = _failing_calibrator(model, clip_setting, "disk", monkeypatch, RuntimeError)
@@ -68,7 +68,7 @@ def test_a_second_ctrl_c_during_the_restore_waits_until_the_model_is_back(clip_s
     model = copy.deepcopy(clip_setting[2])
     before = _model_state(model)
     calibrator = _failing_calibrator(model, clip_setting, snapshot, monkeypatch, KeyboardInterrupt)
-    store = hooks._DiskSnapshot if snapshot == "disk" else hooks._MemorySnapshot
+    store = restore._DiskSnapshot if snapshot == "disk" else restore._MemorySnapshot
     original_read, reads = store.read, []
 
     def read_then_ctrl_c(self, key):

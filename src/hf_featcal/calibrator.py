@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .architectures import LayerMap, get_layer_map, model_config, supported_model_types
+from .architectures import model_type_of
 from .architectures.auto import infer_layer_map
 from .checkpointing import fingerprint
 from .config import FeatCalConfig
@@ -30,7 +31,8 @@ from .cpu_memory import reuse_freed_memory
 from .data import Batch, batch_size_of, prepare_batches, text_length_limit
 from .devices import usable_device
 from .experts import ModelLike, ModelSource, make_source
-from .hooks import eval_mode, restore_on_failure
+from .hooks import eval_mode
+from .restore import restore_on_failure
 from .offload import ModelParameters
 from .pipeline.accumulate import BlockStatistics
 from .pipeline.capture import capture_block
@@ -40,7 +42,6 @@ from .pipeline.checks import (
     check_compatible,
     check_not_empty,
     check_tasks,
-    model_type_of,
 )
 from .pipeline.context import FeatCalError, FeatCalWarning, RunContext
 from .pipeline.drift import DriftLog, record_drift
@@ -55,7 +56,7 @@ from .report import DriftReport, build_model_card
 from .saving import check_writable_folder
 from .streams import StreamBatch
 
-__all__ = ["FeatCalCalibrator", "FeatCalError", "FeatCalWarning", "model_type_of"]
+__all__ = ["FeatCalCalibrator", "FeatCalError", "FeatCalWarning"]
 
 #: The block plan's former name (kept for code that imported it).
 _BlockPlan = BlockPlan

@@ -25,6 +25,7 @@ from typing import Any
 
 # Heavy libraries (torch, transformers, datasets) and the modules that import them load inside the
 # commands that need them, so that `hf-featcal --help` starts at once.
+from .architectures import model_type_of
 from .architectures.families import FamilyUsageError, ModelFamily, detect_family, family_names, get_family
 
 __all__ = ["build_parser", "main"]
@@ -595,7 +596,7 @@ def _family(model: Any, given: str | None, option: str = "--model") -> ModelFami
             raise CLIError(f"--family {given} does not match {option}, a {found.name!r} model ({type(model).__name__})")
         return get_family(given)
     if found is None:
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        model_type = model_type_of(model)
         names = [family.article_name for family in (get_family(n) for n in family_names())]
         kinds = ", ".join(names[:-1]) + " nor " + names[-1] if len(names) > 1 else names[0]
         raise CLIError(

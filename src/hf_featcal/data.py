@@ -19,7 +19,8 @@ Batch = dict[str, Any]
 #: Consecutive empty batches after which an iterable is refused (it may never yield an example).
 MAX_CONSECUTIVE_EMPTY_BATCHES = 1000
 
-_IMAGE_COLUMNS = ("image", "img", "images")
+#: Columns taken for images, in this order, when none is named (calibration data, recipes' datasets).
+IMAGE_COLUMNS = ("image", "img", "images")
 _TEXT_COLUMNS = ("text", "sentence", "input_text")
 
 
@@ -201,7 +202,7 @@ def _is_text(value: Any) -> bool:
 
 
 def _process(task: str, rows: list[dict], processing_class: Any, max_length: int | None = None) -> list[dict]:
-    image_column = next((c for c in _IMAGE_COLUMNS if c in rows[0]), None)
+    image_column = next((c for c in IMAGE_COLUMNS if c in rows[0]), None)
     text_column = next((c for c in _TEXT_COLUMNS if c in rows[0]), None)
     if image_column is not None and hasattr(processing_class, "preprocess"):
         out = processing_class(images=[r[image_column] for r in rows], return_tensors="pt")
@@ -215,7 +216,7 @@ def _process(task: str, rows: list[dict], processing_class: Any, max_length: int
         )
     else:
         raise ValueError(
-            f"calibration_data[{task!r}]: the processing_class needs an image column {_IMAGE_COLUMNS} or a "
+            f"calibration_data[{task!r}]: the processing_class needs an image column {IMAGE_COLUMNS} or a "
             f"text column {_TEXT_COLUMNS}; the dataset has {sorted(rows[0])}."
         )
     keys = list(out.keys())

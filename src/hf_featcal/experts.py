@@ -44,9 +44,11 @@ def block_on_device(block: nn.Module, device: torch.device) -> nn.Module:
 
 
 def module_device(module: nn.Module) -> torch.device:
-    """The device of a module's first parameter (CPU when it has none)."""
+    """The device of a module's first parameter not on the meta device (CPU when it has none): a
+    meta parameter (offloaded, or not loaded yet) holds no data, so inputs cannot go there."""
     for param in module.parameters():
-        return param.device
+        if not param.is_meta:
+            return param.device
     return torch.device("cpu")
 
 

@@ -46,7 +46,6 @@ import inspect
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
-from typing import Union
 
 import torch
 from torch import nn
@@ -58,6 +57,7 @@ from .schema import merge_parameters
 from .model_io import (
     LazyTensors,
     LoraAdapter,
+    ModelLike,
     family_layer_map,
     find_key_prefix,
     load_model,
@@ -80,10 +80,6 @@ __all__ = [
 
 #: Name of the config attribute that records how a model was merged.
 MERGE_CONFIG_ATTRIBUTE = "hf_featcal_merge"
-
-#: A model, or where to load it from (local folder or hub id).
-ModelLike = Union[nn.Module, str, os.PathLike]
-
 
 def _float_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """Floating-point entries of ``module.state_dict()`` (integer buffers are never merged)."""

@@ -35,6 +35,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+#: A model, or where to load it from (local folder or hub id).
 ModelLike = Union[nn.Module, str, os.PathLike]
 
 SAFE_WEIGHTS_NAME = "model.safetensors"

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .architectures import model_type_of
 from .architectures.families import ModelFamily, detect_family, family_names, get_family, image_family_names, iter_families
 from .config import FeatCalConfig
 from .schema import (
@@ -913,7 +914,7 @@ def check_family(model: Any, family: str, argument: str) -> None:
     """Raise a ValueError when `model` is not of `family`."""
     found = model_family_of(model)
     if found != family:
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        model_type = model_type_of(model)
         raise ValueError(f"{argument} has model_type {model_type!r}, which is not a {family!r} model")
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "find_library_checkpoint",
     "get_layer_map",
     "model_config",
+    "model_type_of",
     "packed_attention_specs",
     "register_layer_map",
     "supported_model_types",
@@ -29,6 +30,12 @@ __all__ = [
 
 #: Modules that register a layer map when imported.
 _LAYER_MAP_MODULES = ("bert", "clip", "llama", "openclip", "t5", "vit")
+
+
+def model_type_of(model_or_config: Any) -> str | None:
+    """The `model_type` of a model's config, or of a config itself; None when there is none (an
+    open_clip model, a plain `nn.Module`). Defined here rather than in `base` so that it loads no torch."""
+    return getattr(getattr(model_or_config, "config", model_or_config), "model_type", None)
 
 
 def __getattr__(name: str) -> Any:

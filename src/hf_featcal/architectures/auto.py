@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from . import model_type_of
 from .base import LayerMap, Stack
 
 #: Batch keys that are targets or masks for a loss rather than model inputs.
@@ -60,7 +61,7 @@ _REFUSED = {
 
 def infer_layer_map(model: nn.Module) -> InferredLayerMap:
     """Infer the blocks of an unregistered architecture; warns with what was found."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    model_type = model_type_of(model)
     if model_type in _REFUSED:
         raise ValueError(f"`model`: {type(model).__name__} cannot be calibrated with FeatCal: {_REFUSED[model_type]}.")
     block_classes = set(getattr(model, "_no_split_modules", None) or [])

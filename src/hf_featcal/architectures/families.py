@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from . import model_type_of
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..recipes import DatasetSpec, EvaluationSpec
 
@@ -232,14 +234,7 @@ def detect_family(model_or_config: Any) -> ModelFamily | None:
     return None
 
 
-def _model_type(model_or_config: Any) -> Any:
-    return getattr(getattr(model_or_config, "config", model_or_config), "model_type", None)
-
-
 # ============================================================================== image families
-_IMAGE_COLUMNS = ("image", "img", "images")
-
-
 class _ZeroShotImageFamily(ModelFamily):
     """CLIP-like families: calibrated on images, scored by zero-shot classification."""
 
@@ -300,16 +295,16 @@ class _ZeroShotImageFamily(ModelFamily):
 
     def prepare_calibration(self, task: str, ds: Any, spec: DatasetSpec, processing: Mapping[str, Any] | None) -> Any:
         """One ``image`` column (processed per batch by the calibrator); ``pixel_values`` as they are."""
-        column = spec.image_column or next((c for c in _IMAGE_COLUMNS if c in ds.column_names), None)
         if "pixel_values" in ds.column_names and spec.image_column is None:
             return ds.select_columns(["pixel_values"])
+        from ..data import IMAGE_COLUMNS, images_from_column
+
+        column = spec.image_column or next((c for c in IMAGE_COLUMNS if c in ds.column_names), None)
         if column is None or column not in ds.column_names:
             raise ValueError(
                 f"calibration.tasks.{task}: the dataset has no image column "
-                f"{spec.image_column or list(_IMAGE_COLUMNS)!r} (columns: {ds.column_names}); set image_column"
+                f"{spec.image_column or list(IMAGE_COLUMNS)!r} (columns: {ds.column_names}); set image_column"
             )
-        from ..data import images_from_column
-
         ds = images_from_column(ds.select_columns([column]), column, f"calibration.tasks.{task}")
         return ds.rename_column(column, "image") if column != "image" else ds
 
@@ -384,7 +379,7 @@ class CLIPFamily(_ZeroShotImageFamily):
     evaluation_keys = ("class_names", "templates", "clip_model")
 
     def matches(self, model_or_config: Any) -> bool:
-        return _model_type(model_or_config) in ("clip", "clip_vision_model")
+        return model_type_of(model_or_config) in ("clip", "clip_vision_model")
 
     def load_processing(self, source: str) -> dict[str, Any]:
         """The image processor (``"image"``) and, when there is a tokenizer, a ``CLIPProcessor``."""
@@ -528,7 +523,7 @@ class FlanT5Family(ModelFamily):
     split_optional = True
 
     def matches(self, model_or_config: Any) -> bool:
-        return _model_type(model_or_config) == "t5"
+        return model_type_of(model_or_config) == "t5"
 
     def load_processing(self, source: str) -> dict[str, Any]:
         from transformers import AutoTokenizer

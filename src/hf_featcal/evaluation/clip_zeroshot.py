@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..architectures.families import detect_family, get_family
+from ..experts import module_device, module_dtype
 from ._datasets import local_split
 from .clip_templates import (
     CLIP_CLASS_NAMES,
@@ -234,20 +235,6 @@ def _features(output: Any, *names: str) -> torch.Tensor:
     raise TypeError(f"cannot find embeddings ({', '.join((*names, 'pooler_output'))}) in {type(output).__name__}")
 
 
-def _module_device(module: nn.Module) -> torch.device:
-    for p in module.parameters():
-        if p.device.type != "meta":
-            return p.device
-    return torch.device("cpu")
-
-
-def _module_dtype(module: nn.Module) -> torch.dtype:
-    for p in module.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
-
-
 # ------------------------------------------------------------------------- head
 
 
@@ -325,7 +312,7 @@ def build_zeroshot_head(
         raise TypeError(f"clip_model must be a CLIPModel (with a text tower), got {type(clip_model).__name__}")
     if not hasattr(tokenizer, "convert_tokens_to_ids") and hasattr(tokenizer, "tokenizer"):
         tokenizer = tokenizer.tokenizer
-    run_device = torch.device(device) if device is not None else _module_device(clip_model)
+    run_device = torch.device(device) if device is not None else module_device(clip_model)
 
     prompts = [p for row in render_prompts(names, temps) for p in row]
     text_config = getattr(getattr(clip_model, "config", None), "text_config", None)
@@ -747,8 +734,8 @@ def evaluate_clip_zeroshot(
     training = [m.training for m in models]
     for m in models:
         m.eval()
-    image_device = _module_device(vision_model)
-    image_dtype = _module_dtype(vision_model)
+    image_device = module_device(vision_model)
+    image_dtype = module_dtype(vision_model)
 
     results = ClipZeroShotResults(accuracy={})
     try:

@@ -10,15 +10,11 @@ import torch
 from accelerate.utils import send_to_device
 from torch import Tensor, nn
 
-from ..architectures import LayerMap, get_layer_map
+from ..architectures import LayerMap, get_layer_map, model_type_of
 from ..data import Batch, batch_size_of
 from ..experts import ModelSource
 from ..hooks import eval_mode
 from .context import RunContext
-
-
-def model_type_of(model_or_config: Any) -> str | None:
-    return getattr(getattr(model_or_config, "config", model_or_config), "model_type", None)
 
 
 def check_tasks(experts: Any, calibration_data: Any) -> list[str]:
