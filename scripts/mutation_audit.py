@@ -97,8 +97,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "                    pass\n",
     ),
     "gram_norm_of_upper_only": (
-        "statistics.py", "    return max(2.0 * float(torch.linalg.matrix_norm(upper).square()) - diagonal, 0.0) ** 0.5\n",
-        "    return float(torch.linalg.matrix_norm(upper))\n",
+        "statistics.py", "            total += 2.0 * float(rows.dot(rows))\n",
+        "            total += float(rows.dot(rows))\n",
     ),
     "cross_moment_without_student_part": (
         "statistics.py", "                    cross.lerp_(moments[0], alpha)\n",
@@ -177,7 +177,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "cpu_memory.py", "AFTER_MMAP_THRESHOLD = 32 << 20", "AFTER_MMAP_THRESHOLD = 64 << 20",
     ),
     "cpu_memory_inner_exit_resets": ("cpu_memory.py", "        if _depth == 0:\n            libc.mallopt(_M_TRIM", "        if True:\n            libc.mallopt(_M_TRIM"),
-    "drift_without_padding_mask": ("pipeline/drift.py", "total += (distances.double() * mask).sum()", "total += distances.double().sum()"),
+    "drift_without_padding_mask": ("pipeline/drift.py", "totals[i] += (distances * mask).sum()", "totals[i] += distances.sum()"),
 }
 
 DEFAULT_TESTS = ["tests/test_reference_blockwise.py", "tests/test_t5.py", "tests/test_llm.py",
