@@ -1,15 +1,25 @@
 """Reporting shared by the benchmarks (`bench_clip.py`, `bench_llama.py`): this process's peak RSS,
 the machine's measured matmul peak per dtype, the library's arithmetic shares (blocked Gram
 triangles, triangular products) and the per-stage table of seconds, TFLOP, TFLOP/s and fraction of
-the peak of each stage's dtype.
+the peak of each stage's dtype. And the set-up of the checkpoint-cost benchmarks
+(`fingerprint_cost.py`, `checkpoint_digest_cost.py`): a random CLIP ViT-B/32-shaped tower with two
+experts, their merge and image batches (`clip_tower_run`), and the seconds spent in library functions
+(`timing_calls`).
 
 The scripts run with their own folder on `sys.path`, so they import this module as `bench_common`.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import copy
 import resource
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -189,3 +199,77 @@ def stage_table(result: dict, title: str) -> str:
         f"peak device {device_mem} · measured matmul peak (TFLOP/s): {peaks}"
     )
     return "\n".join(lines)
+
+
+@dataclass
+class ClipTowerRun:
+    """What a calibration run of the checkpoint-cost benchmarks takes: the base, two experts (the base
+    plus 1 % noise each), their mean as the merged model and one batch of random images per task; and
+    the command line it was built from."""
+
+    args: argparse.Namespace
+    base: torch.nn.Module
+    experts: dict[str, torch.nn.Module]
+    merged: torch.nn.Module
+    data: dict[str, list[dict[str, torch.Tensor]]]
+
+
+def clip_tower_run(argv: list[str] | None = None) -> ClipTowerRun:
+    """The run of the command line `argv` (default: `sys.argv`): a random CLIP ViT-B/32-shaped vision
+    tower of ``--layers`` blocks (12) of width ``--hidden`` (768), ``--samples`` 224² images per task (16);
+    sets torch's thread count to ``--threads`` (2) and seeds it."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    config = CLIPVisionConfig(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+                              num_attention_heads=max(1, args.hidden // 64), image_size=224, patch_size=32)
+    base = CLIPVisionModel(config).eval()
+    experts = {}
+    for i, task in enumerate(("a", "b")):
+        expert = copy.deepcopy(base)
+        generator = torch.Generator().manual_seed(i + 1)
+        with torch.no_grad():
+            for p in expert.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=generator))
+        experts[task] = expert
+    merged = copy.deepcopy(base)
+    with torch.no_grad():
+        for name, p in merged.named_parameters():
+            p.copy_(sum(e.get_parameter(name) for e in experts.values()) / len(experts))
+    generator = torch.Generator().manual_seed(0)
+    data = {t: [{"pixel_values": torch.randn(args.samples, 3, 224, 224, generator=generator)}] for t in experts}
+    return ClipTowerRun(args, base, experts, merged, data)
+
+
+@contextlib.contextmanager
+def timing_calls(functions: dict[str, tuple[ModuleType, str]]) -> Iterator[dict[str, float]]:
+    """While open, each call of ``module.<name>`` (label → (module, name)) adds its seconds to the yielded
+    dict under its label (callers that bound the function under another name are not seen); the
+    module's own functions are put back on exit."""
+    spent = dict.fromkeys(functions, 0.0)
+    originals = {label: getattr(module, name) for label, (module, name) in functions.items()}
+
+    def timed(label: str, function: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - start
+
+        return wrapper
+
+    try:
+        for label, (module, name) in functions.items():
+            setattr(module, name, timed(label, originals[label]))
+        yield spent
+    finally:
+        for label, (module, name) in functions.items():
+            setattr(module, name, originals[label])

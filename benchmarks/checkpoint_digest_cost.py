@@ -10,66 +10,31 @@ checkpoint (every block file verified, then written).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
+import sys
 import tempfile
 import time
 
-import torch
-from transformers import CLIPVisionConfig, CLIPVisionModel
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported from elsewhere
 
-import hf_featcal.checkpointing as checkpointing
-from hf_featcal import FeatCalCalibrator, FeatCalConfig
+import hf_featcal.checkpointing as checkpointing  # noqa: E402
+from bench_common import clip_tower_run, timing_calls  # noqa: E402
+from hf_featcal import FeatCalCalibrator, FeatCalConfig  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    config = CLIPVisionConfig(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
-                              num_attention_heads=max(1, args.hidden // 64), image_size=224, patch_size=32)
-    base = CLIPVisionModel(config).eval()
-    experts = {}
-    for i, task in enumerate(("a", "b")):
-        expert = copy.deepcopy(base)
-        generator = torch.Generator().manual_seed(i + 1)
-        with torch.no_grad():
-            for p in expert.parameters():
-                p.add_(0.01 * torch.randn(p.shape, generator=generator))
-        experts[task] = expert
-    merged = copy.deepcopy(base)
-    with torch.no_grad():
-        for name, p in merged.named_parameters():
-            p.copy_(sum(e.get_parameter(name) for e in experts.values()) / len(experts))
-    generator = torch.Generator().manual_seed(0)
-    data = {t: [{"pixel_values": torch.randn(args.samples, 3, 224, 224, generator=generator)}] for t in experts}
+    run = clip_tower_run()
 
-    spent = {"block files": 0.0, "streams": 0.0}
-
-    def timed(function, key):
-        def wrapper(*a, **k):
-            start = time.perf_counter()
-            out = function(*a, **k)
-            spent[key] += time.perf_counter() - start
-            return out
-
-        return wrapper
-
-    checkpointing.file_digest = timed(checkpointing.file_digest, "block files")
-    checkpointing._streams_digest = timed(checkpointing._streams_digest, "streams")
-    with tempfile.TemporaryDirectory() as root:
+    digests = {"block files": (checkpointing, "file_digest"), "streams": (checkpointing, "_streams_digest")}
+    with tempfile.TemporaryDirectory() as root, timing_calls(digests) as spent:
         folder = os.path.join(root, "ckpt")
         for label in ("run", "resume of the finished checkpoint"):
             spent.update(dict.fromkeys(spent, 0.0))
             start = time.perf_counter()
-            calibrator = FeatCalCalibrator(copy.deepcopy(merged), base, experts, data, FeatCalConfig(num_samples_per_task=None),
-                                           show_progress=False, checkpoint_dir=folder)
+            calibrator = FeatCalCalibrator(copy.deepcopy(run.merged), run.base, run.experts, run.data,
+                                           FeatCalConfig(num_samples_per_task=None), show_progress=False,
+                                           checkpoint_dir=folder)
             calibrator.calibrate()
             total = time.perf_counter() - start
             hashing = sum(spent.values())

@@ -188,6 +188,23 @@ def test_cache_round_trip(scenario, cache_dir, accuracies):
     assert DigitsScenarioSettings(finetune_epochs=3).cache_key() != DigitsScenarioSettings().cache_key()
 
 
+def test_cache_keys_stay_those_of_existing_caches():
+    """A cache folder's name is sha256 of the recipe version and every setting: the same settings must keep
+    their folder (a user's cache still loads), pinned here and recomputed from the fields."""
+    import hashlib
+    from dataclasses import asdict
+
+    from hf_featcal.scenarios.minilm import MiniLMScenarioSettings
+
+    pinned = {DigitsScenarioSettings(): ("digits", 2, "767a527b8a8d2c3c"),
+              MiniLMScenarioSettings(): ("minilm", 1, "3514a956d4a526a7")}
+    for settings, (name, recipe_version, key) in pinned.items():
+        payload = json.dumps({"format": recipe_version, **asdict(settings)}, sort_keys=True)
+        assert settings.cache_key() == hashlib.sha256(payload.encode()).hexdigest()[:16] == key
+        assert settings.cache_path(os.path.join("cache", "dir")) == os.path.join("cache", "dir", f"{name}-{key}")
+        assert settings.cache_path(None) is None
+
+
 # ------------------------------------------------------------------------------------------ determinism
 def test_data_is_deterministic_per_seed():
     (xa, ya), da = load_digits_tasks(seed=3)

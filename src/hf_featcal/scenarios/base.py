@@ -1,18 +1,23 @@
 """What every offline merging scenario shares: the `MergingScenario` base class (a base model, one expert
-per task, their Task-Arithmetic merge) and the build cache (models written atomically next to a key
-describing how they were built, found again only when the key matches)."""
+per task, their Task-Arithmetic merge), the `ScenarioSettings` base of the settings dataclasses (checked
+overrides, the hash that names a cache folder), the build cache (models written atomically next to a key
+describing how they were built, found again only when the key matches), the linear task heads' file and
+the reproducible training context."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
 
 KEY_FILE = "scenario.json"
+HEADS_FILE = "heads.safetensors"
 
 Built = TypeVar("Built")
 
@@ -24,6 +29,11 @@ class MergingScenario:
     base: Any
     experts: dict[str, Any]
 
+    @property
+    def tasks(self) -> list[str]:
+        """Task names, in order."""
+        return list(self.experts)
+
     def evaluate(self, model: Any, **kwargs: Any) -> dict[str, float]:
         """Per-task scores of `model` on the scenario's test data."""
         raise NotImplementedError
@@ -33,6 +43,92 @@ class MergingScenario:
         from ..merging import task_arithmetic
 
         return task_arithmetic(self.base, self.experts, scaling_factor=scaling_factor)
+
+
+Settings = TypeVar("Settings", bound="ScenarioSettings")
+
+
+class ScenarioSettings:
+    """Base of the scenarios' frozen settings dataclasses (every field determines a build; ``seed`` and
+    ``tasks`` are fields of each). A subclass sets `cache_name` (the cache folder's prefix) and
+    `cache_format` (bumped when its build recipe changes, to invalidate old caches)."""
+
+    cache_name: ClassVar[str]
+    cache_format: ClassVar[int]
+
+    @classmethod
+    def from_arguments(cls: type[Settings], seed: int, tasks: Sequence[str], overrides: Mapping[str, Any]) -> Settings:
+        """The settings of a ``build_*_scenario(seed, tasks=..., **overrides)`` call; an override that is
+        not a field is refused, naming the valid ones."""
+        fields = sorted(field.name for field in dataclasses.fields(cls))  # type: ignore[arg-type]
+        unknown = sorted(set(overrides) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown scenario settings {unknown}; valid: {fields}")
+        return cls(seed=seed, tasks=tuple(tasks), **overrides)  # type: ignore[call-arg]
+
+    def cache_key(self) -> str:
+        """A short hash of the settings (and of the build recipe's version)."""
+        payload = json.dumps({"format": self.cache_format, **dataclasses.asdict(self)}, sort_keys=True)  # type: ignore[call-overload]
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    def cache_path(self, cache_dir: str | os.PathLike | None) -> str | None:
+        """``cache_dir/<cache_name>-<cache_key()>``, or None without a `cache_dir`."""
+        return None if cache_dir is None else os.path.join(os.fspath(cache_dir), f"{self.cache_name}-{self.cache_key()}")
+
+
+@contextlib.contextmanager
+def reproducible_training() -> Iterator[None]:
+    """One intra-op thread and a forked global torch RNG while models are built: the tiny matmuls gain
+    nothing from more threads, a fixed thread count keeps the float reductions (hence the models)
+    reproducible, and the caller's RNG state is left untouched."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def task_generator(seed: int, task_index: int) -> Any:
+    """Seed the global torch RNG with a task's own seed and return a generator on that seed: each task
+    draws from its own stream, so its models do not depend on which other tasks are built."""
+    import torch
+
+    task_seed = seed * 1000 + 1 + task_index
+    torch.manual_seed(task_seed)
+    return torch.Generator().manual_seed(task_seed)
+
+
+def save_heads(folder: str, heads: Mapping[str, Any]) -> None:
+    """The linear task heads (``nn.Linear`` with bias) as ``<task>.weight`` / ``<task>.bias`` in
+    `folder`/``HEADS_FILE``."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for task, head in heads.items():
+        tensors[f"{task}.weight"] = head.weight.detach().contiguous()
+        tensors[f"{task}.bias"] = head.bias.detach().contiguous()
+    save_file(tensors, os.path.join(folder, HEADS_FILE))
+
+
+def load_heads(folder: str, tasks: Sequence[str]) -> dict[str, Any]:
+    """The heads of `tasks` written by `save_heads`, as ``nn.Linear`` modules in eval mode."""
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(folder, HEADS_FILE))
+    heads = {}
+    for task in tasks:
+        weight, bias = tensors[f"{task}.weight"], tensors[f"{task}.bias"]
+        head = torch.nn.Linear(weight.shape[1], weight.shape[0])
+        with torch.no_grad():
+            head.weight.copy_(weight)
+            head.bias.copy_(bias)
+        heads[task] = head.eval()
+    return heads
 
 
 @contextlib.contextmanager

@@ -46,8 +46,6 @@ Everything is deterministic for a fixed ``seed`` (the global torch RNG is forked
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -57,7 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import MergingScenario, build_or_load, load_models, save_build
+from .base import (MergingScenario, ScenarioSettings, build_or_load, load_heads, load_models, reproducible_training,
+                   save_build, save_heads, task_generator)
 
 __all__ = [
     "DIGITS_TASKS",
@@ -425,8 +424,11 @@ def evaluate_tasks(
 # The scenario
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class DigitsScenarioSettings:
+class DigitsScenarioSettings(ScenarioSettings):
     """Every setting that determines a built scenario (used as the cache key)."""
+
+    cache_name = "digits"
+    cache_format = _CACHE_FORMAT
 
     seed: int = 0
     tasks: tuple[str, ...] = DIGITS_TASKS
@@ -446,11 +448,6 @@ class DigitsScenarioSettings:
     finetune_lr: float = 5e-4
     batch_size: int = 64
     test_fraction: float = 0.25
-
-    def cache_key(self) -> str:
-        """A short hash of the settings (and of the build recipe's version)."""
-        payload = json.dumps({"format": _CACHE_FORMAT, **asdict(self)}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -485,11 +482,6 @@ class DigitsScenario(MergingScenario):
     loaded_from_cache: bool = False
     cache_path: str | None = None
 
-    @property
-    def tasks(self) -> list[str]:
-        """Task names, in order."""
-        return list(self.experts)
-
     def evaluate(self, vision_model: nn.Module, split: str = "test") -> dict[str, float]:
         """Per-task accuracy of ``vision_model`` with every task's head."""
         return evaluate_tasks(vision_model, self.heads, self.data, split)
@@ -515,38 +507,18 @@ _Models = tuple[nn.Module, dict[str, nn.Module], dict[str, nn.Linear]]  # base, 
 
 
 def _save_cache(path: str, settings: DigitsScenarioSettings, models: _Models) -> None:
-    from safetensors.torch import save_file
-
     base, experts, heads = models
-
-    def write_heads(folder: str) -> None:
-        tensors = {}
-        for task, head in heads.items():
-            tensors[f"{task}.weight"] = head.weight.detach().contiguous()
-            tensors[f"{task}.bias"] = head.bias.detach().contiguous()
-        save_file(tensors, os.path.join(folder, "heads.safetensors"))
-
     folders = {"base": base, **{os.path.join("experts", t): e for t, e in experts.items()}}
-    save_build(path, _cache_key(settings), folders, write_heads)
+    save_build(path, _cache_key(settings), folders, lambda folder: save_heads(folder, heads))
 
 
 def _load_cache(path: str, settings: DigitsScenarioSettings) -> _Models:
-    from safetensors.torch import load_file
     from transformers import CLIPVisionModel
 
     experts = load_models(CLIPVisionModel.from_pretrained, path,
                           {"base": "base", **{t: os.path.join("experts", t) for t in settings.tasks}})
     base = experts.pop("base")  # not a task name (tasks are checked against DIGITS_TASKS)
-    tensors = load_file(os.path.join(path, "heads.safetensors"))
-    heads = {}
-    for task in settings.tasks:
-        weight, bias = tensors[f"{task}.weight"], tensors[f"{task}.bias"]
-        head = nn.Linear(weight.shape[1], weight.shape[0])
-        with torch.no_grad():
-            head.weight.copy_(weight)
-            head.bias.copy_(bias)
-        heads[task] = head.eval()
-    return base, experts, heads
+    return base, experts, load_heads(path, settings.tasks)
 
 
 def build_digits_scenario(
@@ -579,10 +551,7 @@ def build_digits_scenario(
     Returns:
         A ``DigitsScenario``; every model is in eval mode on CPU.
     """
-    unknown = sorted(set(overrides) - set(DigitsScenarioSettings.__dataclass_fields__))
-    if unknown:
-        raise ValueError(f"unknown scenario settings {unknown}; valid: {sorted(DigitsScenarioSettings.__dataclass_fields__)}")
-    settings = DigitsScenarioSettings(seed=seed, tasks=tuple(tasks), **overrides)
+    settings = DigitsScenarioSettings.from_arguments(seed, tasks, overrides)
     pretrain, data = load_digits_tasks(
         settings.seed,
         settings.tasks,
@@ -593,7 +562,7 @@ def build_digits_scenario(
         test_fraction=settings.test_fraction,
     )
 
-    cache_path = None if cache_dir is None else os.path.join(os.fspath(cache_dir), f"digits-{settings.cache_key()}")
+    cache_path = settings.cache_path(cache_dir)
     (base, experts, heads), loaded = build_or_load(
         cache_path,
         _cache_key(settings),
@@ -624,16 +593,8 @@ def build_digits_scenario(
 def _build_models(
     settings: DigitsScenarioSettings, pretrain: tuple[Tensor, Tensor], data: Mapping[str, TaskData]
 ) -> _Models:
-    # Fork the global RNG: building is deterministic and leaves the caller's RNG state untouched.
-    # One intra-op thread: these matmuls are tiny (extra threads only add contention on a busy
-    # machine), and a fixed thread count keeps the float reductions -- hence the models -- reproducible.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            return _train_models(settings, pretrain, data)
-    finally:
-        torch.set_num_threads(threads)
+    with reproducible_training():
+        return _train_models(settings, pretrain, data)
 
 
 def _train_models(
@@ -659,15 +620,12 @@ def _train_models(
     heads: dict[str, nn.Linear] = {}
     experts: dict[str, nn.Module] = {}
     for task in settings.tasks:
-        # Each task draws from its own seeded stream, so a task's head and expert do not depend on
-        # which other tasks are built (``tasks=("digits",)`` gives the same "digits" expert).
-        task_seed = settings.seed * 1000 + 1 + DIGITS_TASKS.index(task)
-        torch.manual_seed(task_seed)
-        task_generator = torch.Generator().manual_seed(task_seed)
+        # its own seeded stream: ``tasks=("digits",)`` gives the same "digits" head and expert
+        task_stream = task_generator(settings.seed, DIGITS_TASKS.index(task))
         d = data[task]
         heads[task] = fit_probe_head(base, d.train_images, d.train_labels, d.num_classes, shots=settings.head_shots)
         experts[task] = finetune_expert(base, heads[task], d.train_images, d.train_labels,
                                         epochs=settings.finetune_epochs, lr=settings.finetune_lr,
-                                        batch_size=settings.batch_size, generator=task_generator)
+                                        batch_size=settings.batch_size, generator=task_stream)
     return base, experts, heads
 

