@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import tempfile
 
 # Tests never reach the hub: fail fast instead of waiting on the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -143,3 +144,13 @@ __all__ = [
     "tiny_clip_config",
     "tiny_vision_config",
 ]
+
+
+@pytest.fixture
+def snapshot_tmpdir(tmp_path, monkeypatch):
+    """TMPDIR (and tempfile's cached choice of it) set to an empty folder of the test's own."""
+    folder = tmp_path / "tmpdir"
+    folder.mkdir()
+    monkeypatch.setenv("TMPDIR", str(folder))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    return folder

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import os
-import tempfile
 
 import pytest
 import torch
@@ -20,16 +19,6 @@ from hf_featcal.restore import restore_on_failure
 from hf_featcal.offload import ModelParameters
 from test_failsafe import _assert_bit_identical, _assert_same_result, _Fault, _model_state, damage_outside_the_blocks
 from test_offload import _dispatched, base_failing_in_block_2
-
-
-@pytest.fixture
-def snapshot_tmpdir(tmp_path, monkeypatch):
-    """TMPDIR (and tempfile's cached choice of it) set to an empty folder of the test's own."""
-    folder = tmp_path / "tmpdir"
-    folder.mkdir()
-    monkeypatch.setenv("TMPDIR", str(folder))
-    monkeypatch.setattr(tempfile, "tempdir", None)
-    return folder
 
 
 class _FolderWatch:

@@ -10,7 +10,6 @@ import errno
 import os
 import shutil
 import signal
-import tempfile
 
 import pytest
 import torch
@@ -21,16 +20,6 @@ from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.interrupts import interrupts_deferred
 from test_failsafe import _assert_bit_identical, _Fault, _model_state
 from test_save_folder import _leftovers, _snapshot
-
-
-@pytest.fixture
-def snapshot_tmpdir(tmp_path, monkeypatch):
-    """TMPDIR (and tempfile's cached choice of it) set to an empty folder of the test's own."""
-    folder = tmp_path / "tmpdir"
-    folder.mkdir()
-    monkeypatch.setenv("TMPDIR", str(folder))
-    monkeypatch.setattr(tempfile, "tempdir", None)
-    return folder
 
 
 def _failing_calibrator(model, setting, snapshot: str, monkeypatch, error: type[BaseException]) -> FeatCalCalibrator:
