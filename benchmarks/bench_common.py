@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib
 import resource
 import time
 from collections.abc import Iterator
@@ -50,15 +51,23 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def _library_module(*names: str) -> ModuleType | None:
+    """The first of the library's modules `names` that imports: a benchmark may run an older revision,
+    where a module had another name (`_kernels.gemm` was `cpu_gemm`) or did not exist yet (None)."""
+    for name in names:
+        with contextlib.suppress(ImportError):
+            return importlib.import_module(name)
+    return None
+
+
 def _float32_cpu_product():
-    """The float32 CPU product the library runs (`hf_featcal.cpu_gemm`: oneDNN's on x86-64 CPUs that
+    """The float32 CPU product the library runs (`hf_featcal._kernels.gemm`: oneDNN's on x86-64 CPUs that
     are not Intel's, where it is faster than MKL's), or None for torch's own (also for libraries from
     before that choice existed)."""
-    try:
-        from hf_featcal.cpu_gemm import gemm_library, onednn_linear
-    except ImportError:
+    gemm = _library_module("hf_featcal._kernels.gemm", "hf_featcal.cpu_gemm")
+    if gemm is None:
         return None
-    return (lambda a, b: onednn_linear(a, b, None)) if gemm_library() == "onednn" else None
+    return (lambda a, b: gemm.onednn_linear(a, b, None)) if gemm.gemm_library() == "onednn" else None
 
 
 def matmul_throughput(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] | None = None, seconds: float = 0.3) -> float:
@@ -103,38 +112,35 @@ def _throughput(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...]
 def triangle_fraction(dim: int, syrk: bool = False) -> float:
     """The share of a full `dim`-wide Gram product x_sᵀx_s the library computes. `syrk` (exact mode
     on the CPU, unit token weights: `syrk_in_use`): MKL's syrk, the upper triangle alone, (dim+1)/(2·dim).
-    Otherwise the block upper triangle of `hf_featcal.statistics.gram_blocks` (block j against blocks
+    Otherwise the block upper triangle of `hf_featcal._kernels.gram.gram_blocks` (block j against blocks
     ≥ j; 8 equal blocks: (8+1)/(2·8) = 9/16, 4 blocks: 5/8, one block: 1), mirrored at task end;
     9/16 when the library does not say."""
     if syrk:
         return (dim + 1) / (2 * dim)
-    try:
-        from hf_featcal.statistics import gram_blocks
-    except ImportError:
+    gram = _library_module("hf_featcal._kernels.gram", "hf_featcal.statistics")
+    if gram is None or not hasattr(gram, "gram_blocks"):
         return 9 / 16
-    return sum((stop - start) * (dim - start) for start, stop in gram_blocks(dim)) / dim**2
+    return sum((stop - start) * (dim - start) for start, stop in gram.gram_blocks(dim)) / dim**2
 
 
 def low_products_in_use(device: torch.device, forward_dtype: str | None) -> bool:
     """Whether fast mode's statistics' products take forward-dtype factors here
-    (`hf_featcal.cpu_gemm.low_precision_products_pay`; always, for libraries from before that choice)."""
+    (`hf_featcal._kernels.gemm.low_precision_products_pay`; always, for libraries from before that choice)."""
     if forward_dtype is None:
         return False
-    try:
-        from hf_featcal.cpu_gemm import low_precision_products_pay
-    except ImportError:
+    gemm = _library_module("hf_featcal._kernels.gemm", "hf_featcal.cpu_gemm")
+    if gemm is None or not hasattr(gemm, "low_precision_products_pay"):
         return True
-    return low_precision_products_pay(getattr(torch, forward_dtype), device)
+    return gemm.low_precision_products_pay(getattr(torch, forward_dtype), device)
 
 
 def syrk_in_use(device: torch.device, forward_dtype: str | None) -> bool:
-    """Whether the library computes unit-weight Grams by MKL's syrk here (`hf_featcal.mkl_products`;
+    """Whether the library computes unit-weight Grams by MKL's syrk here (`hf_featcal._kernels.mkl_products`;
     False for libraries from before it): on the CPU, wherever the statistics' products are float32."""
-    try:
-        from hf_featcal.mkl_products import syrk_available
-    except ImportError:
+    mkl = _library_module("hf_featcal._kernels.mkl_products", "hf_featcal.mkl_products")
+    if mkl is None or not hasattr(mkl, "syrk_available"):
         return False
-    return not low_products_in_use(device, forward_dtype) and device.type == "cpu" and syrk_available(torch.float32)
+    return not low_products_in_use(device, forward_dtype) and device.type == "cpu" and mkl.syrk_available(torch.float32)
 
 
 def lower_triangular_fraction(dim: int) -> float:

@@ -59,7 +59,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     # exact-mode arithmetic (blocked Gram triangle, cross moment from the expert's inputs, blocked Cholesky)
     "gram_lower_blocks_not_mirrored": (
-        "statistics.py", "            upper[c0:c1, r0:r1] = upper[r0:r1, c0:c1].T\n", "            pass\n",
+        "_kernels/gram.py", "            upper[c0:c1, r0:r1] = upper[r0:r1, c0:c1].T\n", "            pass\n",
     ),
     # buffers reused instead of reallocated (the Gram per task, the solve's work matrix, mapped checkpoint tensors)
     "gram_buffer_not_zeroed_between_tasks": (
@@ -71,12 +71,12 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "list(zip(upper_blocks(self._gram_sum_upper), upper_blocks(gram)))[:1]:",
     ),
     # allocation-lean activations (bit-identical) and the snapshot's memory handover
-    "lean_quick_gelu_constant": ("activations.py", "    out = torch.mul(x, 1.702)\n", "    out = torch.mul(x, 1.7)\n"),
+    "lean_quick_gelu_constant": ("_kernels/activations.py", "    out = torch.mul(x, 1.702)\n", "    out = torch.mul(x, 1.7)\n"),
     "lean_new_gelu_order": (
-        "activations.py", "    inner.mul_(0.044715).add_(x)", "    inner.add_(x).mul_(0.044715)",
+        "_kernels/activations.py", "    inner.mul_(0.044715).add_(x)", "    inner.add_(x).mul_(0.044715)",
     ),
     "lean_forward_with_gradients_on": (
-        "activations.py", "        return own(x) if torch.is_grad_enabled() else lean(x)\n", "        return lean(x)\n",
+        "_kernels/activations.py", "        return own(x) if torch.is_grad_enabled() else lean(x)\n", "        return lean(x)\n",
     ),
     "handover_of_a_parameter_sharing_memory": (
         "restore.py", " and owners.get(p.untyped_storage().data_ptr()) == 1", "",
@@ -97,7 +97,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "                    pass\n",
     ),
     "gram_norm_of_upper_only": (
-        "statistics.py", "            total += 2.0 * float(rows.dot(rows))\n",
+        "_kernels/gram.py", "            total += 2.0 * float(rows.dot(rows))\n",
         "            total += float(rows.dot(rows))\n",
     ),
     "cross_moment_without_student_part": (
@@ -125,17 +125,17 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        weighted = pooled is not None\n",
     ),
     "mixed_gemm_beta_ignored": (
-        "mkl_products.py",
+        "_kernels/mkl_products.py",
         "a.data_ptr(), lda, b.data_ptr(), ldb, float(beta),",
         "a.data_ptr(), lda, b.data_ptr(), ldb, 1.0,",
     ),
     "mixed_gemm_transpose_flag": (
-        "mkl_products.py",
+        "_kernels/mkl_products.py",
         "        return _TRANSPOSE, matrix.stride(1)",
         "        return _NO_TRANSPOSE, matrix.stride(1)",
     ),
     "fast_products_rounded_on_cpu": (
-        "statistics.py",
+        "_kernels/gram.py",
         "        if addmm_low_(out, a, b):\n            return out\n",
         "        if False:\n            return out\n",
     ),
@@ -156,12 +156,12 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "",
     ),
     "syrk_diagonal_blocks_mirrored_wrong": (
-        "statistics.py", "block.copy_(block.triu().add_(block.triu(1).mT))", "block.copy_(block.triu().add_(block.tril(-1)))"
+        "_kernels/gram.py", "block.copy_(block.triu().add_(block.triu(1).mT))", "block.copy_(block.triu().add_(block.tril(-1)))"
     ),
-    "syrk_other_triangle": ("mkl_products.py", 'b"L", b"N" if transpose', 'b"U", b"N" if transpose'),
-    "gram_norm_off_diagonal_once": ("statistics.py", "total += 2.0 * float(rows.dot(rows))", "total += float(rows.dot(rows))"),
+    "syrk_other_triangle": ("_kernels/mkl_products.py", 'b"L", b"N" if transpose', 'b"U", b"N" if transpose'),
+    "gram_norm_off_diagonal_once": ("_kernels/gram.py", "total += 2.0 * float(rows.dot(rows))", "total += float(rows.dot(rows))"),
     "gram_norm_float32_whole_matrix": (
-        "statistics.py",
+        "_kernels/gram.py",
         "    return total**0.5\n",
         "    return float(torch.linalg.matrix_norm(symmetric_from_upper(upper)))\n",
     ),
@@ -170,13 +170,13 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "reuse_freed_memory(False)",
     ),
     "cpu_memory_run_thresholds_unset": (
-        "cpu_memory.py", "        libc.mallopt(_M_MMAP_THRESHOLD, RUN_MMAP_THRESHOLD)\n", "",
+        "_kernels/memory.py", "        libc.mallopt(_M_MMAP_THRESHOLD, RUN_MMAP_THRESHOLD)\n", "",
     ),
-    "cpu_memory_nothing_handed_back": ("cpu_memory.py", "            libc.malloc_trim(0)\n", "            pass\n"),
+    "cpu_memory_nothing_handed_back": ("_kernels/memory.py", "            libc.malloc_trim(0)\n", "            pass\n"),
     "cpu_memory_run_thresholds_kept_after": (
-        "cpu_memory.py", "AFTER_MMAP_THRESHOLD = 32 << 20", "AFTER_MMAP_THRESHOLD = 64 << 20",
+        "_kernels/memory.py", "AFTER_MMAP_THRESHOLD = 32 << 20", "AFTER_MMAP_THRESHOLD = 64 << 20",
     ),
-    "cpu_memory_inner_exit_resets": ("cpu_memory.py", "        if _depth == 0:\n            libc.mallopt(_M_TRIM", "        if True:\n            libc.mallopt(_M_TRIM"),
+    "cpu_memory_inner_exit_resets": ("_kernels/memory.py", "        if _depth == 0:\n            libc.mallopt(_M_TRIM", "        if True:\n            libc.mallopt(_M_TRIM"),
     "drift_without_padding_mask": ("pipeline/drift.py", "totals[i] += (distances * mask).sum()", "totals[i] += distances.sum()"),
 }
 

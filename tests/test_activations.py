@@ -1,4 +1,4 @@
-"""The allocation-lean activation forwards (`hf_featcal.activations`) equal the modules' own forwards
+"""The allocation-lean activation forwards (`hf_featcal._kernels.activations`) equal the modules' own forwards
 bit for bit, only run while gradients are off, are undone on exit, and are what FeatCal's block
 forwards use — without changing a calibrated weight."""
 
@@ -11,9 +11,9 @@ import torch
 from open_clip.transformer import QuickGELU
 from transformers.activations import NewGELUActivation, QuickGELUActivation
 
-import hf_featcal.activations as activations
+import hf_featcal._kernels.activations as activations
 from hf_featcal import FeatCalCalibrator
-from hf_featcal.activations import lean_activations
+from hf_featcal._kernels.activations import lean_activations
 
 ACTIVATIONS = [QuickGELUActivation, QuickGELU, NewGELUActivation]
 

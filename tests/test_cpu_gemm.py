@@ -1,4 +1,4 @@
-"""The CPU's float32 GEMM library (`hf_featcal.cpu_gemm`): decided in one place (oneDNN on x86-64 CPUs
+"""The CPU's float32 GEMM library (`hf_featcal._kernels.gemm`): decided in one place (oneDNN on x86-64 CPUs
 that are not Intel's, MKL elsewhere, `HF_FEATCAL_CPU_GEMM` overriding), oneDNN's Linear forward equal
 to a float64 product to float32 precision, taken only for float32 CPU inputs without gradients or
 autocast, undone on exit — and a calibration on either library equal to the other to rounding."""
@@ -11,19 +11,19 @@ import pytest
 import torch
 from conftest import assert_same_up_to_rounding
 
-import hf_featcal.cpu_gemm as cpu_gemm
+from hf_featcal._kernels import gemm
 from hf_featcal import FeatCalCalibrator
-from hf_featcal.cpu_gemm import GEMM_LIBRARY_VARIABLE, gemm_library, linear_product, onednn_linear, onednn_linears
+from hf_featcal._kernels.gemm import GEMM_LIBRARY_VARIABLE, gemm_library, linear_product, onednn_linear, onednn_linears
 
-needs_onednn = pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="this torch has no oneDNN inner product")
+needs_onednn = pytest.mark.skipif(not gemm.onednn_available(), reason="this torch has no oneDNN inner product")
 
 
 @pytest.fixture
 def counted(monkeypatch):
     """Counts the products handed to oneDNN (`onednn_linears`' forwards, `linear_product`)."""
     calls = []
-    real = cpu_gemm.onednn_linear
-    monkeypatch.setattr(cpu_gemm, "onednn_linear", lambda x, w, b: calls.append(tuple(x.shape)) or real(x, w, b))
+    real = gemm.onednn_linear
+    monkeypatch.setattr(gemm, "onednn_linear", lambda x, w, b: calls.append(tuple(x.shape)) or real(x, w, b))
     return calls
 
 
@@ -40,9 +40,9 @@ def counted(monkeypatch):
     ],
 )
 def test_one_place_decides_the_library(monkeypatch, machine, vendor, forced, want):
-    monkeypatch.setattr(cpu_gemm.platform, "machine", lambda: machine)
-    monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: vendor)
-    monkeypatch.setattr(cpu_gemm, "onednn_available", lambda: True)
+    monkeypatch.setattr(gemm.platform, "machine", lambda: machine)
+    monkeypatch.setattr(gemm, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(gemm, "onednn_available", lambda: True)
     if forced is None:
         monkeypatch.delenv(GEMM_LIBRARY_VARIABLE, raising=False)
     else:
@@ -51,9 +51,9 @@ def test_one_place_decides_the_library(monkeypatch, machine, vendor, forced, wan
 
 
 def test_without_onednn_the_choice_is_mkl_and_forcing_it_is_refused(monkeypatch):
-    monkeypatch.setattr(cpu_gemm.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: "AuthenticAMD")
-    monkeypatch.setattr(cpu_gemm, "onednn_available", lambda: False)
+    monkeypatch.setattr(gemm.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(gemm, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(gemm, "onednn_available", lambda: False)
     monkeypatch.delenv(GEMM_LIBRARY_VARIABLE, raising=False)
     assert gemm_library() == "mkl"
     monkeypatch.setenv(GEMM_LIBRARY_VARIABLE, "onednn")
@@ -65,7 +65,7 @@ def test_without_onednn_the_choice_is_mkl_and_forcing_it_is_refused(monkeypatch)
 
 
 def test_the_vendor_is_read_from_cpuinfo():
-    vendor = cpu_gemm.cpu_vendor()
+    vendor = gemm.cpu_vendor()
     try:
         text = open("/proc/cpuinfo").read()
     except OSError:
@@ -171,7 +171,7 @@ def test_a_calibration_on_onednn_equals_one_on_mkl_to_rounding(clip_setting, mon
     assert moved > 1e-3  # the calibration did change the model
 
 
-FLOAT32, ROUNDED = cpu_gemm.FLOAT32_RESULTS, cpu_gemm.ROUNDED_RESULTS
+FLOAT32, ROUNDED = gemm.FLOAT32_RESULTS, gemm.ROUNDED_RESULTS
 
 
 @pytest.mark.parametrize(
@@ -189,20 +189,20 @@ FLOAT32, ROUNDED = cpu_gemm.FLOAT32_RESULTS, cpu_gemm.ROUNDED_RESULTS
     ],
 )
 def test_low_precision_products_by_matrix_unit_and_dot_products(monkeypatch, flags, dtype, device, want):
-    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset(flags))
-    assert cpu_gemm.low_precision_products(dtype, torch.device(device)) == want
-    assert cpu_gemm.low_precision_products_pay(dtype, torch.device(device)) is (want is not None)
+    monkeypatch.setattr(gemm, "cpu_flags", lambda: frozenset(flags))
+    assert gemm.low_precision_products(dtype, torch.device(device)) == want
+    assert gemm.low_precision_products_pay(dtype, torch.device(device)) is (want is not None)
 
 
 def test_no_rounded_products_without_onednn(monkeypatch):
     # torch's bf16 product runs on oneDNN; without it, float32 products are the faster ones
-    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(gemm, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
-    assert cpu_gemm.low_precision_products(torch.bfloat16, torch.device("cpu")) is None
+    assert gemm.low_precision_products(torch.bfloat16, torch.device("cpu")) is None
 
 
 def test_the_flags_are_read_from_cpuinfo():
-    flags = cpu_gemm.cpu_flags()
+    flags = gemm.cpu_flags()
     try:
         lines = [line for line in open("/proc/cpuinfo") if line.startswith("flags")]
     except OSError:

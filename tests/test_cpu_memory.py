@@ -1,4 +1,4 @@
-"""`hf_featcal.cpu_memory`: glibc keeps freed memory for reuse during a CPU run (resident memory
+"""`hf_featcal._kernels.memory`: glibc keeps freed memory for reuse during a CPU run (resident memory
 measured in a fresh process), hands it back afterwards, and results do not change. What it saves in
 page faults and time is measured by `benchmarks/bench_clip.py` (minor page faults per run)."""
 
@@ -14,9 +14,10 @@ import textwrap
 import pytest
 import torch
 
-from hf_featcal import FeatCalCalibrator, FeatCalConfig, cpu_memory
+from hf_featcal import FeatCalCalibrator, FeatCalConfig
+from hf_featcal._kernels import memory
 
-needs_glibc = pytest.mark.skipif(not cpu_memory.available(), reason="not glibc")
+needs_glibc = pytest.mark.skipif(not memory.available(), reason="not glibc")
 
 # In a fresh process (glibc's adaptive thresholds untouched): the resident memory a 40 MB tensor
 # leaves behind once touched and freed — outside, inside and after the context — and what the
@@ -26,7 +27,7 @@ _PROBE = textwrap.dedent(
     """
     import json, sys
     import torch
-    from hf_featcal.cpu_memory import reuse_freed_memory
+    from hf_featcal._kernels.memory import reuse_freed_memory
 
     def resident_mb():
         with open("/proc/self/statm") as f:
@@ -94,23 +95,23 @@ def test_calibrate_tunes_the_allocator_while_it_runs(clip_setting, reuse):
     base, experts, merged, data = clip_setting
     seen = []
     model = copy.deepcopy(merged)
-    model.encoder.layers[0].register_forward_pre_hook(lambda module, args: seen.append(cpu_memory.active()))
+    model.encoder.layers[0].register_forward_pre_hook(lambda module, args: seen.append(memory.active()))
     calibrator = FeatCalCalibrator(model, base, experts, data, FeatCalConfig(reuse_freed_cpu_memory=reuse), device="cpu")
     seen.clear()  # (the constructor's input checks forward a batch before the run)
     calibrator.calibrate()
     assert seen and set(seen) == {reuse}
-    assert not cpu_memory.active()
+    assert not memory.active()
 
 
 @needs_glibc
 def test_nested_contexts_reset_once():
-    with cpu_memory.reuse_freed_memory() as outer:
-        with cpu_memory.reuse_freed_memory() as inner:
-            assert outer and inner and cpu_memory.active()
-        assert cpu_memory.active()  # the inner exit left the outer's settings alone
-        with cpu_memory.reuse_freed_memory(False) as disabled:
+    with memory.reuse_freed_memory() as outer:
+        with memory.reuse_freed_memory() as inner:
+            assert outer and inner and memory.active()
+        assert memory.active()  # the inner exit left the outer's settings alone
+        with memory.reuse_freed_memory(False) as disabled:
             assert disabled  # (still inside the outer one)
-    assert not cpu_memory.active()
+    assert not memory.active()
 
 
 def test_results_are_the_same_bit_for_bit(clip_setting):

@@ -13,7 +13,8 @@ import torch
 
 from conftest import build_clip_setting
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
-from hf_featcal.statistics import LinearGroupStatistics, LinearTargets, gram_blocks, symmetric_upper_product
+from hf_featcal._kernels.gram import gram_blocks, symmetric_upper_product
+from hf_featcal.statistics import LinearGroupStatistics, LinearTargets
 from test_statistics_arithmetic import _brute_force, _tasks
 
 F64 = torch.float64

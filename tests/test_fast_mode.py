@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, T5ForConditionalGeneration
 from conftest import build_clip_setting, perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal import statistics as statistics_module
+from hf_featcal._kernels import gram
 from test_llm import llm_config, lm_batch, randomise_rms_norms
 from test_t5 import randomise_t5_norms, seq2seq_batch, t5_config
 
@@ -199,15 +200,15 @@ class _MatrixProducts(TorchDispatchMode):
 @pytest.mark.parametrize("forward_dtype, low_pays", [(None, True), ("bfloat16", True), ("bfloat16", False)])
 def test_gram_products_take_the_forward_dtype(generator, forward_dtype, low_pays, monkeypatch):
     """The statistics' products (d×d outputs, contracted over the batch's tokens: 5 images × 5 tokens)
-    take bfloat16 factors in fast mode where such products pay (`cpu_gemm.low_precision_products_pay`:
+    take bfloat16 factors in fast mode where such products pay (`_kernels.gemm.low_precision_products_pay`:
     an AMX CPU, a CPU with AVX-512 BF16, a GPU; forced here) and float32 ones in exact mode and where
-    they do not, whether torch computes them (aten mm/addmm) or MKL does (`mkl_products.addmm_low_`,
+    they do not, whether torch computes them (aten mm/addmm) or MKL does (`_kernels.mkl_products.addmm_low_`,
     fast mode on an AMX CPU)."""
     monkeypatch.setattr(statistics_module, "low_precision_products_pay", lambda dtype, device: low_pays)
     base, experts, merged, data = build_clip_setting(generator, batch_sizes=(5, 5))
     widths = (16, 32)  # hidden size and MLP width of the tiny model
     recorder = _MatrixProducts()
-    addmm_low_ = statistics_module.addmm_low_
+    addmm_low_ = gram.addmm_low_
 
     def recording_addmm_low_(out, a, b, beta=1.0):
         done = addmm_low_(out, a, b, beta)
@@ -215,7 +216,7 @@ def test_gram_products_take_the_forward_dtype(generator, forward_dtype, low_pays
             recorder.products.append(((a.dtype, b.dtype), tuple(out.shape), a.shape[1]))
         return done
 
-    monkeypatch.setattr(statistics_module, "addmm_low_", recording_addmm_low_)
+    monkeypatch.setattr(gram, "addmm_low_", recording_addmm_low_)
     with warnings.catch_warnings(), recorder:
         warnings.simplefilter("ignore")
         FeatCalCalibrator(copy.deepcopy(merged), base, experts, data, FeatCalConfig(forward_dtype=forward_dtype),

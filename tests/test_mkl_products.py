@@ -1,4 +1,4 @@
-"""`hf_featcal.mkl_products`: low-precision factors, float32 results (MKL's mixed GEMM on the CPU),
+"""`hf_featcal._kernels.mkl_products`: low-precision factors, float32 results (MKL's mixed GEMM on the CPU),
 checked against float64 products of the same low-precision factors; a Gram's upper triangle (MKL's
 syrk), checked against float64 products."""
 
@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_featcal import cpu_gemm, mkl_products
-from hf_featcal import statistics as statistics_module
-from hf_featcal.mkl_products import addmm_low_, available, syrk_available, syrk_upper_
+from hf_featcal._kernels import gemm, gram, mkl_products
+from hf_featcal._kernels.mkl_products import addmm_low_, available, syrk_available, syrk_upper_
 
 needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
 LOW_DTYPES = [torch.bfloat16, pytest.param(torch.float16, id="float16")]
@@ -134,38 +133,38 @@ def _product_factors(generator):
 
 @needs_mkl
 def test_fast_mode_products_come_out_in_float32(generator, monkeypatch):
-    """`statistics.product` in fast mode on a CPU whose low-precision products give float32 results
+    """`gram.product` in fast mode on a CPU whose low-precision products give float32 results
     (AMX, stubbed here): float32 results of the bfloat16 factors, new or added into the sums; without
     the kernel, torch's products rounded to bfloat16 (the fallback)."""
-    monkeypatch.setattr(statistics_module, "low_precision_products", lambda dtype, device: cpu_gemm.FLOAT32_RESULTS)
+    monkeypatch.setattr(gram, "low_precision_products", lambda dtype, device: gemm.FLOAT32_RESULTS)
     a, b, a16, b16, reference = _product_factors(generator)
-    new = statistics_module.product(a.T, b, torch.bfloat16)
+    new = gram.product(a.T, b, torch.bfloat16)
     assert new.dtype == torch.float32
     assert _relative(new, reference) < 1e-6
     acc = torch.ones(40, 24)
-    statistics_module.product(a.T, b, torch.bfloat16, out=acc)
+    gram.product(a.T, b, torch.bfloat16, out=acc)
     assert _relative(acc, reference + 1.0) < 1e-6
 
-    monkeypatch.setattr(statistics_module, "addmm_low_", lambda *args, **kwargs: False)
-    fallback = statistics_module.product(a.T, b, torch.bfloat16)
+    monkeypatch.setattr(gram, "addmm_low_", lambda *args, **kwargs: False)
+    fallback = gram.product(a.T, b, torch.bfloat16)
     assert fallback.dtype == torch.float32
     assert 1e-4 < _relative(fallback, reference) < 1e-2  # rounded to bfloat16 once
 
 
 def test_products_rounded_where_torchs_own_low_precision_product_is_the_faster(generator, monkeypatch):
-    """Where `cpu_gemm.low_precision_products` is `ROUNDED_RESULTS` (AVX-512 BF16 without AMX, stubbed
-    here), `statistics.product` leaves MKL's mixed GEMM alone and takes torch's bfloat16 product: the
+    """Where `gemm.low_precision_products` is `ROUNDED_RESULTS` (AVX-512 BF16 without AMX, stubbed
+    here), `gram.product` leaves MKL's mixed GEMM alone and takes torch's bfloat16 product: the
     bfloat16 factors' product rounded to bfloat16 once, in float32, new or added into the sums."""
-    monkeypatch.setattr(statistics_module, "low_precision_products", lambda dtype, device: cpu_gemm.ROUNDED_RESULTS)
+    monkeypatch.setattr(gram, "low_precision_products", lambda dtype, device: gemm.ROUNDED_RESULTS)
     called = []
-    monkeypatch.setattr(statistics_module, "addmm_low_", lambda *args, **kwargs: called.append(args) or False)
+    monkeypatch.setattr(gram, "addmm_low_", lambda *args, **kwargs: called.append(args) or False)
     a, b, a16, b16, reference = _product_factors(generator)
-    new = statistics_module.product(a.T, b, torch.bfloat16)
+    new = gram.product(a.T, b, torch.bfloat16)
     assert new.dtype == torch.float32
     assert torch.equal(new, torch.mm(a16.T, b16).float())
     assert 1e-4 < _relative(new, reference) < 1e-2  # rounded to bfloat16 once
     acc = torch.ones(40, 24)
-    assert statistics_module.product(a.T, b, torch.bfloat16, out=acc) is acc
+    assert gram.product(a.T, b, torch.bfloat16, out=acc) is acc
     assert torch.equal(acc, torch.mm(a16.T, b16).float() + 1.0)
     assert called == []
 

@@ -10,7 +10,7 @@ import torch
 from accelerate import cpu_offload, dispatch_model
 
 from hf_featcal import FeatCalCalibrator, FeatCalError
-from hf_featcal.offload import ModelParameters
+from hf_featcal.parameters import ModelParameters
 
 
 def _outputs(model, data):

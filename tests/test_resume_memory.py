@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hf_featcal.checkpointing import CheckpointFolder
-from hf_featcal.offload import ModelParameters
+from hf_featcal.parameters import ModelParameters
 from test_resume import _run
 from test_t5 import build_t5_setting
 

@@ -7,17 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_featcal.solver import BLOCKED_CHOLESKY_MIN_DIM, cholesky, gram_is_singular, symmetric_solve
-from hf_featcal.statistics import (
+from hf_featcal._kernels.gram import (
     BLOCKED_GRAM_MIN_DIM,
-    LinearGroupStatistics,
-    LinearTargets,
     add_upper_gram,
     gram_blocks,
     mirror_diagonal_blocks_,
     symmetric_from_upper,
     upper_gram_norm,
 )
+from hf_featcal.solver import BLOCKED_CHOLESKY_MIN_DIM, cholesky, gram_is_singular, symmetric_solve
+from hf_featcal.statistics import LinearGroupStatistics, LinearTargets
 
 F64 = torch.float64
 

@@ -26,14 +26,14 @@ from .architectures import model_type_of
 from .architectures.auto import infer_layer_map
 from .checkpointing import fingerprint
 from .config import FeatCalConfig
-from .cpu_gemm import gemm_library
-from .cpu_memory import reuse_freed_memory
+from ._kernels.gemm import gemm_library
+from ._kernels.memory import reuse_freed_memory
 from .data import Batch, batch_size_of, prepare_batches, text_length_limit
 from .devices import usable_device
 from .experts import ModelLike, ModelSource, make_source
 from .hooks import eval_mode
 from .restore import restore_on_failure
-from .offload import ModelParameters
+from .parameters import ModelParameters
 from .pipeline.accumulate import BlockStatistics
 from .pipeline.capture import capture_block
 from .pipeline.checkpoint import open_checkpoint, resume, save_block

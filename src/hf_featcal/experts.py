@@ -238,7 +238,7 @@ class CheckpointSource(ModelSource):
 
     @contextlib.contextmanager
     def entry_tower(self, layer_map: Any, reference: nn.Module) -> Iterator[nn.Module]:
-        from .offload import ModelParameters
+        from .parameters import ModelParameters
 
         tower = layer_map.tower(reference)
         parameters = ModelParameters(reference)  # also reaches accelerate-offloaded parameters
@@ -315,7 +315,7 @@ class LoraSource(ModelSource):
     def entry_tower(self, layer_map: Any, reference: nn.Module) -> Iterator[nn.Module]:
         """The base's input path, with the adapter's trained biases outside the blocks (e.g. a
         pre-LayerNorm's, `bias="all"`) written in for the duration and restored after."""
-        from .offload import ModelParameters
+        from .parameters import ModelParameters
 
         with self.base.entry_tower(layer_map, reference) as tower:
             parameters = ModelParameters(tower)  # also reaches accelerate-offloaded parameters

@@ -27,7 +27,7 @@ from .data import prepare_batches, text_length_limit
 from .experts import module_device
 from .hooks import capture_module_inputs, eval_mode
 from .merging import simple_average
-from .offload import ModelParameters
+from .parameters import ModelParameters
 from .pipeline.checks import check_batches_enter_model, check_not_empty, check_tasks
 from .pipeline.context import RunContext, check_finite
 from .solver import symmetric_solve

@@ -60,7 +60,7 @@ def restore_on_failure(
     if snapshot not in RESTORE_SNAPSHOTS:
         raise ValueError(f"`snapshot` must be one of {RESTORE_SNAPSHOTS}, got {snapshot!r}.")
     if parameters is None:
-        from .offload import ModelParameters
+        from .parameters import ModelParameters
 
         parameters = ModelParameters(model)
     # (module, "_parameters" / "_buffers", attribute) → the tensor object there now

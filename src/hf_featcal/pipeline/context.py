@@ -12,12 +12,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..activations import lean_activations
-from ..cpu_gemm import onednn_linears
+from .._kernels.activations import lean_activations
+from .._kernels.gemm import onednn_linears
 from ..architectures import LayerMap
 from ..config import FeatCalConfig
 from ..experts import module_device
-from ..offload import ModelParameters
+from ..parameters import ModelParameters
 from ..streams import StreamBatch
 
 #: Kept under the facade's module name, so logging set up for `hf_featcal.calibrator` still applies.
@@ -113,9 +113,9 @@ class RunContext:
 
     def forward(self, block: nn.Module, index: int, state: StreamBatch) -> StreamBatch:
         """One block on a stream batch on the compute device; in fast mode under `torch.autocast`.
-        The block's activations run allocation-lean (`hf_featcal.activations`, bit-identical), and
+        The block's activations run allocation-lean (`hf_featcal._kernels.activations`, bit-identical), and
         its float32 Linears on the CPU by the faster of MKL and oneDNN for this CPU
-        (`hf_featcal.cpu_gemm`; the two differ by rounding only)."""
+        (`hf_featcal._kernels.gemm`; the two differ by rounding only)."""
         with self.precision(), lean_activations(block), onednn_linears(block):
             return self.layer_map.run_block(block, index, state)
 

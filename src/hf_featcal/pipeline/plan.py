@@ -13,7 +13,7 @@ from torch import nn
 
 from ..architectures import LINEAR, LayerMap, ModuleSpec
 from ..config import FeatCalConfig, matches_module_pattern
-from ..offload import ModelParameters
+from ..parameters import ModelParameters
 
 
 @dataclass(frozen=True)

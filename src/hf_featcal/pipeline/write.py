@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from ..architectures import ModuleSpec
-from ..offload import ModelParameters
+from ..parameters import ModelParameters
 from .context import check_finite
 
 #: module name → {"weight": tensor, "bias": tensor}: a block's solutions

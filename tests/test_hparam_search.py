@@ -11,7 +11,7 @@ from datasets import Dataset
 
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.scenarios.digits import accuracy, build_digits_scenario
-from hf_featcal.tuning import DEFAULT_GRID, TuningResult, train_holdout_split, tune_featcal
+from hf_featcal.hparam_search import DEFAULT_GRID, TuningResult, train_holdout_split, tune_featcal
 
 torch.set_num_threads(1)
 # tiny models with 32 examples per task: ridge-set directions are expected and warned about
@@ -121,7 +121,7 @@ def test_sources_and_batches_are_prepared_once_for_the_grid(scenario, tmp_path, 
     once for the whole grid (once more only for a point that changes the sampling), and every point's
     result equals calibrating it directly."""
     import hf_featcal.experts as experts_module
-    import hf_featcal.tuning as tuning_module
+    import hf_featcal.hparam_search as search_module
 
     folders = {}
     for task, expert in scenario.experts.items():
@@ -130,9 +130,9 @@ def test_sources_and_batches_are_prepared_once_for_the_grid(scenario, tmp_path, 
     data = {t: Dataset.from_dict({"pixel_values": scenario.data[t].train_images[:CALIBRATION].numpy()}).with_format("torch")
             for t in scenario.tasks}
     resolved, batched = [], []
-    original_resolve, original_prepare = experts_module.resolve_checkpoint, tuning_module.prepare_batches
+    original_resolve, original_prepare = experts_module.resolve_checkpoint, search_module.prepare_batches
     monkeypatch.setattr(experts_module, "resolve_checkpoint", lambda name, *a, **k: resolved.append(name) or original_resolve(name, *a, **k))
-    monkeypatch.setattr(tuning_module, "prepare_batches", lambda task, *a, **k: batched.append(task) or original_prepare(task, *a, **k))
+    monkeypatch.setattr(search_module, "prepare_batches", lambda task, *a, **k: batched.append(task) or original_prepare(task, *a, **k))
     merged = scenario.task_arithmetic(0.3)
     grid = [{"lambda_ratio": 0.05}, {"lambda_ratio": 0.5}, {"lambda_ratio": 0.05, "batch_size": 8}]
     scores = {}
@@ -149,3 +149,13 @@ def test_sources_and_batches_are_prepared_once_for_the_grid(scenario, tmp_path, 
                                    dataclasses.replace(FeatCalConfig(), **point), show_progress=False).calibrate()
         for key, value in direct.state_dict().items():
             assert torch.equal(value, scores[index][key]), (index, key)
+
+
+def test_the_old_module_path_gives_the_same_names():
+    """`hf_featcal.tuning` (the documented path before the module was named for what it holds) still
+    imports the search's public names, as the same objects."""
+    import hf_featcal.hparam_search as search_module
+    import hf_featcal.tuning as old_path
+
+    for name in search_module.__all__:
+        assert getattr(old_path, name) is getattr(search_module, name)

@@ -1,12 +1,10 @@
 """Which library runs FeatCal's float32 matrix products on the CPU: MKL (torch's own choice) or oneDNN.
 
 torch multiplies float32 matrices on the CPU with MKL's sgemm. On an Intel CPU nothing here beats
-it (an earlier measurement on an Intel Xeon found oneDNN's float32 linear slower). On other x86-64
-CPUs MKL does not run its fastest kernels: on an AMD EPYC (Zen 4), oneDNN's float32 inner product —
+it. On other x86-64 CPUs MKL does not run its fastest kernels, and oneDNN's float32 inner product —
 the library behind torch's `mkldnn` operators, which picks its kernels by the CPU's instruction
-sets rather than its vendor — took 6.0 / 16.3 / 19.4 / 22.4 ms against MKL's 10.2 / 19.4 / 27.2 /
-31.7 ms for 800 tokens through CLIP's q, q/k/v, fc1 and fc2 shapes. Both are float32 products with
-float32 sums; their results differ by rounding only (the order of the sums).
+sets rather than its vendor — is faster (measured in docs/scale.md, "The CPU kernels"). Both are
+float32 products with float32 sums; their results differ by rounding only (the order of the sums).
 
 `gemm_library()` is the one place that decides; the environment variable `HF_FEATCAL_CPU_GEMM`
 (`mkl` or `onednn`) overrides it, for benchmarks and tests. `onednn_linears(root)` routes a block's
@@ -71,14 +69,13 @@ def low_precision_products(dtype: torch.dtype, device: torch.device) -> str | No
     exact mode's kernels: syrk, oneDNN's projections).
 
     - `FLOAT32_RESULTS`: on an accelerator (tensor cores, `torch.mm(out_dtype=)`), and on a CPU with
-      the matrix unit for `dtype` (AMX), where MKL's mixed-precision GEMM ran at 1.5–1.6 TFLOP/s
-      against float32's 0.35 (Intel Xeon).
+      the matrix unit for `dtype` (AMX), where MKL's mixed-precision GEMM runs several times faster
+      than float32 products.
     - `ROUNDED_RESULTS`: on a CPU with only the dot-product instructions for `dtype` (AVX-512 BF16:
-      AMD Zen 4, Intel Cooper Lake). There MKL's mixed GEMM runs no faster than float32 (97–112
-      against 103–108 ms for a 3072-wide Gram of 800 tokens, AMD EPYC), but oneDNN's bf16 matmul
-      takes 74 against float32's 160 ms (3072² from 1 600 tokens; 18 against 39 ms for 3072 × 768).
-      It gives its result in bf16 only: each batch's product is rounded once, then added to the
-      float32 sums (the rounding fast mode's accuracy table measured, `docs/scale.md`)."""
+      AMD Zen 4, Intel Cooper Lake). There MKL's mixed GEMM runs no faster than float32, but
+      oneDNN's bf16 matmul takes about half float32's time. It gives its result in bf16 only: each
+      batch's product is rounded once, then added to the float32 sums (the rounding fast mode's
+      accuracy table measured). The timings are in docs/scale.md ("The CPU kernels")."""
     if device.type != "cpu":
         return FLOAT32_RESULTS
     flags = cpu_flags()

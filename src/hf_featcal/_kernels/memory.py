@@ -3,11 +3,10 @@
 By default glibc hands a freed block back to the system once it is larger than a threshold that
 adapts to the program (blocks above it are mapped and unmapped one by one; the top of the heap is
 trimmed once twice that much is free there), up to 32 MB. A block forward allocates tensors of
-several megabytes for each of its activations (CLIP's MLP: two of 9.8 MB per batch), the
-statistics as many, and each one handed back costs its page faults again when the next is
-allocated: 0.4–0.5 M minor faults on a 3-layer CLIP run of 8 tasks × 32 images (0.2 M with this
-module; the run's time moved within the machine's noise, see docs/scale.md: hence opt-in,
-`FeatCalConfig.reuse_freed_cpu_memory`).
+several megabytes for each of its activations, the statistics as many, and each one handed back
+costs its page faults again when the next is allocated. Keeping them cuts the page faults by more
+than half, but the run's time moved within the machine's noise (docs/scale.md, "The CPU kernels"):
+hence opt-in, `FeatCalConfig.reuse_freed_cpu_memory`.
 
 `reuse_freed_memory()` raises both thresholds for the run (`mallopt`), so freed blocks stay in the
 heap and the next tensor of that size reuses them without faults. Results are the same bit for bit

@@ -19,7 +19,7 @@ split: FeatCal reads only their inputs), or, when you fine-tune the experts your
 train out of their training. :func:`train_holdout_split` cuts a ``datasets.Dataset`` into two
 disjoint parts::
 
-    from hf_featcal.tuning import train_holdout_split, tune_featcal
+    from hf_featcal.hparam_search import train_holdout_split, tune_featcal
 
     calibration = {task: train.select(range(256)) for task, train in train_splits.items()}
     held_out = {}
