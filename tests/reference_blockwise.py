@@ -1,5 +1,6 @@
 """An independent, deliberately naive FeatCal for any transformers model whose blocks hold Linears,
-LayerNorms and RMS norms, written straight from `featcal-method.md` for the tests.
+LayerNorms and RMS norms, written straight from the method specification (the project's method notes;
+its formulas are in docs/how-featcal-works.md) for the tests.
 
 It shares nothing with hf_featcal (no import of it): the streams come from *full-model forwards*
 with forward pre-hooks on the modules of the block being calibrated. Because the blocks before ℓ

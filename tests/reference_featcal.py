@@ -1,5 +1,6 @@
 """An independent, deliberately naive FeatCal for CLIP vision towers, written straight from
-`featcal-method.md` for the tests: float64 throughout, every example of a task in one tensor, one
+the method specification (the project's method notes; its formulas are in docs/how-featcal-works.md)
+for the tests: float64 throughout, every example of a task in one tensor, one
 module at a time (no shared statistics), `torch.nn.functional.layer_norm` for the normalised input
 and `torch.linalg.solve` for every system. Slow but obviously right; the library must agree with it.
 """

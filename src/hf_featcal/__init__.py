@@ -1,6 +1,6 @@
 """hf_featcal: FeatCal feature calibration for merged models, as a one-call Hugging Face step.
 
-The public names load on first use (PEP 562 module `__getattr__`): ``import hf_featcal`` stays fast, and
+The public names load on first use (PEP 562 module `__getattr__`): `import hf_featcal` stays fast, and
 torch, transformers and datasets are imported only when a name that needs them is first touched.
 """
 

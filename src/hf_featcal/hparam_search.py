@@ -1,23 +1,23 @@
-"""Choose FeatCal's λ (``lambda_ratio``), ρ (``anchor_rho``) and α (``teacher_alpha``) on held-out
+"""Choose FeatCal's λ (`lambda_ratio`), ρ (`anchor_rho`) and α (`teacher_alpha`) on held-out
 data the experts never saw.
 
 FeatCal has three knobs that matter: the ridge strength λ towards the anchor, the anchor
 extrapolation ρ (anchor = base + ρ·(merged − base)) and the teacher mix α. The defaults (the
 authors' demo values λ=0.05, ρ=2.2, α=0.25) are good starting points; when a few labelled training
-examples per task are available, :func:`tune_featcal` picks the best values on a grid:
+examples per task are available, `tune_featcal` picks the best values on a grid:
 
 for every grid point it deep-copies the merged model, calibrates the copy with that config and
-scores it with your ``validation_fn(model) -> float`` (higher is better, e.g. the mean accuracy over
+scores it with your `validation_fn(model) -> float` (higher is better, e.g. the mean accuracy over
 tasks). The merged model itself is never modified.
 
-Score ``validation_fn`` on examples the experts never saw, disjoint from the calibration examples —
+Score `validation_fn` on examples the experts never saw, disjoint from the calibration examples —
 never on the test split you report (that would make the reported numbers optimistic). Experts
 fine-tuned on a whole train split have memorised it (often 95–100% accuracy there): a slice of that
 split rewards settings that copy the experts and hides a task the joint calibration hurts. Hold out
 part of each task's **validation** split instead (calibration examples may still come from the train
 split: FeatCal reads only their inputs), or, when you fine-tune the experts yourself, keep a slice of
-train out of their training. :func:`train_holdout_split` cuts a ``datasets.Dataset`` into two
-disjoint parts::
+train out of their training. `train_holdout_split` cuts a `datasets.Dataset` into two
+disjoint parts:
 
     from hf_featcal.hparam_search import train_holdout_split, tune_featcal
 
@@ -34,8 +34,8 @@ disjoint parts::
     print(result.to_markdown())
     calibrated = result.best_model                   # or calibrate again with result.best_config
 
-Calibration is deterministic for a fixed config (``seed`` fixes the order of ``Dataset`` inputs),
-so calibrating again with ``result.best_config`` reproduces ``result.best_score``.
+Calibration is deterministic for a fixed config (`seed` fixes the order of `Dataset` inputs),
+so calibrating again with `result.best_config` reproduces `result.best_score`.
 """
 
 from __future__ import annotations
@@ -70,15 +70,15 @@ DEFAULT_GRID: dict[str, list[float]] = {
 
 @dataclass
 class TuningResult:
-    """The outcome of :func:`tune_featcal`.
+    """The outcome of `tune_featcal`.
 
     Attributes:
         best_config: the `FeatCalConfig` of the best grid point (the base config with its values).
-        best_params: the grid values of the best point, e.g. ``{"lambda_ratio": 0.05, ...}``.
+        best_params: the grid values of the best point, e.g. `{"lambda_ratio": 0.05, ...}`.
         best_score: its validation score.
-        table: one row per grid point, in grid order: the grid values plus ``"score"`` and
-            ``"seconds"`` (calibration + validation time).
-        best_model: the calibrated copy of the best point (None with ``keep_best_model=False``).
+        table: one row per grid point, in grid order: the grid values plus `"score"` and
+            `"seconds"` (calibration + validation time).
+        best_model: the calibrated copy of the best point (None with `keep_best_model=False`).
         greater_is_better: whether higher scores won.
     """
 
@@ -90,7 +90,7 @@ class TuningResult:
     greater_is_better: bool = True
 
     def to_markdown(self, digits: int = 4) -> str:
-        """The table as markdown; the best row is marked with ``*``."""
+        """The table as markdown; the best row is marked with `*`."""
         if not self.table:
             return "No grid point was evaluated."
         names = [k for k in self.table[0] if k not in ("score", "seconds")]
@@ -144,38 +144,38 @@ def tune_featcal(
 ) -> TuningResult:
     """Grid-search FeatCal settings (λ, ρ, α by default) with a validation score on held-out train data.
 
-    For every grid point: deep-copy ``merged_model``, calibrate the copy with
-    ``dataclasses.replace(base_config, **point)``, score it with ``validation_fn(copy)``. The best
+    For every grid point: deep-copy `merged_model`, calibrate the copy with
+    `dataclasses.replace(base_config, **point)`, score it with `validation_fn(copy)`. The best
     point (first one on ties) is returned with the table of all scores. The experts, the base and the
     calibration batches are prepared once for the whole grid (batches once per distinct
-    ``num_samples_per_task`` / ``batch_size`` / ``seed``), not once per point.
+    `num_samples_per_task` / `batch_size` / `seed`), not once per point.
 
     Args:
         merged_model: the merged model (never modified).
         base_model: the base model (model, local path or hub id) or None — as for `FeatCalCalibrator`.
         experts: task → expert (model, local path or hub id).
-        calibration_data: task → calibration data (``Dataset`` or batches), as for `FeatCalCalibrator`.
-            Must not overlap the examples ``validation_fn`` scores on.
-        validation_fn: ``model -> float``; e.g. mean accuracy over tasks on a held-out slice of each
+        calibration_data: task → calibration data (`Dataset` or batches), as for `FeatCalCalibrator`.
+            Must not overlap the examples `validation_fn` scores on.
+        validation_fn: `model -> float`; e.g. mean accuracy over tasks on a held-out slice of each
             task's **train** split (never the test split). Higher is better unless
-            ``greater_is_better=False``. A NaN score ranks last.
+            `greater_is_better=False`. A NaN score ranks last.
         grid: a mapping FeatCalConfig field → list of values (Cartesian product, e.g.
-            ``{"lambda_ratio": [0.02, 0.05], "anchor_rho": [1.0, 2.2]}``) or an explicit list of
-            points (dicts). Default: :data:`DEFAULT_GRID` (12 points over λ, ρ, α).
-        base_config: the settings every point starts from (default ``FeatCalConfig()``).
+            `{"lambda_ratio": [0.02, 0.05], "anchor_rho": [1.0, 2.2]}`) or an explicit list of
+            points (dicts). Default: `DEFAULT_GRID` (12 points over λ, ρ, α).
+        base_config: the settings every point starts from (default `FeatCalConfig()`).
         greater_is_better: maximise (True) or minimise (False) the score.
-        keep_best_model: keep the calibrated copy of the best point as ``result.best_model``
+        keep_best_model: keep the calibrated copy of the best point as `result.best_model`
             (memory: at most two extra copies of the model exist at a time).
-        calibrator_kwargs: further `FeatCalCalibrator` arguments (``processing_class``,
-            ``data_collator``, ``device``, ...). ``show_progress`` defaults to False.
-        log: called with one line per grid point (e.g. ``print``).
+        calibrator_kwargs: further `FeatCalCalibrator` arguments (`processing_class`,
+            `data_collator`, `device`, ...). `show_progress` defaults to False.
+        log: called with one line per grid point (e.g. `print`).
 
     Returns:
-        A :class:`TuningResult`.
+        A `TuningResult`.
 
     Raises:
         ValueError: on an invalid grid (unknown field, invalid value — named with its point) or a
-            ``validation_fn`` that does not return a real number.
+            `validation_fn` that does not return a real number.
     """
     if not callable(validation_fn):
         raise TypeError(f"`validation_fn` must be callable (model -> float), got {type(validation_fn).__name__}.")
@@ -258,7 +258,7 @@ def _better(score: float, best: float, greater_is_better: bool) -> bool:
 
 
 def train_holdout_split(dataset: Any, num_validation: int | float, seed: int = 0) -> tuple[Any, Any]:
-    """Cut a task's ``datasets.Dataset`` into two disjoint parts (first, held-out part).
+    """Cut a task's `datasets.Dataset` into two disjoint parts (first, held-out part).
 
     One shuffle with `seed`. Use it on data the experts never trained on: a validation split (one
     part to tune on, the other to report), or a train split only when the experts were trained

@@ -1,6 +1,6 @@
 """FeatCal's closed forms. Pure tensor functions: no model knowledge, no hooks, no I/O.
 
-Notation follows `featcal-method.md`: for task i, C_i = E_w[x_s x_sᵀ], X_i = E_w[x_s x_tᵀ],
+Notation follows docs/how-featcal-works.md (steps 3–4): for task i, C_i = E_w[x_s x_sᵀ], X_i = E_w[x_s x_tᵀ],
 μ_s,i = E_w[x_s], μ_t,i = E_w[x_t], s_i = 1 / max(‖C_i‖_F, ε); A is the anchor; λ the ridge.
 Callers pass the task-summed quantities; every function returns new tensors.
 """
