@@ -1,8 +1,8 @@
-"""Shared fixtures: tiny random-init CLIP models built from configs (no hub access)."""
+"""Shared fixtures and session settings. The builders the fixtures use live in testing_utils.py, which
+test files import (never this module: pytest loads it on its own terms)."""
 
 from __future__ import annotations
 
-import copy
 import os
 import tempfile
 
@@ -12,62 +12,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import pytest
 import torch
-from transformers import CLIPConfig, CLIPModel, CLIPVisionConfig, CLIPVisionModel
+from testing_utils import build_clip_setting
 
 # Tiny models: one thread avoids oversubscription on small matmuls (and CI machines are 2-core).
 torch.set_num_threads(1)
-
-
-def tiny_vision_config(**overrides) -> CLIPVisionConfig:
-    values = dict(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=8,
-        patch_size=4,
-        num_channels=3,
-    )
-    values.update(overrides)
-    return CLIPVisionConfig(**values)
-
-
-def tiny_clip_config(**vision_overrides) -> CLIPConfig:
-    text = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64,
-                bos_token_id=0, eos_token_id=1, pad_token_id=1, max_position_embeddings=16)
-    return CLIPConfig(vision_config=tiny_vision_config(**vision_overrides).to_dict(), text_config=text, projection_dim=8)
-
-
-def randomise_norms(model: torch.nn.Module, generator: torch.Generator, scale: float = 0.2) -> None:
-    """Give every LayerNorm a non-trivial affine (random init has γ=1, β=0, which makes the Linears
-    after it see a singular Gram)."""
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.LayerNorm):
-                module.weight.add_(scale * torch.randn(module.weight.shape, generator=generator))
-                module.bias.add_(scale * torch.randn(module.bias.shape, generator=generator))
-
-
-def perturbed(model: torch.nn.Module, generator: torch.Generator, scale: float) -> torch.nn.Module:
-    out = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in out.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=generator))
-    return out
-
-
-def task_arithmetic(base: torch.nn.Module, experts: dict, scaling: float = 0.3) -> torch.nn.Module:
-    merged = copy.deepcopy(base)
-    base_sd = base.state_dict()
-    with torch.no_grad():
-        for name, value in merged.state_dict().items():
-            if value.is_floating_point():
-                value.copy_(base_sd[name] + scaling * sum(e.state_dict()[name] - base_sd[name] for e in experts.values()))
-    return merged
-
-
-def pixel_batches(generator: torch.Generator, sizes: list[int], image_size: int = 8) -> list[dict]:
-    return [{"pixel_values": torch.randn(n, 3, image_size, image_size, generator=generator)} for n in sizes]
 
 
 @pytest.fixture(autouse=True)
@@ -85,65 +33,6 @@ def generator() -> torch.Generator:
 def clip_setting(generator):
     """A base CLIPVisionModel, two experts, their task-arithmetic merge and calibration batches."""
     return build_clip_setting(generator)
-
-
-def build_clip_setting(generator: torch.Generator, batch_sizes: tuple[int, ...] = (5, 5, 3)):
-    base = CLIPVisionModel(tiny_vision_config()).eval()
-    randomise_norms(base, generator)
-    experts = {t: perturbed(base, generator, 0.05).eval() for t in ("cars", "dtd")}
-    merged = task_arithmetic(base, experts)
-    data = {t: pixel_batches(generator, list(batch_sizes)) for t in experts}
-    return base, experts, merged, data
-
-
-def as_float64(base, experts, merged, data):
-    """The same setting in float64 (models and every floating batch tensor): comparisons between two
-    computations of one result (e.g. one process vs two) are then exact to ~1e-12, not to float32
-    round-off times the Grams' condition numbers, which depends on the CPU."""
-    def cast(batch):
-        return {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
-
-    return (base.double(), {t: e.double() for t, e in experts.items()}, merged.double(),
-            {t: [cast(b) for b in batches] for t, batches in data.items()})
-
-
-#: How far apart two float32 runs of one calibration may lie when they differ only in where tensors
-#: live (in-memory models against memory-mapped checkpoint files, ...): MKL picks its kernels by CPU and
-#: by memory alignment, so the same products can round differently. Measured: bit-identical on an
-#: Intel Xeon, 7.7e-7 norm-wise relative at worst on an AMD EPYC (bit-identical there too with
-#: MKL_CBWR=COMPATIBLE). A wrong input (another expert, a dropped bias) moves weights by 1e-3 or more.
-SAME_RESULT_RTOL = 1e-5
-
-
-def assert_same_up_to_rounding(actual, expected, rtol: float = SAME_RESULT_RTOL) -> None:
-    """Each tensor of `actual` is within `rtol` of `expected`'s in norm-wise relative distance,
-    ‖a − e‖ ≤ rtol·‖e‖ + 1e-7·√numel (the second term only matters for tensors near zero). Both are
-    state dicts, or iterables of (name, tensor) pairs in the same order (e.g. `named_parameters()`)."""
-    pairs_a = list(actual.items() if isinstance(actual, dict) else actual)
-    pairs_e = list(expected.items() if isinstance(expected, dict) else expected)
-    assert [n for n, _ in pairs_a] == [n for n, _ in pairs_e], "the two models name their tensors differently"
-    for (name, a), (_, e) in zip(pairs_a, pairs_e):
-        assert a.shape == e.shape and a.dtype == e.dtype, (name, a.shape, e.shape, a.dtype, e.dtype)
-        if not e.is_floating_point():
-            assert torch.equal(a, e), name
-            continue
-        a, e = a.detach().double(), e.detach().double()
-        distance, bound = float((a - e).norm()), rtol * float(e.norm()) + 1e-7 * e.numel() ** 0.5
-        assert distance <= bound, f"{name}: ‖a − e‖ = {distance:.3g} > {bound:.3g} (‖e‖ = {float(e.norm()):.3g})"
-
-
-__all__ = [
-    "as_float64",
-    "assert_same_up_to_rounding",
-    "CLIPModel",
-    "CLIPVisionModel",
-    "perturbed",
-    "pixel_batches",
-    "randomise_norms",
-    "task_arithmetic",
-    "tiny_clip_config",
-    "tiny_vision_config",
-]
 
 
 @pytest.fixture

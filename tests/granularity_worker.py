@@ -9,7 +9,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import as_float64, build_clip_setting  # noqa: E402
+from testing_utils import as_float64, build_clip_setting  # noqa: E402
 
 from hf_featcal import FeatCalCalibrator, FeatCalConfig  # noqa: E402
 

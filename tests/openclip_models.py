@@ -11,7 +11,7 @@ import open_clip
 from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
 from open_clip.transformer import QuickGELU, VisionTransformer
 
-from conftest import perturbed, randomise_norms
+from testing_utils import perturbed, randomise_norms
 
 WIDTH, LAYERS, HEADS, MLP, IMAGE, PATCH = 16, 2, 2, 32, 8, 4
 

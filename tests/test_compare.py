@@ -13,7 +13,7 @@ import torch
 from datasets import Dataset
 
 import hf_featcal.merging as merging
-from conftest import build_clip_setting
+from testing_utils import build_clip_setting
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.compare import compare_post_merging, post_merging_steps
 from hf_featcal.regmean import regmean_merging

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same_up_to_rounding
+from testing_utils import assert_same_up_to_rounding
 
 from hf_featcal._kernels import gemm
 from hf_featcal import FeatCalCalibrator

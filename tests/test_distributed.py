@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import as_float64, build_clip_setting
+from testing_utils import as_float64, build_clip_setting
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")

@@ -37,7 +37,7 @@ from transformers import (
     pipeline,
 )
 
-from conftest import perturbed, randomise_norms
+from testing_utils import perturbed, randomise_norms
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.merging import merge_models
 

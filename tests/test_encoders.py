@@ -15,7 +15,7 @@ from transformers import (
     ViTForImageClassification,
 )
 
-from conftest import perturbed, task_arithmetic
+from testing_utils import perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 
 

@@ -10,7 +10,7 @@ import torch
 from datasets import Dataset
 from transformers import BertConfig, BertModel, CLIPVisionModel, GPT2Config, GPT2Model
 
-from conftest import tiny_vision_config
+from testing_utils import tiny_vision_config
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalError
 
 

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import build_clip_setting
+from testing_utils import build_clip_setting
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal._kernels.gram import gram_blocks, symmetric_upper_product
 from hf_featcal.statistics import LinearGroupStatistics, LinearTargets

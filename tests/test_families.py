@@ -10,7 +10,7 @@ import sys
 import pytest
 from transformers import BertConfig, BertModel, CLIPVisionModel, T5Config, T5ForConditionalGeneration
 
-from conftest import tiny_vision_config
+from testing_utils import tiny_vision_config
 from hf_featcal import cli
 from hf_featcal.architectures.families import detect_family, family_names, get_family, image_family_names
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, T5ForConditionalGeneration
 
-from conftest import build_clip_setting, perturbed, task_arithmetic
+from testing_utils import build_clip_setting, perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal import statistics as statistics_module
 from hf_featcal._kernels import gram

@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, CLIPVisionModel
 
-from conftest import as_float64, build_clip_setting, pixel_batches, randomise_norms, tiny_vision_config
+from testing_utils import as_float64, build_clip_setting, pixel_batches, randomise_norms, tiny_vision_config
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from test_llm import llm_config, lm_batch, randomise_rms_norms
 

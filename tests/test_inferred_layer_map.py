@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import OPTConfig, OPTForCausalLM
 
-from conftest import perturbed, task_arithmetic
+from testing_utils import perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 
 

@@ -14,7 +14,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from conftest import assert_same_up_to_rounding, perturbed, task_arithmetic
+from testing_utils import assert_same_up_to_rounding, perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 
 VOCAB = 48

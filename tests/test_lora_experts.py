@@ -85,7 +85,7 @@ def test_merging_lora_adapters_equals_merging_their_full_models(clip_setting, tm
 def test_merging_lora_adapters_trained_on_the_vision_tower_into_a_clip_model(tmp_path, generator):
     from transformers import CLIPModel
 
-    from conftest import tiny_clip_config
+    from testing_utils import tiny_clip_config
     from hf_featcal.merging import task_arithmetic
 
     clip = CLIPModel(tiny_clip_config()).eval()

@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import save_file
 from transformers import CLIPModel, CLIPVisionModel, LlamaConfig, LlamaForCausalLM, LlamaModel
 
-from conftest import tiny_clip_config
+from testing_utils import tiny_clip_config
 from hf_featcal.architectures import get_layer_map
 from hf_featcal.experts import make_source
 from hf_featcal.merging import task_arithmetic

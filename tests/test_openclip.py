@@ -22,7 +22,7 @@ else:
 from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
 from transformers import CLIPVisionModel
 
-from conftest import assert_same_up_to_rounding, perturbed, randomise_norms, tiny_vision_config
+from testing_utils import assert_same_up_to_rounding, perturbed, randomise_norms, tiny_vision_config
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from openclip_models import (
     HEADS, IMAGE, LAYERS, MLP, PATCH, WIDTH, open_clip_setting, register_tiny_model_config, tiny_tower, write_open_clip_recipe_world,

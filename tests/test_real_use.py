@@ -14,7 +14,7 @@ from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
 
-from conftest import perturbed, task_arithmetic
+from testing_utils import perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalWarning
 
 VOCAB = 40

@@ -19,7 +19,7 @@ from transformers import (
     ViTForImageClassification,
 )
 
-from conftest import perturbed, task_arithmetic
+from testing_utils import perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from reference_blockwise import causal_lm_spec, pooled_encoder_spec, reference_featcal, t5_spec
 from test_llm import llm_config, lm_batch

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from conftest import as_float64, build_clip_setting, perturbed
+from testing_utils import as_float64, build_clip_setting, perturbed
 from hf_featcal.regmean import regmean_merging
 from test_llm import llm_config, lm_batch
 
@@ -106,7 +106,7 @@ def test_bad_arguments_are_named(generator):
 def test_bad_inputs_get_the_calibrators_checks(generator):
     """Issue 29 item 11: an empty task, a fewer-layer expert, NaN features and zero samples used to give a
     bare KeyError, a torch INTERNAL ASSERT or reshape errors; now the calibrator's checks name them."""
-    from conftest import tiny_vision_config
+    from testing_utils import tiny_vision_config
     from transformers import CLIPVisionModel
 
     base, experts, _, data = build_clip_setting(generator)

@@ -10,7 +10,7 @@ import torch
 
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from test_t5 import randomise_t5_norms, seq2seq_batch, t5_config
-from conftest import perturbed, task_arithmetic
+from testing_utils import perturbed, task_arithmetic
 from transformers import T5ForConditionalGeneration
 
 

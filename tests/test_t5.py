@@ -10,7 +10,7 @@ from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel, T5ForConditionalGeneration
 
-from conftest import perturbed, task_arithmetic
+from testing_utils import perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 
 VOCAB = 40
