@@ -71,12 +71,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "list(zip(upper_blocks(self._gram_sum_upper), upper_blocks(gram)))[:1]:",
     ),
     # allocation-lean activations (bit-identical) and the snapshot's memory handover
-    "lean_quick_gelu_constant": ("_kernels/activations.py", "    out = torch.mul(x, 1.702)\n", "    out = torch.mul(x, 1.7)\n"),
+    "lean_quick_gelu_constant": (
+        "_kernels/activations.py", "    out = torch.mul(x, 1.702)\n", "    out = torch.mul(x, 1.7)\n",
+    ),
     "lean_new_gelu_order": (
         "_kernels/activations.py", "    inner.mul_(0.044715).add_(x)", "    inner.add_(x).mul_(0.044715)",
     ),
     "lean_forward_with_gradients_on": (
-        "_kernels/activations.py", "        return own(x) if torch.is_grad_enabled() else lean(x)\n", "        return lean(x)\n",
+        "_kernels/activations.py",
+        "        return own(x) if torch.is_grad_enabled() else lean(x)\n",
+        "        return lean(x)\n",
     ),
     "handover_of_a_parameter_sharing_memory": (
         "restore.py", " and owners.get(p.untyped_storage().data_ptr()) == 1", "",
