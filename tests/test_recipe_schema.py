@@ -173,7 +173,7 @@ def test_the_declared_range_and_default_are_the_ones_enforced(monkeypatch, capsy
 
 def test_every_family_key_is_declared(monkeypatch):
     recipes._check_family_keys()  # as shipped
-    from hf_featcal.architectures.families import get_family
+    from hf_featcal.families import get_family
 
     monkeypatch.setattr(type(get_family("flan_t5")), "calibration_data_keys", ("glue_task", "max_prompt_tokens"))
     with pytest.raises(RuntimeError, match="max_prompt_tokens"):

@@ -26,7 +26,7 @@ from typing import Any
 # Heavy libraries (torch, transformers, datasets) and the modules that import them load inside the
 # commands that need them, so that `hf-featcal --help` starts at once.
 from .architectures import model_type_of
-from .architectures.families import FamilyUsageError, ModelFamily, detect_family, family_names, get_family
+from .families import FamilyUsageError, ModelFamily, detect_family, family_names, get_family
 
 __all__ = ["build_parser", "main"]
 

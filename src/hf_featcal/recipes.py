@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from .architectures import model_type_of
-from .architectures.families import ModelFamily, detect_family, family_names, get_family, image_family_names, iter_families
+from .families import ModelFamily, detect_family, family_names, get_family, image_family_names, iter_families, source_schemes
 from .config import FeatCalConfig
 from .schema import (
     FAMILY_KEY_ATTRIBUTES,
@@ -115,7 +115,7 @@ __all__ = [
     "validate_merge_spec",
 ]
 
-#: Supported model families (`hf_featcal.architectures.families`).
+#: Supported model families (`hf_featcal.families`).
 MODEL_FAMILIES: tuple[str, ...] = family_names()
 #: Families calibrated on images and evaluated by zero-shot classification.
 IMAGE_FAMILIES: tuple[str, ...] = image_family_names()
@@ -468,15 +468,17 @@ class _Validator:
             raise self.error(f"{path}.{task}", f"task names must be non-empty strings, got {task!r}")
 
     def source(self, value: Any, path: str, kind: str) -> str:
-        """A hub id or an existing local path (returned absolute); open_clip's `hf-hub:<hub id>` and
-        `local-dir:<path>` references keep their scheme."""
-        if isinstance(value, str) and value.startswith(("hf-hub:", "local-dir:")):
-            scheme, _, rest = value.partition(":")
-            if scheme == "local-dir":
+        """A hub id or an existing local path (returned absolute); a family's reference schemes
+        (`ModelFamily.source_schemes`: open_clip's `hf-hub:<hub id>`, `local-dir:<path>`) are kept."""
+        schemes = source_schemes()
+        scheme = next((s for s in schemes if isinstance(value, str) and value.startswith(s)), None)
+        if scheme is not None:
+            rest = value[len(scheme):]
+            if schemes[scheme] == "local":
                 local = self.local_path(rest, path, kind)
                 if local is None:
                     raise self.error(path, f"local {kind} path {rest!r} does not exist")
-                return f"local-dir:{local}"
+                return f"{scheme}{local}"
             if not _HUB_ID.match(rest) or ".." in rest:
                 raise self.error(path, f"{rest!r} is not a valid hub id")
             return value
@@ -904,7 +906,7 @@ def prepare_flan_t5_calibration(task: str, spec: DatasetSpec, tokenizer: Any, se
 
 
 def model_family_of(model_or_config: Any) -> str | None:
-    """The name of the family (`hf_featcal.architectures.families`) of a model or config: ``"clip"`` /
+    """The name of the family (`hf_featcal.families`) of a model or config: ``"clip"`` /
     ``"flan_t5"`` from its ``model_type``, ``"open_clip"`` for an open_clip model; None if none."""
     family = detect_family(model_or_config)
     return None if family is None else family.name

@@ -427,11 +427,12 @@ def save_processing_class(processing_class: Any, output_dir: str, model: nn.Modu
 
 
 def _recorded_with_model(processing_class: Any, output_dir: str, model: nn.Module | None) -> bool:
-    """Whether a family's model files already record `processing_class` (open_clip: a torchvision
-    transform or an open_clip tokenizer, whose settings are in open_clip_config.json)."""
-    from .architectures.families import iter_families
+    """Whether the model files in `output_dir` already record `processing_class` (open_clip: a torchvision
+    transform or an open_clip tokenizer, whose settings are in open_clip_config.json): the layer map's
+    `records_processing`."""
+    from .architectures import processing_recorded
 
-    return any(family.processing_recorded_with_model(processing_class, output_dir, model) for family in iter_families())
+    return processing_recorded(processing_class, output_dir, model)
 
 
 def save_model_files(
@@ -440,14 +441,11 @@ def save_model_files(
     """Write `model` the way its library loads it back (transformers: `save_pretrained`; open_clip:
     its own format) and its processing classes into `output_dir`; returns the processing classes saved.
     Used inside `atomic_folder`, by `FeatCalCalibrator.save_model` and the CLI alike."""
-    if layer_map is not None:
-        layer_map.save_model(model, output_dir)
-    elif hasattr(model, "save_pretrained"):
-        model.save_pretrained(output_dir)
-    else:  # open_clip: its own format
-        from .architectures import get_layer_map
+    if layer_map is None:
+        from .architectures import LayerMap, layer_map_or_none
 
-        get_layer_map(model, "model").save_model(model, output_dir)
+        layer_map = layer_map_or_none(model) or LayerMap()  # no map: a transformers model, save_pretrained
+    layer_map.save_model(model, output_dir)
     return save_processing_class(processing_class, output_dir, model)
 
 
