@@ -41,6 +41,7 @@ from ..architectures import layer_map_or_none
 from ..architectures.clip import CLIPVisionLayerMap, vision_parts
 from ..experts import module_device, module_dtype
 from ._datasets import local_split
+from .results import EvaluationResults
 from .clip_templates import (
     CLIP_CLASS_NAMES,
     CLIP_DATASETS,
@@ -486,7 +487,7 @@ def _iterate(batches: _ImageBatches, num_workers: int) -> Iterator[tuple[torch.T
 
 
 @dataclass
-class ClipZeroShotResults:
+class ClipZeroShotResults(EvaluationResults):
     """Top-1 accuracies of one zero-shot evaluation.
 
     Attributes:
@@ -500,19 +501,15 @@ class ClipZeroShotResults:
     num_examples: dict[str, int] = field(default_factory=dict)
     predictions: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
-    @property
-    def tasks(self) -> list[str]:
-        """Evaluated tasks, in evaluation order."""
-        return list(self.accuracy)
+    _columns = (("Accuracy", "---:"), ("N", "---:"))
 
     @property
-    def average(self) -> float:
-        """Plain (unweighted) mean of the per-task accuracies."""
-        values = list(self.accuracy.values())
-        return float(sum(values) / len(values)) if values else float("nan")
+    def scores(self) -> dict[str, float]:
+        """Top-1 accuracy per task."""
+        return self.accuracy
 
-    def __getitem__(self, task: str) -> float:
-        return self.accuracy[_known_task_name(task) or task]
+    def _task_name(self, task: str) -> str:
+        return _known_task_name(task) or task
 
     def to_dict(self, include_predictions: bool = False) -> dict[str, Any]:
         """Plain-Python (JSON-serialisable) form."""
@@ -525,6 +522,9 @@ class ClipZeroShotResults:
             out["predictions"] = {t: list(p) for t, p in self.predictions.items()}
         return out
 
+    def _cells(self, task: str, fmt: Callable[[float], str]) -> list[str]:
+        return [fmt(self.accuracy[task]), str(self.num_examples.get(task, ""))]
+
     def to_markdown(self, percent: bool = True, digits: int = 2, wide: bool = False) -> str:
         """Markdown table of the accuracies and their mean.
 
@@ -534,21 +534,13 @@ class ClipZeroShotResults:
             wide: one column per task and a final ``Avg.`` column (the paper's layout) instead of
                 one row per task.
         """
-        scale = 100.0 if percent else 1.0
-
-        def fmt(x: float) -> str:
-            return f"{x * scale:.{digits}f}"
-
-        if wide:
-            header = "| " + " | ".join([*self.accuracy, "Avg."]) + " |"
-            rule = "|" + "---:|" * (len(self.accuracy) + 1)
-            row = "| " + " | ".join([*(fmt(v) for v in self.accuracy.values()), fmt(self.average)]) + " |"
-            return "\n".join([header, rule, row])
-        lines = ["| Task | Accuracy | N |", "|---|---:|---:|"]
-        for task, acc in self.accuracy.items():
-            lines.append(f"| {task} | {fmt(acc)} | {self.num_examples.get(task, '')} |")
-        lines.append(f"| **Average** | {fmt(self.average)} | |")
-        return "\n".join(lines)
+        if not wide:
+            return super().to_markdown(percent, digits)
+        fmt = self._formatter(percent, digits)
+        header = "| " + " | ".join([*self.accuracy, "Avg."]) + " |"
+        rule = "|" + "---:|" * (len(self.accuracy) + 1)
+        row = "| " + " | ".join([*(fmt(v) for v in self.accuracy.values()), fmt(self.average)]) + " |"
+        return "\n".join([header, rule, row])
 
 
 # ------------------------------------------------------------------- evaluation
