@@ -327,3 +327,17 @@ def test_a_flag_for_another_family_names_the_flag_and_writes_nothing(world, tmp_
     assert err.startswith("hf-featcal calibrate: error: calibration data: calibration.default.glue_task: only for model_family 'flan_t5'")
     assert err.endswith("(given by --glue-task)")
     assert not out.exists()
+
+
+def test_a_recipe_error_carries_its_key_and_reason_as_fields():
+    """The CLI maps an error to its flag by `key` and prints `reason`: no message is split apart."""
+    from hf_featcal.recipes import KeyChecker, validate_merge_spec
+
+    with pytest.raises(RecipeError) as info:
+        validate_merge_spec("ties", {"density": 2.0})
+    assert (info.value.key, info.value.reason) == ("merge.density", "must be in (0, 1], got 2.0")
+    with pytest.raises(RecipeError) as info:
+        KeyChecker("r.yaml").integer(0, "calibration.default.num_examples", 1)
+    assert info.value.key == "calibration.default.num_examples" and info.value.source == "r.yaml"
+    assert str(info.value) == f"r.yaml: calibration.default.num_examples: {info.value.reason}"
+    assert info.value.reason.startswith("must be an integer ≥ 1")
