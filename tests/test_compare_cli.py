@@ -11,6 +11,7 @@ import torch
 
 from hf_featcal import cli, recipes
 from hf_featcal.compare import compare_demo
+from hf_featcal.families import get_family
 from hf_featcal.recipes import RecipeError, load_recipe
 from test_cli import TASKS, _recipe, _write, world  # noqa: F401 - `world` is the tiny local world fixture
 
@@ -86,7 +87,7 @@ def test_compare_recipe_rows(world, capsys):  # noqa: F811
     # rows re-evaluated directly: zero-shot accuracy with the base's text tower, in %
     recipe = load_recipe(path)
     base = CLIPModel.from_pretrained(world / "base")
-    processing = recipes.load_processing("clip", str(world / "base"))
+    processing = get_family("clip").load_processing(str(world / "base"))
     experts = {t: str(world / "experts" / t) for t in TASKS}
     merged = merge_models(str(world / "base"), experts, "task_arithmetic", scaling_factor=0.5)  # the compare section's λ
     direct, _ = recipes.evaluate_model("clip", merged, recipe.evaluation, processing=processing, clip_model=base,

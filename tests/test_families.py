@@ -1,4 +1,4 @@
-"""Model families (`hf_featcal.architectures.families`): detection, the labels the CLI prints per
+"""Model families (`hf_featcal.families`): detection, the labels the CLI prints per
 family, and a `hf-featcal --help` that loads no heavy library."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from transformers import BertConfig, BertModel, CLIPVisionModel, T5Config, T5For
 
 from testing_utils import tiny_vision_config
 from hf_featcal import cli
-from hf_featcal.architectures.families import detect_family, family_names, get_family, image_family_names
+from hf_featcal.families import detect_family, family_names, get_family, image_family_names
 
 _HEAVY = ("torch", "transformers", "datasets", "hf_featcal.calibrator", "hf_featcal.recipes", "hf_featcal.evaluation")
 
@@ -89,3 +89,46 @@ def test_open_clip_recipe_prints_the_zero_shot_label(generator, tmp_path, tiny_o
     out = capsys.readouterr().out
     assert "zero-shot top-1 accuracy (%), split test" in out
     assert "GLUE" not in out
+
+
+def _family_branches(path, names):
+    """Lines of `path` that compare with a family's name or look a family up by a literal name."""
+    import ast
+
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "get_family":
+            operands = node.args
+        else:
+            continue
+        for operand in operands:
+            items = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+            if any(isinstance(i, ast.Constant) and i.value in names for i in items):
+                found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_no_code_outside_architectures_and_families_branches_on_a_family_name():
+    """docs/architectures.md: only `architectures/` and `families/` know a family by its name; the rest
+    asks the registry or the layer map. A planted branch is found (so the check can fail)."""
+    import hf_featcal
+
+    root = os.path.dirname(hf_featcal.__file__)
+    names = set(family_names())
+    found = []
+    for folder, _, files in os.walk(root):
+        relative = os.path.relpath(folder, root).split(os.sep)[0]
+        if relative in ("architectures", "families"):
+            continue
+        found += [line for name in files if name.endswith(".py")
+                  for line in _family_branches(os.path.join(folder, name), names)]
+    assert found == []
+
+
+def test_the_family_branch_check_finds_a_planted_branch(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f(family, model):\n    if family.name == 'open_clip':\n        return get_family('clip')\n")
+    assert _family_branches(str(planted), set(family_names())) == [f"{planted}:2", f"{planted}:3"]

@@ -172,12 +172,12 @@ def test_the_declared_range_and_default_are_the_ones_enforced(monkeypatch, capsy
 
 
 def test_every_family_key_is_declared(monkeypatch):
-    recipes._check_family_keys()  # as shipped
-    from hf_featcal.architectures.families import get_family
+    recipes.parse._check_family_keys()  # as shipped
+    from hf_featcal.families import get_family
 
     monkeypatch.setattr(type(get_family("flan_t5")), "calibration_data_keys", ("glue_task", "max_prompt_tokens"))
     with pytest.raises(RuntimeError, match="max_prompt_tokens"):
-        recipes._check_family_keys()
+        recipes.parse._check_family_keys()
 
 
 # ======================================================================== the rendered schema
@@ -273,7 +273,8 @@ def stage_calls(monkeypatch):
             calls.append(_name)
             return _stage(*args, **kwargs)
 
-        monkeypatch.setattr(recipes, name, spy)
+        for module in (recipes, recipes.run):  # the CLI calls the package's names, run_recipe its module's
+            monkeypatch.setattr(module, name, spy)
     return calls
 
 
@@ -326,3 +327,17 @@ def test_a_flag_for_another_family_names_the_flag_and_writes_nothing(world, tmp_
     assert err.startswith("hf-featcal calibrate: error: calibration data: calibration.default.glue_task: only for model_family 'flan_t5'")
     assert err.endswith("(given by --glue-task)")
     assert not out.exists()
+
+
+def test_a_recipe_error_carries_its_key_and_reason_as_fields():
+    """The CLI maps an error to its flag by `key` and prints `reason`: no message is split apart."""
+    from hf_featcal.recipes import KeyChecker, validate_merge_spec
+
+    with pytest.raises(RecipeError) as info:
+        validate_merge_spec("ties", {"density": 2.0})
+    assert (info.value.key, info.value.reason) == ("merge.density", "must be in (0, 1], got 2.0")
+    with pytest.raises(RecipeError) as info:
+        KeyChecker("r.yaml").integer(0, "calibration.default.num_examples", 1)
+    assert info.value.key == "calibration.default.num_examples" and info.value.source == "r.yaml"
+    assert str(info.value) == f"r.yaml: calibration.default.num_examples: {info.value.reason}"
+    assert info.value.reason.startswith("must be an integer ≥ 1")

@@ -21,12 +21,15 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Heavy libraries (torch, transformers, datasets) and the modules that import them load inside the
 # commands that need them, so that `hf-featcal --help` starts at once.
 from .architectures import model_type_of
-from .architectures.families import FamilyUsageError, ModelFamily, detect_family, family_names, get_family
+from .families import FamilyUsageError, ModelFamily, detect_family, family_names, get_family
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .recipes import KeyChecker
 
 __all__ = ["build_parser", "main"]
 
@@ -503,10 +506,11 @@ def _pairs(pairs: Sequence[tuple[str, str]], option: str) -> dict[str, str]:
     return out
 
 
-def _validator() -> Any:
-    from .recipes import _Validator
+def _validator() -> KeyChecker:
+    from .families import source_schemes
+    from .recipes import KeyChecker
 
-    return _Validator(None, os.getcwd())
+    return KeyChecker(None, os.getcwd(), source_schemes())
 
 
 def _check_source(value: str, option: str, kind: str = "model") -> str:
@@ -549,14 +553,14 @@ def _check_output_dir(
 def _check_output_file(path: str, option: str) -> None:
     """Refuse, before any work, a file path that is a folder or whose folder cannot be created and
     written (missing folders are created when the file is written)."""
-    from .saving import check_writable_folder
+    from .saving import FolderError, check_writable_folder
 
     if os.path.isdir(path):
         raise CLIError(f"{option}: {path!r} is a folder; give a file path")
     try:
         check_writable_folder(os.path.dirname(os.path.abspath(path)), option)
-    except ValueError as err:
-        raise CLIError(f"{option}: {path!r} cannot be written: {str(err).split(' ', 1)[1]}") from None
+    except FolderError as err:
+        raise CLIError(f"{option}: {path!r} cannot be written: {err.reason}") from None
 
 
 def _featcal_config(args: argparse.Namespace) -> Any:
@@ -697,7 +701,7 @@ def _cmd_merge(args: argparse.Namespace) -> int:
     except RecipeError as err:
         name = err.key.split(".", 1)[-1]
         option = options[name][0][1].flag if err.key.startswith("merge.") and name in options else err.key
-        raise CLIError(f"{option}: {str(err).split(': ', 1)[-1]}") from None
+        raise CLIError(f"{option}: {err.reason}") from None
     inputs = {"--base": base, **{f"--expert {task}": source for task, source in experts.items()}}
     _check_output_dir(args.output_dir, inputs=inputs, overwrite=bool(args.overwrite))
     start = time.perf_counter()
@@ -848,7 +852,8 @@ def _evaluation_spec(args: argparse.Namespace, family: ModelFamily) -> Any:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from .experts import load_model
-    from .recipes import evaluate_model, scores_table
+    from .evaluation.results import scores_table
+    from .recipes import evaluate_model
 
     model_source = _check_source(args.model, "--model")
     clip_source = _check_source(args.clip_model, "--clip-model") if args.clip_model else None

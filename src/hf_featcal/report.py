@@ -198,10 +198,10 @@ def pipeline_tag_of(model: Any) -> str | None:
     """The hub's pipeline tag for `model`'s class, from transformers' own task mapping (the one
     `Trainer` uses for its cards); a bare backbone is a feature extractor. open_clip: zero-shot image
     classification with a text tower, image feature extraction without."""
-    from .architectures.families import detect_family
+    from .architectures import layer_map_or_none
 
-    family = detect_family(model)
-    tag = family.pipeline_tag(model) if family is not None else None
+    layer_map = layer_map_or_none(model)
+    tag = layer_map.pipeline_tag(model) if layer_map is not None else None
     if tag is not None:
         return tag
     from transformers.modelcard import TASK_MAPPING

@@ -75,6 +75,20 @@ def _is_weight_file(name: str) -> bool:
     return any(fnmatch.fnmatch(name, pattern) for pattern in STALE_WEIGHT_PATTERNS)
 
 
+class FolderError(ValueError):
+    """An output folder a save cannot go to: ``argument`` names it (a parameter, a flag, a recipe key),
+    ``reason`` says why; the message is the two together."""
+
+    def __init__(self, argument: str, reason: str) -> None:
+        self.argument = argument
+        self.reason = reason
+        super().__init__(f"`{argument}` {reason}")
+
+
+class FolderTypeError(FolderError, TypeError):
+    """An output folder given as something that is not a path."""
+
+
 def check_writable_folder(path: str | os.PathLike, argument: str) -> str:
     """The one rule for "a folder can be written here", checked before any work and again at the save:
     `path` is absent or a folder, and the folder itself (when it exists) or else its nearest existing
@@ -82,22 +96,22 @@ def check_writable_folder(path: str | os.PathLike, argument: str) -> str:
     which is also where a save stages its files. Raises TypeError / ValueError naming `argument`;
     returns the path as given (a string). Nothing is left behind."""
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"`{argument}` must be a folder path (str or os.PathLike), got {type(path).__name__}.")
+        raise FolderTypeError(argument, f"must be a folder path (str or os.PathLike), got {type(path).__name__}.")
     if not os.fspath(path):
-        raise ValueError(f"`{argument}` must be a folder path, got an empty string.")
+        raise FolderError(argument, "must be a folder path, got an empty string.")
     path = os.fspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"`{argument}` {path!r} is a file, not a folder.")
+        raise FolderError(argument, f"{path!r} is a file, not a folder.")
     existing = os.path.realpath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise ValueError(f"`{argument}` {path!r} cannot be created: {existing!r} is a file, not a folder.")
+        raise FolderError(argument, f"{path!r} cannot be created: {existing!r} is a file, not a folder.")
     try:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=_TEMPORARY_PREFIX + "write-check-"):
             pass
     except OSError as err:
-        raise ValueError(f"`{argument}` {path!r} is not writable: {existing!r}: {err.strerror or err}.") from None
+        raise FolderError(argument, f"{path!r} is not writable: {existing!r}: {err.strerror or err}.") from None
     return path
 
 
@@ -135,16 +149,16 @@ def check_output_dir(
             relation = "contains"
         else:
             continue
-        raise ValueError(
-            f"`{argument}` {given!r} {relation} the folder of `{name}` ({read!r}), which this run reads: "
+        raise FolderError(
+            argument, f"{given!r} {relation} the folder of `{name}` ({read!r}), which this run reads: "
             "saving there could replace its files. Choose an output folder outside every input."
         )
     if not overwrite and os.path.isdir(target):
         foreign = _foreign_entries(target)
         if foreign:
             shown = ", ".join(foreign[:8]) + (f", … ({len(foreign)} entries)" if len(foreign) > 8 else "")
-            raise ValueError(
-                f"`{argument}` {given!r} is not empty and is not an earlier hf_featcal save (no {MANIFEST_NAME}); "
+            raise FolderError(
+                argument, f"{given!r} is not empty and is not an earlier hf_featcal save (no {MANIFEST_NAME}); "
                 f"it holds: {shown}. Choose an empty or new folder, or pass overwrite=True (CLI: --overwrite; "
                 "recipe: overwrite: true) to write this save's files there; the other files are kept."
             )
@@ -264,8 +278,8 @@ def _swap_files(staging: str, target: str, overwrite: bool, argument: str = "out
     present = set(os.listdir(target))
     added = sorted(name for name in new if name in present and name not in previous_save)
     if added and not overwrite and previous_save:  # files put beside the earlier save, named as this save's
-        raise ValueError(
-            f"`{argument}` {target!r}: this save writes {added}, which the earlier save there did not write "
+        raise FolderError(
+            argument, f"{target!r}: this save writes {added}, which the earlier save there did not write "
             "(they are someone else's). Move them, or pass overwrite=True (CLI: --overwrite; recipe: overwrite: true) "
             "to replace them."
         )
@@ -427,11 +441,12 @@ def save_processing_class(processing_class: Any, output_dir: str, model: nn.Modu
 
 
 def _recorded_with_model(processing_class: Any, output_dir: str, model: nn.Module | None) -> bool:
-    """Whether a family's model files already record `processing_class` (open_clip: a torchvision
-    transform or an open_clip tokenizer, whose settings are in open_clip_config.json)."""
-    from .architectures.families import iter_families
+    """Whether the model files in `output_dir` already record `processing_class` (open_clip: a torchvision
+    transform or an open_clip tokenizer, whose settings are in open_clip_config.json): the layer map's
+    `records_processing`."""
+    from .architectures import processing_recorded
 
-    return any(family.processing_recorded_with_model(processing_class, output_dir, model) for family in iter_families())
+    return processing_recorded(processing_class, output_dir, model)
 
 
 def save_model_files(
@@ -440,19 +455,16 @@ def save_model_files(
     """Write `model` the way its library loads it back (transformers: `save_pretrained`; open_clip:
     its own format) and its processing classes into `output_dir`; returns the processing classes saved.
     Used inside `atomic_folder`, by `FeatCalCalibrator.save_model` and the CLI alike."""
-    if layer_map is not None:
-        layer_map.save_model(model, output_dir)
-    elif hasattr(model, "save_pretrained"):
-        model.save_pretrained(output_dir)
-    else:  # open_clip: its own format
-        from .architectures import get_layer_map
+    if layer_map is None:
+        from .architectures import LayerMap, layer_map_or_none
 
-        get_layer_map(model, "model").save_model(model, output_dir)
+        layer_map = layer_map_or_none(model) or LayerMap()  # no map: a transformers model, save_pretrained
+    layer_map.save_model(model, output_dir)
     return save_processing_class(processing_class, output_dir, model)
 
 
 def processing_to_save(processing: Any) -> list[Any]:
-    """From the CLI / recipes' processing classes (`recipes.load_processing`): what is saved with the
+    """From the CLI / recipes' processing classes (`ModelFamily.load_processing`): what is saved with the
     model — the CLIPProcessor (else the image processor) and the tokenizer; open_clip's
     ``(tokenizer, preprocess)`` pair (recorded in `open_clip_config.json`) as it is."""
     if processing is None:
@@ -472,6 +484,7 @@ def processing_to_save(processing: Any) -> list[Any]:
 
 __all__: Sequence[str] = [
     "MANIFEST_NAME",
+    "FolderError",
     "MODEL_FOLDER_PATTERNS",
     "STALE_WEIGHT_PATTERNS",
     "atomic_folder",

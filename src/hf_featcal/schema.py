@@ -27,9 +27,8 @@ import math
 import re
 from dataclasses import dataclass
 from numbers import Integral, Real
+from collections.abc import Sequence
 from typing import Any
-
-from .architectures.families import family_names, iter_families
 
 __all__ = [
     "MergeParameter",
@@ -38,6 +37,7 @@ __all__ = [
     "RECIPE_SECTIONS",
     "RecipeKey",
     "TASK",
+    "declare_families",
     "families_note",
     "check_integer",
     "check_string",
@@ -239,7 +239,7 @@ class RecipeKey:
         if self.required:
             return None
         if self.default_text is not None:
-            sizes = ", ".join(f"{f.name} {f.default_evaluation_batch_size}" for f in iter_families())
+            sizes = ", ".join(f"{f.name} {f.default_evaluation_batch_size}" for f in _FAMILIES)
             return self.default_text.replace("{batch_sizes}", sizes)
         if self.default is None:
             return "null" if self.nullable else None
@@ -298,7 +298,8 @@ _CALIBRATION_DATA = (
 #: (`MERGE_PARAMETER_DECLARATIONS`), ``featcal`` the fields of `FeatCalConfig`.
 RECIPE_SECTIONS: dict[str, tuple[RecipeKey, ...]] = {
     "": (
-        RecipeKey("model_family", "choice", "the kind of model", required=True, choices=family_names()),
+        # choices: the registered families (`declare_families`)
+        RecipeKey("model_family", "choice", "the kind of model", required=True, choices=()),
         RecipeKey("base", "model", "the pre-trained model the experts were fine-tuned from (open_clip: "
                   "hf-hub:<repo> | local-dir:<folder> | <folder>)", required=True),
         RecipeKey("experts", "mapping", "task -> the fine-tuned expert (hub id or local folder)", required=True),
@@ -380,12 +381,28 @@ FAMILY_KEY_ATTRIBUTES = {
 }
 
 
+#: The registered model families, in name order, as the family registry (`hf_featcal.families`)
+#: declares them: the schema sits below the families and never imports them.
+_FAMILIES: list[Any] = []
+
+
+def declare_families(families: Sequence[Any]) -> None:
+    """Record the registered model families (each with a ``name``, the `FAMILY_KEY_ATTRIBUTES` and a
+    ``default_evaluation_batch_size``): the choices of ``model_family``, the "clip / open_clip only:"
+    notes and the evaluation batch-size default come from them."""
+    _FAMILIES[:] = families
+    RECIPE_SECTIONS[""] = tuple(
+        dataclasses.replace(key, choices=tuple(f.name for f in families)) if key.name == "model_family" else key
+        for key in RECIPE_SECTIONS[""]
+    )
+
+
 def families_note(section: str, name: str) -> str:
     """``"clip / open_clip only: "`` when only some model families take the key `name` of `section`."""
     attribute = FAMILY_KEY_ATTRIBUTES.get(section)
     if attribute is None:
         return ""
-    families = iter_families()
+    families = _FAMILIES
     owners = [f.name for f in families if name in getattr(f, attribute)]
     if not owners or len(owners) == len(families):
         return ""

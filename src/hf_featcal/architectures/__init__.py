@@ -1,9 +1,9 @@
-"""Per-architecture layer maps, found through a registry keyed by `config.model_type`, and the model
-families of the CLI / recipes / evaluation (`families`).
+"""Per-architecture layer maps, found through a registry keyed by `config.model_type`.
 
 Adding an architecture is one file here that defines a `LayerMap` subclass decorated with
 `register_layer_map`, plus its name in `_LAYER_MAP_MODULES` below. The layer maps (and torch) load on
-the first use of a name of this package, so that `families` (which the CLI's `--help` reads) stays light.
+the first use of a name of this package, so that `model_type_of` (which `hf_featcal.families`, read by
+the CLI's `--help`, uses) stays light.
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ __all__ = [
     "Stack",
     "find_library_checkpoint",
     "get_layer_map",
+    "layer_map_or_none",
     "model_config",
     "model_type_of",
     "packed_attention_specs",
+    "processing_recorded",
     "register_layer_map",
     "supported_model_types",
 ]
@@ -39,7 +41,7 @@ def model_type_of(model_or_config: Any) -> str | None:
 
 
 def __getattr__(name: str) -> Any:
-    if name in (*_LAYER_MAP_MODULES, "auto", "base", "families"):  # `architectures.openclip` without importing it
+    if name in (*_LAYER_MAP_MODULES, "auto", "base"):  # `architectures.openclip` without importing it
         return importlib.import_module(f".{name}", __name__)
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -162,6 +162,16 @@ class LayerMap:
         """Save a calibrated model the way its library loads it back (`save_pretrained` here)."""
         model.save_pretrained(output_dir)
 
+    def records_processing(self, processing_class: Any, output_dir: str) -> bool:
+        """Whether the model files `save_model` wrote into `output_dir` already record
+        `processing_class`, which has no ``save_pretrained`` (open_clip: its config file does)."""
+        return False
+
+    def pipeline_tag(self, model: nn.Module) -> str | None:
+        """The hub pipeline tag of `model` when the map's library decides it (None: from transformers'
+        task mapping)."""
+        return None
+
     #: Key prefixes under which a checkpoint of this family may store the tower's tensors, tried in order.
     checkpoint_prefixes: ClassVar[tuple[str, ...]] = ("",)
 
@@ -317,6 +327,24 @@ def get_layer_map(model: Any, argument: str = "model") -> LayerMap:
         f"supported model types: {', '.join(supported_model_types())}; "
         f"supported model classes: {', '.join(sorted(_REGISTRY.classes))}."
     )
+
+
+def layer_map_or_none(model: Any) -> LayerMap | None:
+    """The layer map of `model`, None when no registered map handles it."""
+    try:
+        return get_layer_map(model)
+    except ValueError:
+        return None
+
+
+def processing_recorded(processing_class: Any, output_dir: str, model: Any = None) -> bool:
+    """Whether the model files in `output_dir` already record `processing_class` (`LayerMap.records_processing`
+    of `model`'s map; `model` None: of any registered map)."""
+    if model is not None:
+        found = layer_map_or_none(model)
+        return found is not None and found.records_processing(processing_class, output_dir)
+    maps = dict.fromkeys([*_REGISTRY.maps.values(), *_REGISTRY.classes.values()])
+    return any(cls().records_processing(processing_class, output_dir) for cls in maps)
 
 
 def find_library_checkpoint(name: str) -> LibraryCheckpoint | None:

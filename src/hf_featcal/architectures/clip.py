@@ -3,12 +3,16 @@
 Only the vision tower is calibrated. In transformers 5 a `CLIPVisionModel` *is* the tower
 (embeddings, pre-LayerNorm, encoder, post-LayerNorm); `CLIPModel` and the projection model hold it
 as `.vision_model`. The head pools the class token (position 0) after `post_layernorm`.
+
+The map also answers what zero-shot evaluation (`hf_featcal.evaluation.clip_zeroshot`) asks of a CLIP
+model: how prompts and images are embedded and whether a bare tower fits a base's projection.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from .base import LayerMap, Stack, register_layer_map
@@ -45,3 +49,77 @@ class CLIPVisionLayerMap(LayerMap):
 
     def stacks(self, tower: nn.Module) -> list[Stack]:
         return [Stack("vision_encoder", tower.encoder.layers, pooled_token_index=0)]
+
+    # ------------------------------------------------------------ zero-shot towers
+    # What `hf_featcal.evaluation.clip_zeroshot` asks of a model: the transformers CLIP API
+    # (`get_text_features`, `get_image_features`, `visual_projection`).
+    def has_text_tower(self, model: nn.Module) -> bool:
+        """Whether `model` can embed zero-shot prompts."""
+        return hasattr(model, "get_text_features")
+
+    def encode_prompts(self, clip_model: nn.Module, tokenizer: Any, prompts: list[str], device: Any,
+                       max_length: int | None) -> torch.Tensor:
+        """Unnormalised text embeddings ``[len(prompts), dim]`` of `clip_model`'s text tower."""
+        enc = tokenizer(prompts, padding=True, truncation=max_length is not None, max_length=max_length,
+                        return_tensors="pt")
+        inputs = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
+        return features(clip_model.get_text_features(**inputs), "text_embeds")
+
+    def image_embeddings(self, vision_model: nn.Module, pixel_values: torch.Tensor,
+                         clip_model: nn.Module | None) -> torch.Tensor:
+        """Projected (unnormalised) image embeddings ``[batch, dim]``: ``get_image_features`` of a
+        ``CLIPModel``, ``image_embeds`` of a ``CLIPVisionModelWithProjection``, else the base
+        ``clip_model.visual_projection`` of a bare tower's pooled output."""
+        if hasattr(vision_model, "get_image_features"):
+            return features(vision_model.get_image_features(pixel_values=pixel_values), "image_embeds")
+        out = vision_model(pixel_values=pixel_values)
+        image_embeds = getattr(out, "image_embeds", None)
+        if isinstance(image_embeds, torch.Tensor):
+            return image_embeds
+        self.check_vision_model(vision_model, clip_model)
+        pooled = features(out, "pooler_output")
+        projection = clip_model.visual_projection  # type: ignore[union-attr]
+        return projection(pooled.to(device=projection.weight.device, dtype=projection.weight.dtype))
+
+    def check_vision_model(self, vision_model: nn.Module, clip_model: nn.Module | None) -> None:
+        """Refuse a bare tower whose pooled output `clip_model`'s ``visual_projection`` cannot map."""
+        tower, projection = vision_parts(vision_model)
+        if projection is not None:
+            return
+        if clip_model is None or not isinstance(getattr(clip_model, "visual_projection", None), nn.Linear):
+            raise ValueError(
+                "vision_model is a bare CLIPVisionModel: clip_model must be the base CLIPModel whose "
+                "visual_projection maps its pooled output to the joint embedding space"
+            )
+        hidden = getattr(getattr(tower, "config", None), "hidden_size", None)
+        in_features = clip_model.visual_projection.in_features
+        if hidden is not None and hidden != in_features:
+            raise ValueError(
+                f"vision_model has hidden size {hidden} but clip_model.visual_projection expects {in_features}: "
+                "the vision tower does not belong to this CLIP model"
+            )
+
+
+def features(output: Any, *names: str) -> torch.Tensor:
+    """The embedding tensor of a model output (a tensor in transformers 4, an output object in 5)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    for name in (*names, "pooler_output"):
+        value = getattr(output, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    raise TypeError(f"cannot find embeddings ({', '.join((*names, 'pooler_output'))}) in {type(output).__name__}")
+
+
+def vision_parts(vision_model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
+    """(tower, own projection or None) of a CLIPModel / CLIPVisionModelWithProjection / CLIPVisionModel."""
+    if hasattr(vision_model, "visual_projection") and hasattr(vision_model, "vision_model"):
+        return vision_model.vision_model, vision_model.visual_projection
+    if all(hasattr(vision_model, a) for a in ("embeddings", "encoder", "post_layernorm")):
+        return vision_model, None  # transformers 5 CLIPVisionModel: the tower itself
+    if hasattr(vision_model, "vision_model"):
+        return vision_model.vision_model, None  # transformers 4 CLIPVisionModel
+    raise TypeError(
+        "vision_model must be a CLIPModel, a CLIPVisionModelWithProjection or a CLIPVisionModel, "
+        f"got {type(vision_model).__name__}"
+    )

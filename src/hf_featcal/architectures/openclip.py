@@ -145,6 +145,35 @@ class OpenCLIPVisionLayerMap(LayerMap):
             with open(os.path.join(output_dir, CONFIG_NAME), "w", encoding="utf-8") as handle:
                 json.dump(config, handle, indent=2)
 
+    def records_processing(self, processing_class: Any, output_dir: str) -> bool:
+        # a torchvision transform or an open_clip tokenizer: open_clip_config.json holds its settings
+        module = type(processing_class).__module__
+        return module.startswith(("open_clip.", "torchvision.")) and os.path.isfile(os.path.join(output_dir, CONFIG_NAME))
+
+    def pipeline_tag(self, model: nn.Module) -> str | None:
+        return "zero-shot-image-classification" if hasattr(model, "encode_text") else "image-feature-extraction"
+
+    # ------------------------------------------------------------ zero-shot towers
+    # open_clip's own API: `encode_text` / `encode_image`, or a bare tower's projected output.
+    def has_text_tower(self, model: nn.Module) -> bool:
+        return hasattr(model, "encode_text")
+
+    def encode_prompts(self, clip_model: nn.Module, tokenizer: Any, prompts: list[str], device: Any,
+                       max_length: int | None) -> torch.Tensor:
+        # open_clip tokenizers return the padded token ids
+        return clip_model.encode_text(tokenizer(prompts).to(device))
+
+    def image_embeddings(self, vision_model: nn.Module, pixel_values: torch.Tensor,
+                         clip_model: nn.Module | None) -> torch.Tensor:
+        # CLIP.encode_image, or a bare VisionTransformer's projected output
+        if hasattr(vision_model, "encode_image"):
+            return vision_model.encode_image(pixel_values)
+        return vision_model(pixel_values)
+
+    def check_vision_model(self, vision_model: nn.Module, clip_model: nn.Module | None) -> None:
+        if getattr(getattr(vision_model, "visual", vision_model), "proj", None) is None:
+            raise ValueError("vision_model is an open_clip tower without a projection (proj is None)")
+
 
 
 LOCAL_DIR, HF_HUB = "local-dir:", "hf-hub:"

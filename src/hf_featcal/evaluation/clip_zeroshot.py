@@ -37,9 +37,11 @@ from typing import TYPE_CHECKING, Any, Union
 import torch
 from torch import nn
 
-from ..architectures.families import detect_family, get_family
+from ..architectures import layer_map_or_none
+from ..architectures.clip import CLIPVisionLayerMap, vision_parts
 from ..experts import module_device, module_dtype
 from ._datasets import local_split
+from .results import EvaluationResults
 from .clip_templates import (
     CLIP_CLASS_NAMES,
     CLIP_DATASETS,
@@ -224,17 +226,6 @@ def _split_processor(processor: Any) -> tuple[Any, Any]:
     return tokenizer, image_processor
 
 
-def _features(output: Any, *names: str) -> torch.Tensor:
-    """The embedding tensor of a model output (a tensor in transformers 4, an output object in 5)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    for name in (*names, "pooler_output"):
-        value = getattr(output, name, None)
-        if isinstance(value, torch.Tensor):
-            return value
-    raise TypeError(f"cannot find embeddings ({', '.join((*names, 'pooler_output'))}) in {type(output).__name__}")
-
-
 # ------------------------------------------------------------------------- head
 
 
@@ -321,11 +312,11 @@ def build_zeroshot_head(
     if isinstance(model_max, int) and model_max < 10**6:
         max_length = model_max if max_length is None else min(max_length, model_max)
 
-    family = _zero_shot_family(clip_model)
+    towers = _zero_shot_towers(clip_model)
     chunks: list[torch.Tensor] = []
     with torch.inference_mode():
         for start in range(0, len(prompts), batch_size):
-            emb = family.encode_prompts(clip_model, tokenizer, prompts[start : start + batch_size], run_device,
+            emb = towers.encode_prompts(clip_model, tokenizer, prompts[start : start + batch_size], run_device,
                                         max_length).float()
             chunks.append(emb / emb.norm(dim=-1, keepdim=True))
         emb = torch.cat(chunks).reshape(len(names), len(temps), -1)
@@ -338,51 +329,19 @@ def build_zeroshot_head(
 # ----------------------------------------------------------------- vision side
 
 
-def _zero_shot_family(model: nn.Module) -> Any:
-    """The image family (`hf_featcal.architectures.families`) whose API `model` has: open_clip's, else
-    transformers CLIP's."""
-    family = detect_family(model)
-    return family if family is not None and family.is_image else get_family("clip")
+def _zero_shot_towers(model: nn.Module) -> Any:
+    """The layer map whose zero-shot tower API `model` has (`encode_prompts`, `image_embeddings`,
+    `check_vision_model`): its own map's (open_clip's), else transformers CLIP's."""
+    found = layer_map_or_none(model)
+    return found if hasattr(found, "image_embeddings") else CLIPVisionLayerMap()
 
 
 def _has_text_tower(model: nn.Module) -> bool:
-    return _zero_shot_family(model).has_text_tower(model)
-
-
-def _vision_parts(vision_model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
-    """(tower, own projection or None) of a CLIPModel / CLIPVisionModelWithProjection / CLIPVisionModel."""
-    if hasattr(vision_model, "visual_projection") and hasattr(vision_model, "vision_model"):
-        return vision_model.vision_model, vision_model.visual_projection
-    if all(hasattr(vision_model, a) for a in ("embeddings", "encoder", "post_layernorm")):
-        return vision_model, None  # transformers 5 CLIPVisionModel: the tower itself
-    if hasattr(vision_model, "vision_model"):
-        return vision_model.vision_model, None  # transformers 4 CLIPVisionModel
-    raise TypeError(
-        "vision_model must be a CLIPModel, a CLIPVisionModelWithProjection or a CLIPVisionModel, "
-        f"got {type(vision_model).__name__}"
-    )
+    return _zero_shot_towers(model).has_text_tower(model)
 
 
 def _check_vision_compat(vision_model: nn.Module, clip_model: nn.Module | None) -> None:
-    _zero_shot_family(vision_model).check_vision_model(vision_model, clip_model)
-
-
-def _check_transformers_vision_compat(vision_model: nn.Module, clip_model: nn.Module | None) -> None:
-    tower, projection = _vision_parts(vision_model)
-    if projection is not None:
-        return
-    if clip_model is None or not isinstance(getattr(clip_model, "visual_projection", None), nn.Linear):
-        raise ValueError(
-            "vision_model is a bare CLIPVisionModel: clip_model must be the base CLIPModel whose "
-            "visual_projection maps its pooled output to the joint embedding space"
-        )
-    hidden = getattr(getattr(tower, "config", None), "hidden_size", None)
-    in_features = clip_model.visual_projection.in_features
-    if hidden is not None and hidden != in_features:
-        raise ValueError(
-            f"vision_model has hidden size {hidden} but clip_model.visual_projection expects {in_features}: "
-            "the vision tower does not belong to this CLIP model"
-        )
+    _zero_shot_towers(vision_model).check_vision_model(vision_model, clip_model)
 
 
 def clip_image_embeddings(
@@ -393,22 +352,7 @@ def clip_image_embeddings(
     ``CLIPModel``: ``get_image_features``; ``CLIPVisionModelWithProjection``: ``image_embeds``;
     bare ``CLIPVisionModel``: ``clip_model.visual_projection(pooler_output)``.
     """
-    return _zero_shot_family(vision_model).image_embeddings(vision_model, pixel_values, clip_model)
-
-
-def _transformers_image_embeddings(
-    vision_model: nn.Module, pixel_values: torch.Tensor, clip_model: CLIPModel | None
-) -> torch.Tensor:
-    if hasattr(vision_model, "get_image_features"):
-        return _features(vision_model.get_image_features(pixel_values=pixel_values), "image_embeds")
-    out = vision_model(pixel_values=pixel_values)
-    image_embeds = getattr(out, "image_embeds", None)
-    if isinstance(image_embeds, torch.Tensor):
-        return image_embeds
-    _check_transformers_vision_compat(vision_model, clip_model)
-    pooled = _features(out, "pooler_output")
-    projection = clip_model.visual_projection  # type: ignore[union-attr]
-    return projection(pooled.to(device=projection.weight.device, dtype=projection.weight.dtype))
+    return _zero_shot_towers(vision_model).image_embeddings(vision_model, pixel_values, clip_model)
 
 
 def vision_tower_into_clip(clip_model: CLIPModel, vision_model: nn.Module) -> CLIPModel:
@@ -423,7 +367,7 @@ def vision_tower_into_clip(clip_model: CLIPModel, vision_model: nn.Module) -> CL
     """
     if not hasattr(clip_model, "vision_model") or not hasattr(clip_model, "visual_projection"):
         raise TypeError(f"clip_model must be a CLIPModel, got {type(clip_model).__name__}")
-    tower, projection = _vision_parts(vision_model)
+    tower, projection = vision_parts(vision_model)
     out = copy.deepcopy(clip_model)
     try:
         out.vision_model.load_state_dict(tower.state_dict(), strict=True)
@@ -543,7 +487,7 @@ def _iterate(batches: _ImageBatches, num_workers: int) -> Iterator[tuple[torch.T
 
 
 @dataclass
-class ClipZeroShotResults:
+class ClipZeroShotResults(EvaluationResults):
     """Top-1 accuracies of one zero-shot evaluation.
 
     Attributes:
@@ -557,19 +501,15 @@ class ClipZeroShotResults:
     num_examples: dict[str, int] = field(default_factory=dict)
     predictions: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
-    @property
-    def tasks(self) -> list[str]:
-        """Evaluated tasks, in evaluation order."""
-        return list(self.accuracy)
+    _columns = (("Accuracy", "---:"), ("N", "---:"))
 
     @property
-    def average(self) -> float:
-        """Plain (unweighted) mean of the per-task accuracies."""
-        values = list(self.accuracy.values())
-        return float(sum(values) / len(values)) if values else float("nan")
+    def scores(self) -> dict[str, float]:
+        """Top-1 accuracy per task."""
+        return self.accuracy
 
-    def __getitem__(self, task: str) -> float:
-        return self.accuracy[_known_task_name(task) or task]
+    def _task_name(self, task: str) -> str:
+        return _known_task_name(task) or task
 
     def to_dict(self, include_predictions: bool = False) -> dict[str, Any]:
         """Plain-Python (JSON-serialisable) form."""
@@ -582,6 +522,9 @@ class ClipZeroShotResults:
             out["predictions"] = {t: list(p) for t, p in self.predictions.items()}
         return out
 
+    def _cells(self, task: str, fmt: Callable[[float], str]) -> list[str]:
+        return [fmt(self.accuracy[task]), str(self.num_examples.get(task, ""))]
+
     def to_markdown(self, percent: bool = True, digits: int = 2, wide: bool = False) -> str:
         """Markdown table of the accuracies and their mean.
 
@@ -591,21 +534,13 @@ class ClipZeroShotResults:
             wide: one column per task and a final ``Avg.`` column (the paper's layout) instead of
                 one row per task.
         """
-        scale = 100.0 if percent else 1.0
-
-        def fmt(x: float) -> str:
-            return f"{x * scale:.{digits}f}"
-
-        if wide:
-            header = "| " + " | ".join([*self.accuracy, "Avg."]) + " |"
-            rule = "|" + "---:|" * (len(self.accuracy) + 1)
-            row = "| " + " | ".join([*(fmt(v) for v in self.accuracy.values()), fmt(self.average)]) + " |"
-            return "\n".join([header, rule, row])
-        lines = ["| Task | Accuracy | N |", "|---|---:|---:|"]
-        for task, acc in self.accuracy.items():
-            lines.append(f"| {task} | {fmt(acc)} | {self.num_examples.get(task, '')} |")
-        lines.append(f"| **Average** | {fmt(self.average)} | |")
-        return "\n".join(lines)
+        if not wide:
+            return super().to_markdown(percent, digits)
+        fmt = self._formatter(percent, digits)
+        header = "| " + " | ".join([*self.accuracy, "Avg."]) + " |"
+        rule = "|" + "---:|" * (len(self.accuracy) + 1)
+        row = "| " + " | ".join([*(fmt(v) for v in self.accuracy.values()), fmt(self.average)]) + " |"
+        return "\n".join([header, rule, row])
 
 
 # ------------------------------------------------------------------- evaluation

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 from ._datasets import local_split
+from .results import EvaluationResults
 
 if TYPE_CHECKING:  # pragma: no cover
     import evaluate
@@ -417,7 +418,7 @@ def compute_glue_scores(
 
 
 @dataclass
-class GlueResults:
+class GlueResults(EvaluationResults):
     """Scores of one GLUE evaluation.
 
     Attributes:
@@ -433,24 +434,16 @@ class GlueResults:
     num_unparsable: dict[str, int] = field(default_factory=dict)
     generations: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
-    @property
-    def tasks(self) -> list[str]:
-        """Evaluated tasks, in evaluation order."""
-        return list(self.metrics)
+    _columns = (("Metric", "---"), ("Score", "---:"), ("Other metrics", "---"), ("N", "---:"), ("Unparsable", "---:"))
+    _average_column = 1
 
     @property
     def scores(self) -> dict[str, float]:
         """Headline score per task (accuracy; Spearman for stsb)."""
         return {t: m[GLUE_HEADLINE_METRICS[t]] for t, m in self.metrics.items()}
 
-    @property
-    def average(self) -> float:
-        """Plain mean of the headline scores over tasks."""
-        scores = list(self.scores.values())
-        return float(sum(scores) / len(scores)) if scores else float("nan")
-
-    def __getitem__(self, task: str) -> float:
-        return self.scores[validate_glue_task(task)]
+    def _task_name(self, task: str) -> str:
+        return validate_glue_task(task)
 
     def to_dict(self, include_generations: bool = False) -> dict[str, Any]:
         """Plain-Python (JSON-serialisable) form."""
@@ -466,23 +459,12 @@ class GlueResults:
             out["generations"] = {t: list(g) for t, g in self.generations.items()}
         return out
 
-    def to_markdown(self, percent: bool = True, digits: int = 2) -> str:
-        """Markdown table: one row per task (headline and extra metrics) plus the average."""
-        scale = 100.0 if percent else 1.0
-
-        def fmt(x: float) -> str:
-            return f"{x * scale:.{digits}f}"
-
-        lines = ["| Task | Metric | Score | Other metrics | N | Unparsable |", "|---|---|---:|---|---:|---:|"]
-        for task, metrics in self.metrics.items():
-            head = GLUE_HEADLINE_METRICS[task]
-            extra = ", ".join(f"{k}: {fmt(v)}" for k, v in metrics.items() if k != head)
-            lines.append(
-                f"| {task} | {head} | {fmt(metrics[head])} | {extra} | "
-                f"{self.num_examples.get(task, '')} | {self.num_unparsable.get(task, '')} |"
-            )
-        lines.append(f"| **Average** | | {fmt(self.average)} | | | |")
-        return "\n".join(lines)
+    def _cells(self, task: str, fmt: Callable[[float], str]) -> list[str]:
+        metrics = self.metrics[task]
+        head = GLUE_HEADLINE_METRICS[task]
+        extra = ", ".join(f"{k}: {fmt(v)}" for k, v in metrics.items() if k != head)
+        return [head, fmt(metrics[head]), extra, str(self.num_examples.get(task, "")),
+                str(self.num_unparsable.get(task, ""))]
 
 
 # ------------------------------------------------------------------- evaluation

@@ -1,0 +1,62 @@
+"""transformers CLIP models (``CLIPModel``, ``CLIPVisionModel``): the ``clip`` family."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..architectures import model_type_of
+from .base import FamilyUsageError, register_family
+from .image import ZeroShotImageFamily
+
+__all__ = ["CLIPFamily"]
+
+
+@register_family
+class CLIPFamily(ZeroShotImageFamily):
+    """transformers CLIP: a ``CLIPModel`` or a bare ``CLIPVisionModel`` (text tower from the base)."""
+
+    name = "clip"
+    article_name = "a CLIP"
+    processing_name = "CLIPImageProcessor"
+    evaluation_keys = ("class_names", "templates", "clip_model")
+
+    def matches(self, model_or_config: Any) -> bool:
+        return model_type_of(model_or_config) in ("clip", "clip_vision_model")
+
+    def load_processing(self, source: str) -> dict[str, Any]:
+        """The image processor (``"image"``) and, when there is a tokenizer, a ``CLIPProcessor``."""
+        from transformers import CLIPImageProcessor, CLIPProcessor
+
+        out: dict[str, Any] = {"image": CLIPImageProcessor.from_pretrained(source, trust_remote_code=False)}
+        try:
+            out["processor"] = CLIPProcessor.from_pretrained(source, trust_remote_code=False)
+        except (OSError, ValueError, TypeError):
+            out["processor"] = None
+        return out
+
+    def command_text_model(self, model, clip_source, load):  # type: ignore[override]
+        if clip_source is not None:
+            return load(clip_source, "--clip-model")
+        if not hasattr(model, "get_text_features"):
+            raise FamilyUsageError(
+                f"--model is a {type(model).__name__} (no text tower): pass --clip-model, the base CLIPModel")
+        return None
+
+    def recipe_text_model(self, base, evaluation, processing, load):  # type: ignore[override]
+        if evaluation.clip_model is not None:
+            clip_model = load(evaluation.clip_model, "evaluation.clip_model")
+            if processing.get("processor") is None:
+                processing = {**processing, "processor": self.load_processing(evaluation.clip_model)["processor"]}
+            return clip_model, processing
+        if hasattr(base, "text_model"):
+            return base, processing
+        raise ValueError(
+            "evaluation: zero-shot CLIP evaluation needs a text tower: the base is a "
+            f"{type(base).__name__}; set evaluation.clip_model to a CLIPModel (or evaluation: false)"
+        )
+
+    def check_evaluation_processing(self, processing: Mapping[str, Any]) -> None:
+        if processing.get("processor") is None:
+            raise FamilyUsageError(
+                "CLIP zero-shot evaluation needs a tokenizer with the image processor (a CLIPProcessor); pass --processor")

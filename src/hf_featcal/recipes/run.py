@@ -1,0 +1,419 @@
+"""Running a recipe: the stages `run_recipe` chains (and ``hf-featcal merge`` / ``calibrate`` /
+``compare`` reuse), the model card's evaluation section and the upload."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import FeatCalConfig
+from ..families import ModelFamily
+from .load import check_family, evaluate_model, prepare_calibration
+from .parse import Recipe
+from .spec import DatasetSpec, EvaluationSpec, MergeSpec, RecipeError
+
+__all__ = [
+    "CalibrationRun",
+    "RecipeInputs",
+    "RecipeResult",
+    "build_calibrator",
+    "calibrate_merged",
+    "check_fast_mode",
+    "check_output_dir",
+    "load_calibration_data",
+    "merge_experts",
+    "prepare_recipe_inputs",
+    "push_run",
+    "recipe_evaluator",
+    "recipe_input_folders",
+    "run_recipe",
+    "save_calibrated",
+    "save_run",
+    "upload_folder",
+]
+
+
+@dataclass
+class RecipeInputs:
+    """What a recipe run loads before merging: the base model, its processing classes, the text
+    tower of zero-shot heads (CLIP; None when not evaluating or not needed) and task → prepared
+    calibration ``Dataset``."""
+
+    base: Any
+    processing: dict[str, Any]
+    clip_model: Any
+    calibration: dict[str, Any]
+
+
+def prepare_recipe_inputs(recipe: Recipe, *, evaluate: bool = True, log: Callable[[str], None] = print) -> RecipeInputs:
+    """Load a recipe's base, processing classes, zero-shot text tower (when `evaluate` and the recipe
+    evaluates) and calibration data — the steps `run_recipe` (and `hf-featcal compare RECIPE`) take
+    before merging."""
+    from ..experts import load_model
+
+    family = recipe.model_family
+    log(f"Loading the base model {recipe.base} ...")
+    base = load_model(recipe.base, "base")
+    check_family(base, family, "base")
+    model_family = recipe.family
+    processing = model_family.load_processing(recipe.base)
+    clip_model = None
+    if recipe.evaluation is not None and evaluate:  # the text tower of zero-shot heads, before merging
+        clip_model, processing = model_family.recipe_text_model(base, recipe.evaluation, processing, load_model)
+
+    calibration = load_calibration_data(family, recipe.calibration, processing, recipe.featcal.seed, log=log)
+    return RecipeInputs(base=base, processing=processing, clip_model=clip_model, calibration=calibration)
+
+
+def load_calibration_data(
+    family: str,
+    specs: Mapping[str, DatasetSpec],
+    processing: Mapping[str, Any] | None,
+    seed: int,
+    *,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Stage *load*: task → calibration ``Dataset`` prepared for the family (`prepare_calibration`)."""
+    log("Loading the calibration data ...")
+    return {task: prepare_calibration(family, task, spec, processing, seed) for task, spec in specs.items()}
+
+
+def recipe_evaluator(
+    recipe: Recipe, inputs: RecipeInputs, device: Any = None
+) -> Callable[..., tuple[dict[str, float], dict[str, Any]]]:
+    """``evaluate(model, tasks=None)`` → (task → headline score in [0, 1], details): the recipe's
+    evaluation (`evaluate_model`) on every evaluated task, or on `tasks` only."""
+    if recipe.evaluation is None:
+        raise RecipeError("evaluation", "is false; this needs the recipe's evaluation", recipe.source)
+    spec = recipe.evaluation
+
+    def evaluate(model: Any, tasks: list[str] | None = None) -> tuple[dict[str, float], dict[str, Any]]:
+        chosen = spec if tasks is None else dataclasses.replace(spec, tasks=list(tasks))
+        return evaluate_model(recipe.model_family, model, chosen, processing=inputs.processing,
+                              clip_model=inputs.clip_model, device=device)
+
+    return evaluate
+
+
+@dataclass
+class RecipeResult:
+    """What `run_recipe` produced."""
+
+    output_dir: str
+    report: Any
+    before: dict[str, float] | None
+    after: dict[str, float] | None
+    plot_path: str | None
+    timings: dict[str, float]
+    table: str | None
+    pushed_to: str | None = None
+
+
+# The stages of a run. `run_recipe` is their sequence; ``hf-featcal merge`` / ``calibrate`` build the
+# same inputs from their flags and call the same stages (a given merged model replaces *merge*):
+#   check_output_dir → prepare_recipe_inputs / load_calibration_data → merge_experts →
+#   build_calibrator → calibrate_merged (evaluating before and after when asked) → save_run → push_run
+
+
+def check_output_dir(
+    output_dir: str,
+    key: str = "output_dir",
+    source: str | None = None,
+    *,
+    inputs: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    model_folder: bool = True,
+) -> None:
+    """Stage *check*: refuse, before anything is loaded, an output folder a save cannot go to
+    (`hf_featcal.saving.check_output_dir`, the rule the save applies again): not writable, one of the
+    run's `inputs` (or inside or around one), or non-empty and not an earlier save unless `overwrite`.
+    `model_folder=False` (outputs that are not a model save, e.g. compare's tables): writability only.
+
+    Raises:
+        RecipeError: naming `key`.
+    """
+    from ..saving import FolderError, check_writable_folder
+    from ..saving import check_output_dir as check_save_folder
+
+    try:
+        if model_folder:
+            check_save_folder(output_dir, key, inputs=inputs, overwrite=overwrite)
+        else:
+            check_writable_folder(output_dir, key)
+    except FolderError as err:
+        raise RecipeError(key, err.reason, source) from None
+
+
+def recipe_input_folders(recipe: Recipe) -> dict[str, str]:
+    """Recipe key → local path of everything the run reads (base, experts, local datasets, the
+    evaluation's CLIP model); hub ids are left out by `hf_featcal.saving.check_output_dir`."""
+    folders = {"base": recipe.base, **{f"experts.{task}": path for task, path in recipe.experts.items()}}
+    for task, spec in recipe.calibration.items():
+        if spec.is_local:
+            folders[f"calibration.tasks.{task}.dataset"] = spec.dataset
+    if recipe.evaluation is not None:
+        for task, spec in recipe.evaluation.datasets.items():
+            if spec.is_local:
+                folders[f"evaluation.datasets.{task}"] = spec.dataset
+        if recipe.evaluation.clip_model:
+            folders["evaluation.clip_model"] = recipe.evaluation.clip_model
+    return folders
+
+
+def check_fast_mode(recipe: Recipe, base: Any) -> None:
+    """Refuse ``featcal.forward_dtype`` when it cannot run the (loaded) base's dtype, before merging.
+
+    Raises:
+        RecipeError: naming ``featcal.forward_dtype``.
+    """
+    from ..pipeline.checks import check_forward_dtype
+
+    try:
+        check_forward_dtype(recipe.featcal, {"base": base})
+    except ValueError as err:
+        raise RecipeError("featcal.forward_dtype", str(err), recipe.source) from None
+
+
+def merge_experts(base: Any, experts: Mapping[str, Any], merge: MergeSpec, *, log: Callable[[str], None] = print) -> Any:
+    """Stage *merge*: ``merge_models(base, experts, method, **params)`` of a validated `MergeSpec`."""
+    from ..merging import merge_models
+
+    log(f"Merging {len(experts)} experts: {merge.describe()} ...")
+    return merge_models(base, dict(experts), merge.method, **merge.params)
+
+
+@dataclass
+class CalibrationRun:
+    """What `calibrate_merged` produced: the calibrator (its report, its ``save_model``), the calibrated
+    model, the scores before / after (None when not evaluated), their details and the seconds per step."""
+
+    calibrator: Any
+    calibrated: Any
+    before: dict[str, float] | None
+    after: dict[str, float] | None
+    details: dict[str, Any]
+    timings: dict[str, float]
+
+
+def calibrate_merged(
+    calibrator: Any,
+    merged: Any,
+    model_family: ModelFamily,
+    processing: Mapping[str, Any] | None,
+    *,
+    evaluation: EvaluationSpec | None = None,
+    clip_model: Any = None,
+    log: Callable[[str], None] = print,
+) -> CalibrationRun:
+    """Stage *calibrate*: ``calibrator.calibrate()`` (a `build_calibrator` of `merged`, which checks the
+    inputs first), with `evaluation` (if given) of the merged model before and of the calibrated model
+    after, on the calibrator's device."""
+    run_device = str(calibrator.device)
+    timings: dict[str, float] = {}
+    details: dict[str, Any] = {}
+
+    def evaluate(model: Any, when: str, what: str) -> dict[str, float]:
+        assert evaluation is not None
+        clock = time.perf_counter()
+        log(f"Evaluating the {what} model ...")
+        scores, details[when] = evaluate_model(model_family.name, model, evaluation, processing=processing or {},
+                                               clip_model=clip_model, device=run_device)
+        timings[f"evaluate_{when}"] = time.perf_counter() - clock
+        return scores
+
+    before = evaluate(merged, "before", "merged") if evaluation is not None else None
+    clock = time.perf_counter()
+    log(f"Calibrating with FeatCal on {run_device} ...")
+    calibrated = calibrator.calibrate()
+    timings["calibrate"] = time.perf_counter() - clock
+    after = evaluate(calibrated, "after", "calibrated") if evaluation is not None else None
+    return CalibrationRun(calibrator=calibrator, calibrated=calibrated, before=before, after=after,
+                          details=details, timings=timings)
+
+
+def save_run(
+    run: CalibrationRun,
+    output_dir: str,
+    model_family: ModelFamily,
+    processing: Mapping[str, Any] | None,
+    *,
+    recipe: Recipe | None = None,
+    overwrite: bool = False,
+    inputs: Mapping[str, Any] | None = None,
+) -> tuple[str | None, str | None]:
+    """Stage *save*: one save (`hf_featcal.saving.atomic_folder`, one manifest) of the calibrated folder
+    (`save_calibrated`'s files) and, with the run's `recipe`, the before / after table
+    (``featcal_evaluation.json``, the model card's evaluation section) and the resolved recipe
+    (``featcal_recipe.yaml``). `output_dir` is checked as the *check* stage does (`inputs`: the run's
+    sources besides the calibrator's own; `overwrite`). Returns (drift plot path, scores table)."""
+    import yaml
+
+    from ..evaluation.results import scores_table
+    from ..saving import atomic_folder
+
+    table = None
+    if recipe is not None and recipe.evaluation is not None and run.before is not None and run.after is not None:
+        rows = {recipe.merge.describe(): run.before, f"{recipe.merge.describe()} + FeatCal": run.after}
+        table = scores_table(rows, recipe.evaluation.tasks)
+    if not run.calibrator.state.is_main_process:
+        return None, table
+    with atomic_folder(output_dir, inputs={**run.calibrator.input_folders(), **(inputs or {})}, overwrite=overwrite) as folder:
+        plot_name = _write_calibrated(run.calibrator, folder, model_family, processing)
+        if table is not None:
+            assert recipe is not None
+            with open(os.path.join(folder, "featcal_evaluation.json"), "w", encoding="utf-8") as handle:
+                json.dump({"before": run.before, "after": run.after, "details": run.details}, handle, indent=2, default=str)
+                handle.write("\n")
+            _append_to_card(folder, table, recipe)
+        if recipe is not None:
+            with open(os.path.join(folder, "featcal_recipe.yaml"), "w", encoding="utf-8") as handle:
+                handle.write(f"# The recipe of this run (from {recipe.source or 'a dict'}), resolved: hf-featcal run <this file>\n")
+                yaml.safe_dump(recipe.to_dict(), handle, sort_keys=False, allow_unicode=True)
+    return (None if plot_name is None else os.path.join(output_dir, plot_name)), table
+
+
+def push_run(
+    output_dir: str, repo_id: str | None, *, private: bool | None = None, log: Callable[[str], None] = print
+) -> str | None:
+    """Stage *push*: upload exactly the files of the save in `output_dir` (its manifest's, local paths
+    redacted: `upload_folder`) to `repo_id`, created `private` when asked; returns the repo id, None
+    when `repo_id` is None."""
+    if not repo_id:
+        return None
+    log(f"Uploading the saved files of {output_dir} to {repo_id} ...")
+    upload_folder(output_dir, repo_id, private=private)
+    return repo_id
+
+
+def build_calibrator(
+    merged: Any,
+    base: Any,
+    experts: Mapping[str, Any],
+    calibration: Mapping[str, Any],
+    config: FeatCalConfig,
+    model_family: ModelFamily,
+    processing: Mapping[str, Any] | None,
+    *,
+    device: Any = None,
+    show_progress: bool = True,
+) -> Any:
+    """Stage *build*: the `FeatCalCalibrator` of a run (checks its inputs before anything is computed),
+    with the family's processing class for the calibration data; `calibrate_merged` runs it."""
+    from ..calibrator import FeatCalCalibrator
+
+    return FeatCalCalibrator(
+        merged, base, dict(experts), calibration, config,
+        processing_class=model_family.calibration_processing_class(processing),
+        device=device, show_progress=show_progress,
+    )
+
+
+def save_calibrated(
+    calibrator: Any,
+    output_dir: str,
+    model_family: ModelFamily,
+    processing: Mapping[str, Any] | None,
+    *,
+    overwrite: bool = False,
+) -> str | None:
+    """Save a calibrated run's folder (model, processing classes, card, drift report, config, drift
+    plot) as one save (`hf_featcal.saving.atomic_folder`); returns the plot's path (None without a
+    drift report)."""
+    from ..saving import atomic_folder
+
+    if not calibrator.state.is_main_process:
+        return None
+    with atomic_folder(output_dir, inputs=calibrator.input_folders(), overwrite=overwrite) as folder:
+        plot_name = _write_calibrated(calibrator, folder, model_family, processing)
+    return None if plot_name is None else os.path.join(output_dir, plot_name)
+
+
+def _write_calibrated(calibrator: Any, folder: str, model_family: ModelFamily, processing: Mapping[str, Any] | None) -> str | None:
+    """`calibrator.write_model_folder` and the drift plot into `folder`; returns the plot's file name."""
+    from ..plotting import plot_drift
+
+    calibrator.write_model_folder(folder, processing_class=model_family.processing_to_save(processing))
+    if calibrator.report is None:
+        return None
+    plot_drift(calibrator.report, os.path.join(folder, "featcal_drift.png"))
+    return "featcal_drift.png"
+
+
+def run_recipe(
+    recipe: Recipe,
+    *,
+    device: str | None = None,
+    evaluate: bool = True,
+    push_to_hub: bool = True,
+    show_progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> RecipeResult:
+    """Execute a recipe: merge → calibrate (checks first) → evaluate before/after → save (+ push), the
+    stages `check_output_dir` → `prepare_recipe_inputs` → `merge_experts` → `build_calibrator` →
+    `calibrate_merged` → `save_run` → `push_run`.
+
+    The output folder gets the calibrated model (``save_pretrained``; open_clip: its own format), its
+    processor / tokenizer,
+    the model card (``README.md``, with the evaluation appended), ``featcal_drift_report.json``,
+    ``featcal_config.json``, ``featcal_drift.png``, ``featcal_evaluation.json`` and the recipe
+    (``featcal_recipe.yaml``).
+    """
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+    inputs_read = recipe_input_folders(recipe)
+    check_output_dir(recipe.output_dir, "output_dir", recipe.source, inputs=inputs_read,
+                     overwrite=recipe.overwrite)  # before anything is loaded or merged
+    inputs = prepare_recipe_inputs(recipe, evaluate=evaluate, log=log)
+    check_fast_mode(recipe, inputs.base)  # the merge is in the base's dtype
+    timings["load"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    merged = merge_experts(inputs.base, recipe.experts, recipe.merge, log=log)
+    timings["merge"] = time.perf_counter() - clock
+
+    calibrator = build_calibrator(merged, inputs.base, recipe.experts, inputs.calibration, recipe.featcal, recipe.family,
+                                  inputs.processing, device=device, show_progress=show_progress)
+    run = calibrate_merged(calibrator, merged, recipe.family, inputs.processing,
+                           evaluation=recipe.evaluation if evaluate else None, clip_model=inputs.clip_model, log=log)
+    timings.update(run.timings)
+    plot_path, table = save_run(run, recipe.output_dir, recipe.family, inputs.processing, recipe=recipe,
+                                overwrite=recipe.overwrite, inputs=inputs_read)
+    pushed = push_run(recipe.output_dir, recipe.push_to_hub if push_to_hub else None, private=recipe.private, log=log)
+    return RecipeResult(
+        output_dir=recipe.output_dir,
+        report=run.calibrator.report,
+        before=run.before,
+        after=run.after,
+        plot_path=plot_path,
+        timings=timings,
+        table=table,
+        pushed_to=pushed,
+    )
+
+
+def _append_to_card(output_dir: str, table: str, recipe: Recipe) -> None:
+    path = os.path.join(output_dir, "README.md")
+    assert recipe.evaluation is not None
+    splits = sorted({recipe.evaluation.datasets[t].split or "" for t in recipe.evaluation.tasks})
+    limit = (f", seeded random subsets of at most {recipe.evaluation.max_samples} examples per task"
+             if recipe.evaluation.max_samples else "")
+    text = (
+        f"\n## Evaluation\n\nHeadline score per task (%; split {', '.join(splits)}{limit}), "
+        f"before and after FeatCal:\n\n{table}\n\n![feature drift per block](featcal_drift.png)\n"
+    )
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def upload_folder(folder: str, repo_id: str, *, private: bool | None = None) -> Any:
+    """Create (if needed) the hub model repo `repo_id` and upload exactly the files of the save in
+    `folder` in one commit (`hf_featcal.saving.push_folder`: its manifest's files, local paths redacted;
+    nothing else of the folder)."""
+    from ..saving import push_folder
+
+    return push_folder(folder, repo_id, private=private)
