@@ -32,16 +32,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported from elsewhere
 
-from bench_common import (  # noqa: E402
+from bench_common import (
+    low_products_in_use,
     matmul_throughput,
     peak_rss_gib,
     rate_report,
     stage_dtypes,
-    low_products_in_use,
     syrk_in_use,
     triangle_fraction,
 )
-from bench_common import stage_table as common_stage_table  # noqa: E402
+from bench_common import stage_table as common_stage_table
 
 VIT_B32 = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                image_size=224, patch_size=32, num_channels=3)

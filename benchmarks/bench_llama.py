@@ -32,14 +32,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported from elsewhere
 
-from bench_common import (  # noqa: E402
+from bench_common import (
+    low_products_in_use,
     lower_triangular_fraction,
     matmul_throughput,
     peak_rss_gib,
     rate_report,
     stage_dtypes,
     stage_table,
-    low_products_in_use,
     syrk_in_use,
     triangle_fraction,
 )

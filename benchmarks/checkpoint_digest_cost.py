@@ -18,9 +18,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported from elsewhere
 
-import hf_featcal.checkpointing as checkpointing  # noqa: E402
-from bench_common import clip_tower_run, timing_calls  # noqa: E402
-from hf_featcal import FeatCalCalibrator, FeatCalConfig  # noqa: E402
+import hf_featcal.checkpointing as checkpointing
+from bench_common import clip_tower_run, timing_calls
+from hf_featcal import FeatCalCalibrator, FeatCalConfig
 
 
 def main() -> None:

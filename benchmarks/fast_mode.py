@@ -32,7 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scenario_spread import SETTINGS, _featcal, _mean  # noqa: E402
+from scenario_spread import SETTINGS, _featcal, _mean
 
 #: |mean score of fast − exact| allowed by the issue, in points
 SCORE_BAR = 0.5

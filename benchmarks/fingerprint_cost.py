@@ -20,9 +20,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported from elsewhere
 
-import hf_featcal.calibrator as calibrator_module  # noqa: E402
-from bench_common import clip_tower_run, timing_calls  # noqa: E402
-from hf_featcal import FeatCalCalibrator, FeatCalConfig  # noqa: E402
+import hf_featcal.calibrator as calibrator_module
+from bench_common import clip_tower_run, timing_calls
+from hf_featcal import FeatCalCalibrator, FeatCalConfig
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_clip import _Library, prepare  # noqa: E402
+from bench_clip import _Library, prepare
 
 MIB = 2**20
 

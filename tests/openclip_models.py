@@ -6,8 +6,8 @@ from __future__ import annotations
 import copy
 import json
 
-import torch
 import open_clip
+import torch
 from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
 from open_clip.transformer import QuickGELU, VisionTransformer
 

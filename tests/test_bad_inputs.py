@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BertConfig, BertModel
 
-from conftest import perturbed, task_arithmetic as reference_task_arithmetic
+from conftest import perturbed
+from conftest import task_arithmetic as reference_task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.experts import load_model
 from hf_featcal.merging import task_arithmetic, ties_merging

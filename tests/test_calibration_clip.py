@@ -9,7 +9,14 @@ import pytest
 import torch
 from transformers import CLIPModel, CLIPVisionModel, CLIPVisionModelWithProjection
 
-from conftest import assert_same_up_to_rounding, perturbed, pixel_batches, randomise_norms, tiny_clip_config, tiny_vision_config
+from conftest import (
+    assert_same_up_to_rounding,
+    perturbed,
+    pixel_batches,
+    randomise_norms,
+    tiny_clip_config,
+    tiny_vision_config,
+)
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalWarning
 
 

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
-import pytest
-import torch
-
 # core dependencies (install_requires / the test extra): a broken install fails here, it is never skipped
 import datasets
+import numpy as np
 import PIL.Image as PIL_Image
-
-from transformers import (  # noqa: E402
+import pytest
+import torch
+from transformers import (
     CLIPConfig,
     CLIPImageProcessor,
     CLIPModel,
@@ -27,7 +25,7 @@ from transformers import (  # noqa: E402
     PreTrainedTokenizerFast,
 )
 
-from hf_featcal.evaluation import (  # noqa: E402
+from hf_featcal.evaluation import (
     CLIP_CLASS_NAMES,
     CLIP_DATASETS,
     CLIP_EXPERT_IDS,
@@ -42,7 +40,7 @@ from hf_featcal.evaluation import (  # noqa: E402
     resolve_clip_task,
     vision_tower_into_clip,
 )
-from hf_featcal.evaluation import clip_templates as T  # noqa: E402
+from hf_featcal.evaluation import clip_templates as T
 
 torch.set_num_threads(1)
 

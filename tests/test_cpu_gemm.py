@@ -9,9 +9,9 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same_up_to_rounding
 
 import hf_featcal.cpu_gemm as cpu_gemm
+from conftest import assert_same_up_to_rounding
 from hf_featcal import FeatCalCalibrator
 from hf_featcal.cpu_gemm import GEMM_LIBRARY_VARIABLE, gemm_library, linear_product, onednn_linear, onednn_linears
 

@@ -383,6 +383,7 @@ def test_a_stale_shard_index_loses_to_the_single_file_as_in_transformers(clip_se
 def test_config_transformers_weights_decides_first(clip_setting, tmp_path):
     """transformers reads the file config.json names in `transformers_weights` before any other."""
     from transformers import CLIPVisionModel
+
     from hf_featcal.experts import safetensors_files
 
     base, experts, merged, data = clip_setting

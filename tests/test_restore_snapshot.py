@@ -12,11 +12,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-import hf_featcal.restore as restore
 import hf_featcal.pipeline.solve as solve_stage
+import hf_featcal.restore as restore
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalError
-from hf_featcal.restore import restore_on_failure
 from hf_featcal.offload import ModelParameters
+from hf_featcal.restore import restore_on_failure
 from test_failsafe import _assert_bit_identical, _assert_same_result, _Fault, _model_state, damage_outside_the_blocks
 from test_offload import _dispatched, base_failing_in_block_2
 

@@ -7,11 +7,11 @@ import copy
 
 import pytest
 import torch
+from transformers import T5ForConditionalGeneration
 
+from conftest import perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from test_t5 import randomise_t5_norms, seq2seq_batch, t5_config
-from conftest import perturbed, task_arithmetic
-from transformers import T5ForConditionalGeneration
 
 
 def _run(merged, base, experts, data, checkpoint_dir=None, config=None, interrupt_at=None, monkeypatch=None):

@@ -14,8 +14,8 @@ import signal
 import pytest
 import torch
 
-import hf_featcal.restore as restore
 import hf_featcal.pipeline.solve as solve_stage
+import hf_featcal.restore as restore
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.interrupts import interrupts_deferred
 from test_failsafe import _assert_bit_identical, _Fault, _model_state

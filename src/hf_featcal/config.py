@@ -292,7 +292,7 @@ class FeatCalConfig:
         return path
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "FeatCalConfig":
+    def from_pretrained(cls, path: str | os.PathLike) -> FeatCalConfig:
         """Load a config from a folder holding `featcal_config.json`, or from that file itself."""
         path = os.fspath(path)
         if os.path.isdir(path):

@@ -78,7 +78,7 @@ def library_checkpoint(name: str, argument: str) -> Any:
 
     try:
         return find_library_checkpoint(name)
-    except Exception as err:  # noqa: BLE001 - re-raised with the argument named
+    except Exception as err:
         raise ValueError(f"`{argument}`: cannot read the checkpoint {name!r}: {err}") from err
 
 
@@ -225,7 +225,7 @@ def load_model(
     if model_class is None:
         try:
             config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-        except Exception as err:  # noqa: BLE001 - re-raised with the argument named
+        except Exception as err:
             raise ValueError(f"`{argument}`: cannot load a model config from {path!r}: {err}") from err
         for name in getattr(config, "architectures", None) or []:
             candidate = getattr(transformers, name, None)
@@ -234,7 +234,7 @@ def load_model(
                 break
     try:
         return (model_class or AutoModel).from_pretrained(path, trust_remote_code=False)
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         raise ValueError(f"`{argument}`: cannot load the model at {path!r}: {err}") from err
 
 
@@ -244,7 +244,7 @@ def load_checkpoint(checkpoint: Checkpoint, argument: str) -> nn.Module:
         return load_model(checkpoint.name, argument)
     try:
         return checkpoint.library.load()
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         raise ValueError(f"`{argument}`: cannot load the model {checkpoint.library.name!r}: {err}") from err
 
 
@@ -274,7 +274,7 @@ class LazyTensors:
         self._stack: contextlib.ExitStack | None = None
         self._depth = 0  # nested `with`: the files close when the outermost exits
 
-    def __enter__(self) -> "LazyTensors":
+    def __enter__(self) -> LazyTensors:
         self._depth += 1
         if self._depth == 1:
             self._stack = contextlib.ExitStack()

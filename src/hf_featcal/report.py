@@ -51,7 +51,7 @@ class DriftReport:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "DriftReport":
+    def from_dict(cls, data: dict[str, Any]) -> DriftReport:
         return cls({task: {k: list(v) for k, v in stages.items()} for task, stages in data["tasks"].items()})
 
     def save(self, save_directory: str | os.PathLike) -> str:
@@ -64,7 +64,7 @@ class DriftReport:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "DriftReport":
+    def load(cls, path: str | os.PathLike) -> DriftReport:
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, REPORT_NAME)

@@ -18,7 +18,6 @@ from .cpu_gemm import ROUNDED_RESULTS, linear_product, low_precision_products, l
 from .mkl_products import addmm_low_, syrk_upper_
 from .solver import task_scale
 
-
 # A reduction applied to a task's raw sums before they are turned into means (e.g. an all-reduce
 # across processes). Identity on one process.
 SumReducer = Callable[[list[Tensor]], list[Tensor]]

@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .mha import attention_out_proj_called
 from ..streams import StreamBatch, capture_first_block_inputs
+from .mha import attention_out_proj_called
 
 LINEAR = "linear"
 LAYER_NORM = "layer_norm"

@@ -13,7 +13,6 @@ included) and gate/up share their statistics.
 from __future__ import annotations
 
 import copy
-
 from collections.abc import Mapping
 from typing import Any
 

@@ -55,8 +55,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import (MergingScenario, ScenarioSettings, build_or_load, load_heads, load_models, reproducible_training,
-                   save_build, save_heads, task_generator)
+from .base import (
+    MergingScenario,
+    ScenarioSettings,
+    build_or_load,
+    load_heads,
+    load_models,
+    reproducible_training,
+    save_build,
+    save_heads,
+    task_generator,
+)
 
 __all__ = [
     "DIGITS_TASKS",

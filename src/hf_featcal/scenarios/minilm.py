@@ -46,8 +46,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import (MergingScenario, ScenarioSettings, build_or_load, load_heads, load_models, quiet_transformers,
-                   reproducible_training, save_build, save_heads, task_generator)
+from .base import (
+    MergingScenario,
+    ScenarioSettings,
+    build_or_load,
+    load_heads,
+    load_models,
+    quiet_transformers,
+    reproducible_training,
+    save_build,
+    save_heads,
+    task_generator,
+)
 
 __all__ = [
     "MINILM_TASKS",
