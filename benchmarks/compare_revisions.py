@@ -118,7 +118,7 @@ def summary(rounds: list[tuple[dict, dict]]) -> dict:
                 "before_s": before["seconds_total"], "after_s": after["seconds_total"], "ratio": ratio,
                 "before_rss_gib": before["peak_rss_gib"], "after_rss_gib": after["peak_rss_gib"],
             }
-            for (before, after), ratio in zip(rounds, ratios)
+            for (before, after), ratio in zip(rounds, ratios, strict=True)
         ],
         "ratio_mean": sum(ratios) / len(ratios),
         "ratio_min": min(ratios),

@@ -76,7 +76,7 @@ def test_exact_recovery_when_only_fc2_differs(generator, dtype, compute_dtype, e
     with torch.no_grad():
         got, want = merged(pixel_values=probe).last_hidden_state, expert(pixel_values=probe).last_hidden_state
     assert _relative_error(got, want) <= output_tol
-    for ml, el in zip(merged.encoder.layers, expert.encoder.layers):
+    for ml, el in zip(merged.encoder.layers, expert.encoder.layers, strict=True):
         assert _relative_error(ml.mlp.fc2.weight, el.mlp.fc2.weight) <= weight_tol
         assert _relative_error(ml.mlp.fc2.bias, el.mlp.fc2.bias) <= weight_tol
         # every other module sees the expert's inputs too, so keeps the expert's values
@@ -84,7 +84,7 @@ def test_exact_recovery_when_only_fc2_differs(generator, dtype, compute_dtype, e
         assert _relative_error(ml.layer_norm2.bias, el.layer_norm2.bias) <= weight_tol
     with torch.no_grad():
         states = expert(pixel_values=probe, output_hidden_states=True).hidden_states
-        for i, (ml, el) in enumerate(zip(merged.encoder.layers, expert.encoder.layers)):
+        for i, (ml, el) in enumerate(zip(merged.encoder.layers, expert.encoder.layers, strict=True)):
             x = el.layer_norm1(states[i])
             for name in ("q_proj", "k_proj", "v_proj"):
                 assert _relative_error(getattr(ml.self_attn, name)(x), getattr(el.self_attn, name)(x)) <= output_tol
@@ -294,7 +294,7 @@ def test_expert_checkpoint_with_transformers4_key_prefix(clip_setting, tmp_path)
     reference = copy.deepcopy(merged)
     FeatCalCalibrator(reference, base, experts, data, show_progress=False).calibrate()
     FeatCalCalibrator(merged, base, {**experts, "dtd": str(folder)}, data, show_progress=False).calibrate()
-    for (name, p), q in zip(merged.named_parameters(), reference.parameters()):
+    for (name, p), q in zip(merged.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(p, q), name
 
 

@@ -140,7 +140,7 @@ def test_an_image_column_of_file_paths_calibrates_as_the_images_do(world, tmp_pa
     spec = recipes.DatasetSpec(dataset=folder, split="train", num_examples=None, is_local=True)
     prepared = recipes.prepare_calibration("clip", "zorbs", spec, None, seed=0)
     decoded = [np.asarray(image) for image in prepared["image"]]
-    assert len(decoded) == len(pixels) and all(np.array_equal(a, b) for a, b in zip(decoded, pixels))
+    assert len(decoded) == len(pixels) and all(np.array_equal(a, b) for a, b in zip(decoded, pixels, strict=True))
 
     outs = {}
     for name, zorbs in (("images", world / "data" / "zorbs"), ("paths", folder)):

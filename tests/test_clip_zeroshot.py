@@ -375,7 +375,7 @@ def test_builtin_task_with_local_dataset_path_and_datasetdict(clip, tokenizer, p
 
     emb = _reference_class_embeddings(clip, tokenizer, CLIP_CLASS_NAMES["mnist"], CLIP_TEMPLATES["mnist"])
     pred = _reference_logits(clip, processor, images, emb).argmax(dim=-1).tolist()
-    expected = sum(p == lab for p, lab in zip(pred, labels)) / len(labels)
+    expected = sum(p == lab for p, lab in zip(pred, labels, strict=True)) / len(labels)
 
     res = evaluate_clip_zeroshot(clip, clip, processor, "mnist", datasets={"mnist": str(path)}, batch_size=4)
     assert res.tasks == ["mnist"] and res.predictions["mnist"] == pred

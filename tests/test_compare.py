@@ -64,7 +64,7 @@ def test_a_failing_combination_is_reported_and_the_grid_goes_on(setting, tmp_pat
     ties = merging.merge_models(base, experts, "ties", scaling_factor=0.3, density=0.2)
 
     def evaluate_or_fail(model):  # the caller's evaluation fails on the TIES merge only, with a multi-line message
-        if all(torch.equal(p, q) for p, q in zip(model.state_dict().values(), ties.state_dict().values())):
+        if all(torch.equal(p, q) for p, q in zip(model.state_dict().values(), ties.state_dict().values(), strict=True)):
             raise RuntimeError("out of memory | try a smaller batch\nor another device")
         return evaluate(model)
 

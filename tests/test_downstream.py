@@ -239,15 +239,15 @@ def test_lm_eval_harness_scores_the_saved_folder(llama_saved, tmp_path):
     samples = sorted(results["samples"]["featcal_tiny_mc"], key=lambda s: s["doc_id"])
     assert len(samples) == len(MC_DOCS)
     acc, acc_norm, largest_change, largest_gap = [], [], 0.0, 0.0
-    for sample, doc in zip(samples, MC_DOCS):
+    for sample, doc in zip(samples, MC_DOCS, strict=True):
         harness = [float(resp[0][0]) for resp in sample["resps"]]
         direct = [_continuation_loglikelihood(model, tokenizer, doc["question"], " " + c) for c in doc["choices"]]
         before = [_continuation_loglikelihood(uncalibrated, tokenizer, doc["question"], " " + c) for c in doc["choices"]]
         np.testing.assert_allclose(harness, direct, rtol=0, atol=1e-4)
-        largest_gap = max(largest_gap, max(abs(a - b) for a, b in zip(harness, direct)))
-        largest_change = max(largest_change, max(abs(a - b) for a, b in zip(direct, before)))
+        largest_gap = max(largest_gap, max(abs(a - b) for a, b in zip(harness, direct, strict=True)))
+        largest_change = max(largest_change, max(abs(a - b) for a, b in zip(direct, before, strict=True)))
         acc.append(float(np.argmax(direct) == doc["answer"]))
-        acc_norm.append(float(np.argmax([ll / len(c) for ll, c in zip(direct, doc["choices"])]) == doc["answer"]))
+        acc_norm.append(float(np.argmax([ll / len(c) for ll, c in zip(direct, doc["choices"], strict=True)]) == doc["answer"]))
     assert largest_change > 1e-3
     scores = results["results"]["featcal_tiny_mc"]
     assert scores["acc,none"] == pytest.approx(np.mean(acc))
@@ -255,7 +255,7 @@ def test_lm_eval_harness_scores_the_saved_folder(llama_saved, tmp_path):
     print(f"\nlm-eval acc {scores['acc,none']:.3f} acc_norm {scores['acc_norm,none']:.3f}; "
           f"direct acc {np.mean(acc):.3f} acc_norm {np.mean(acc_norm):.3f}; max |harness - direct| log-likelihood "
           f"{largest_gap:.2e}; max change by calibration {largest_change:.3f}")
-    for sample, doc in zip(samples, MC_DOCS):
+    for sample, doc in zip(samples, MC_DOCS, strict=True):
         direct = [_continuation_loglikelihood(model, tokenizer, doc["question"], " " + c) for c in doc["choices"]]
         print(doc["question"], [round(float(r[0][0]), 5) for r in sample["resps"]], [round(d, 5) for d in direct])
 

@@ -88,7 +88,7 @@ def test_drift_and_recovery(family, generator):
         sums, count = torch.zeros(2, dtype=torch.float64), 0.0
         for batch in data[task]:
             w = batch["attention_mask"].double() if "attention_mask" in batch else torch.ones(batch["pixel_values"].shape[0], 5, dtype=torch.float64)
-            for i, (hm, he) in enumerate(zip(_block_outputs(given, batch), _block_outputs(expert, batch))):
+            for i, (hm, he) in enumerate(zip(_block_outputs(given, batch), _block_outputs(expert, batch), strict=True)):
                 sums[i] += ((hm.double() - he.double()).norm(dim=-1) * w).sum()
             count += float(w.sum())
         assert calibrator.report.tasks[task]["before"] == pytest.approx((sums / count).tolist(), rel=1e-5)
@@ -105,7 +105,7 @@ def test_drift_and_recovery(family, generator):
     batches = [{k: (v.double() if v.is_floating_point() else v) for k, v in make_batch(generator, n=16).items()} for _ in range(3)]
     config = FeatCalConfig(teacher_alpha=1.0, lambda_ratio=0.0, compute_dtype="float64", epsilon=1e-15)
     FeatCalCalibrator(perturbed_model, None, {"t": expert}, {"t": batches}, config, show_progress=False).calibrate()
-    for lp, le in zip(_blocks(perturbed_model), _blocks(expert)):
+    for lp, le in zip(_blocks(perturbed_model), _blocks(expert), strict=True):
         assert float((_ffn_out(lp).weight - _ffn_out(le).weight).norm() / _ffn_out(le).weight.norm()) <= 1e-8
     probe = {k: (v.double() if v.is_floating_point() else v) for k, v in make_batch(generator, n=3).items()}
     with torch.no_grad():

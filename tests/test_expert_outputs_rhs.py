@@ -86,7 +86,7 @@ def test_processes_may_choose_differently(generator):
         for rows in rows_a:
             y = {"m": _outputs(t)[rows, None]}
             proc_a.accumulate_mixture(t["x_s"][rows, None], t["x_e"][rows, None], 0.25, t["w"][rows, None], target, y)
-        proc_a.finish_task(target, lambda ts: [x + y for x, y in zip(ts, captured[-1])])
+        proc_a.finish_task(target, lambda ts: [x + y for x, y in zip(ts, captured[-1], strict=True)])
     torch.testing.assert_close(proc_a.rhs_sum["m"], whole.rhs_sum["m"], rtol=1e-11, atol=1e-13)
     torch.testing.assert_close(proc_a.gram_sum, whole.gram_sum, rtol=1e-11, atol=1e-13)
 
@@ -158,7 +158,7 @@ def test_a_calibration_takes_the_outputs_with_the_same_result(generator, monkeyp
     projected = _calibrate(merged, base, experts, data, compute_dtype="float64")
     assert not any(from_outputs for _, from_outputs in seen)
     changed = 0
-    for (name, p), (_, q), (_, m) in zip(taken.named_parameters(), projected.named_parameters(), merged.named_parameters()):
+    for (name, p), (_, q), (_, m) in zip(taken.named_parameters(), projected.named_parameters(), merged.named_parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
         changed += not torch.equal(p, m)
     assert changed >= 10

@@ -96,7 +96,7 @@ def test_bfloat16_close_to_exact_mode(family, generator):
     exact = _calibrated(merged, base, experts, data)
     fast = _calibrated(merged, base, experts, data, forward_dtype="bfloat16")
     # the calibrated model keeps the merged model's dtypes and device
-    for (name, p), (_, q) in zip(fast.named_parameters(), merged.named_parameters()):
+    for (name, p), (_, q) in zip(fast.named_parameters(), merged.named_parameters(), strict=True):
         assert (p.dtype, p.device) == (q.dtype, q.device) == (torch.float32, torch.device("cpu")), name
     differences = _relative_differences(fast, exact, merged)
     assert len(differences) >= 10  # every block's Linears and norms were calibrated
@@ -173,7 +173,7 @@ def test_exact_mode_unaffected_by_a_fast_run(generator):
     after = _calibrated(merged, base, experts, data, forward_dtype=None)
     changed = 0
     for (name, p), (_, q), (_, m), (_, f) in zip(
-        after.named_parameters(), before.named_parameters(), merged.named_parameters(), fast.named_parameters()
+        after.named_parameters(), before.named_parameters(), merged.named_parameters(), fast.named_parameters(), strict=True
     ):
         assert torch.equal(p, q), name
         changed += not torch.equal(p, m)

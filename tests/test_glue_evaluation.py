@@ -214,7 +214,7 @@ def test_format_glue_example_exact(task):
 )
 def test_label_words_and_stsb_target(task, labels, targets):
     cols = EXPECTED_PROMPTS[task][0]
-    for label, target in zip(labels, targets):
+    for label, target in zip(labels, targets, strict=True):
         assert format_glue_example(task, {**cols, "label": label})[1] == target
 
 
@@ -243,7 +243,7 @@ def test_preprocess_tokenised(tokenizer):
     # all targets are one word + </s>; batch-padded so lengths match; no pad ids left
     assert all(len(row) == len(labels[0]) for row in labels)
     assert all(tokenizer.pad_token_id not in row for row in labels)
-    for row, target in zip(labels, ds["target_text"]):
+    for row, target in zip(labels, ds["target_text"], strict=True):
         ids = [t for t in row if t != -100]
         assert tokenizer.decode(ids, skip_special_tokens=True) == target
     ids = ds[0]["input_ids"]

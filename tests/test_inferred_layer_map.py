@@ -68,7 +68,7 @@ def test_inferred_layer_map_finds_blocks_and_calibrates(generator):
     with pytest.warns(UserWarning, match="inferred blocks"):
         FeatCalCalibrator(model, None, {"t": expert}, {"t": [_batch(generator, 16) for _ in range(2)]}, config,
                           show_progress=False, allow_inferred_layer_map=True).calibrate()
-    for lm_, le in zip(model.model.decoder.layers, expert.model.decoder.layers):
+    for lm_, le in zip(model.model.decoder.layers, expert.model.decoder.layers, strict=True):
         assert float((lm_.fc2.weight - le.fc2.weight).norm() / le.fc2.weight.norm()) <= 1e-8
 
 

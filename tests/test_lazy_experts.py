@@ -117,7 +117,7 @@ def test_a_block_read_from_a_folder_holds_the_checkpoints_tensors_and_leaves_the
     expert_block = layer_map.stacks(layer_map.tower(expert))[0].blocks[1]
     assert not block.training and block is not merged_block
     merged_pointers = {p.data_ptr() for p in merged_block.parameters()}
-    for (name, got), (_, want) in zip(block.named_parameters(), expert_block.named_parameters()):
+    for (name, got), (_, want) in zip(block.named_parameters(), expert_block.named_parameters(), strict=True):
         assert isinstance(got, torch.nn.Parameter) and got.dtype == torch.float32, name
         assert got.data_ptr() not in merged_pointers, name
         assert torch.equal(got, want), name

@@ -116,7 +116,7 @@ def test_exact_recovery_when_only_down_proj_differs(generator, family):
     FeatCalCalibrator(merged, None, {"task": expert}, data, config, show_progress=False).calibrate()
     with torch.no_grad():
         assert float((logits(merged) - logits(expert)).norm() / logits(expert).norm()) <= 1e-8
-    for ml, el in zip(merged.model.layers, expert.model.layers):
+    for ml, el in zip(merged.model.layers, expert.model.layers, strict=True):
         w, want = ml.mlp.down_proj.weight, el.mlp.down_proj.weight
         assert float((w - want).norm() / want.norm()) <= 1e-8
 
@@ -136,7 +136,7 @@ def test_only_selected_positions_count(generator):
     one, two = copy.deepcopy(merged), copy.deepcopy(merged)
     FeatCalCalibrator(one, base, experts, {"a": [{**batch, "labels": labels}]}, show_progress=False).calibrate()
     FeatCalCalibrator(two, base, experts, {"a": [{**other, "loss_mask": (labels != -100).long()}]}, show_progress=False).calibrate()
-    for (name, p), q in zip(one.named_parameters(), two.parameters()):
+    for (name, p), q in zip(one.named_parameters(), two.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
     changed = copy.deepcopy(merged)
     FeatCalCalibrator(changed, base, experts, {"a": [other]}, show_progress=False).calibrate()

@@ -43,7 +43,7 @@ def test_lora_adapter_experts_equal_their_merged_models(clip_setting, tmp_path, 
     assert all(isinstance(s, LoraSource) for s in calibrator.experts.values())
     base_state = copy.deepcopy(base.state_dict())
     calibrator.calibrate()
-    for (name, p), q in zip(merged.named_parameters(), reference.parameters()):
+    for (name, p), q in zip(merged.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
     for name, value in base.state_dict().items():  # the base the deltas are added to is untouched
         assert torch.equal(value, base_state[name]), name
@@ -78,7 +78,7 @@ def test_merging_lora_adapters_equals_merging_their_full_models(clip_setting, tm
     full = {task: _adapter(base, tmp_path / task, seed, **cfg) for seed, (task, cfg) in enumerate(configs.items())}
     from_full = merge_models(base, full, method, **params)
     from_adapters = merge_models(base, {t: str(tmp_path / t) for t in configs}, method, **params)
-    for (name, p), q in zip(from_adapters.state_dict().items(), from_full.state_dict().values()):
+    for (name, p), q in zip(from_adapters.state_dict().items(), from_full.state_dict().values(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
@@ -110,7 +110,7 @@ def test_load_model_materialises_an_adapter_for_evaluation(clip_setting, tmp_pat
     on_disk = Vision.from_pretrained(tmp_path / "base")  # records its folder as name_or_path
     full = _adapter(on_disk, tmp_path / "a", 0, r=2, target_modules=["q_proj", "fc1"])
     for model in (load_model(str(tmp_path / "a"), "model"), load_model(str(tmp_path / "a"), "model", base=base)):
-        for (name, p), q in zip(model.state_dict().items(), full.state_dict().values()):
+        for (name, p), q in zip(model.state_dict().items(), full.state_dict().values(), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
     state = copy.deepcopy(base.state_dict())
     load_model(str(tmp_path / "a"), "model", base=base)
@@ -154,7 +154,7 @@ def test_trained_lora_biases_are_applied_as_peft_does(clip_setting, tmp_path, bi
     want_blocks = layer_map.stacks(layer_map.tower(full))[0].blocks
     for index, want in enumerate(want_blocks):
         got = source.block(layer_map, base, 0, index, torch.device("cpu"))
-        for (key, value), expected in zip(got.state_dict().items(), want.state_dict().values()):
+        for (key, value), expected in zip(got.state_dict().items(), want.state_dict().values(), strict=True):
             torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=f"block {index} {key}")
     before = copy.deepcopy(base.state_dict())
     with source.entry_tower(layer_map, base) as tower:

@@ -131,7 +131,7 @@ def test_inputs_are_not_modified_and_result_is_new(vision_setting):
     before_experts = {t: snapshot(e) for t, e in experts.items()}
     for merged in (task_arithmetic(base, experts, 0.3), simple_average(base, experts)):
         assert merged is not base and all(merged is not e for e in experts.values())
-        assert all(p.data_ptr() != q.data_ptr() for p, q in zip(merged.parameters(), base.parameters()))
+        assert all(p.data_ptr() != q.data_ptr() for p, q in zip(merged.parameters(), base.parameters(), strict=True))
         assert_same_state(base, before_base)
         for task, expert in experts.items():
             assert_same_state(expert, before_experts[task])
@@ -526,7 +526,7 @@ def test_ties_and_dare_leave_inputs_alone(vision_setting):
                    dare_merging(base, experts), dare_merging(base, experts, rescale_mode="l1"),
                    dare_ties_merging(base, experts)):
         assert merged is not base
-        assert all(p.data_ptr() != q.data_ptr() for p, q in zip(merged.parameters(), base.parameters()))
+        assert all(p.data_ptr() != q.data_ptr() for p, q in zip(merged.parameters(), base.parameters(), strict=True))
         assert_same_state(base, before_base)
         for task, expert in experts.items():
             assert_same_state(expert, before_experts[task])

@@ -58,7 +58,7 @@ def to_transformers(model) -> CLIPVisionModel:
     }
     for i, block in enumerate(visual.transformer.resblocks):
         p = f"encoder.layers.{i}."
-        for part, w, b in zip("qkv", block.attn.in_proj_weight.chunk(3), block.attn.in_proj_bias.chunk(3)):
+        for part, w, b in zip("qkv", block.attn.in_proj_weight.chunk(3), block.attn.in_proj_bias.chunk(3), strict=True):
             sd[p + f"self_attn.{part}_proj.weight"], sd[p + f"self_attn.{part}_proj.bias"] = w, b
         pairs = {"self_attn.out_proj": block.attn.out_proj, "layer_norm1": block.ln_1, "layer_norm2": block.ln_2,
                  "mlp.fc1": block.mlp.c_fc, "mlp.fc2": block.mlp.c_proj}
@@ -94,7 +94,7 @@ def test_conversion_is_the_same_network(generator):
     with torch.no_grad():
         want = hf(pixels.double(), output_hidden_states=True).hidden_states[1:]
     got = _block_outputs(model, pixels)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
 
 
@@ -137,7 +137,7 @@ def test_drift_before_is_the_full_models_own_forward(generator):
     for task, expert in experts.items():
         sums, count = torch.zeros(LAYERS, dtype=torch.float64), 0
         for batch in data[task]:
-            for i, (hm, he) in enumerate(zip(_block_outputs(given, batch["pixel_values"]), _block_outputs(expert, batch["pixel_values"]))):
+            for i, (hm, he) in enumerate(zip(_block_outputs(given, batch["pixel_values"]), _block_outputs(expert, batch["pixel_values"]), strict=True)):
                 sums[i] += (hm.double() - he.double()).norm(dim=-1).sum()
             count += hm.shape[0] * hm.shape[1]
         assert calibrator.report.tasks[task]["before"] == pytest.approx((sums / count).tolist(), rel=1e-5)
@@ -163,7 +163,7 @@ def test_exact_recovery(generator, parameter, target_modules):
     config = FeatCalConfig(teacher_alpha=1.0, lambda_ratio=0.0, compute_dtype="float64", epsilon=1e-15,
                            target_modules=target_modules)
     FeatCalCalibrator(merged, None, {"t": expert}, {"t": batches}, config, show_progress=False).calibrate()
-    for bm, be in zip(merged.transformer.resblocks, expert.transformer.resblocks):
+    for bm, be in zip(merged.transformer.resblocks, expert.transformer.resblocks, strict=True):
         got, want = bm.get_parameter(parameter).detach(), be.get_parameter(parameter).detach()
         assert float((got - want).norm() / want.norm()) <= 1e-8
     probe = torch.randn(3, 3, IMAGE, IMAGE, generator=generator, dtype=torch.float64)

@@ -67,9 +67,9 @@ def test_dataset_texts_are_truncated_to_the_models_maximum_or_max_length(generat
                                        processing_class=processing_class, show_progress=False)
         got = calibrator.batches["a"]
         order = Dataset.from_dict({"text": texts}).shuffle(seed=config.seed)["text"]
-        rows = [(ids, mask) for b in got for ids, mask in zip(b["input_ids"], b["attention_mask"])]
+        rows = [(ids, mask) for b in got for ids, mask in zip(b["input_ids"], b["attention_mask"], strict=True)]
         assert [b["input_ids"].shape[1] for b in got] == [limit, limit]  # every batch holds a text over the limit
-        for text, (ids, mask) in zip(order, rows):
+        for text, (ids, mask) in zip(order, rows, strict=True):
             expected = tokenizer(text)["input_ids"][:limit]  # the text's own tokens, cut at the limit
             assert ids[mask.bool()].tolist() == expected
     calibrator.calibrate()  # the truncated batches run through a model of 16 positions

@@ -72,7 +72,7 @@ def test_featcal_moves_the_merge_towards_the_experts_in_every_block_on_real_weig
     assert list(report.tasks) == list(scenario.tasks)
     for task, stages in report.tasks.items():
         assert len(stages["before"]) == len(stages["after"]) == scenario.base.config.num_hidden_layers
-        for block, (before, after) in enumerate(zip(stages["before"], stages["after"])):
+        for block, (before, after) in enumerate(zip(stages["before"], stages["after"], strict=True)):
             assert before > 0 and after < DRIFT_RATIO_MAX * before, (task, block, before, after)
 
 
@@ -116,7 +116,7 @@ def test_task_labels_are_the_corpus_files_they_come_from():
         assert not set(d.train_texts) & set(d.test_texts), task
         for texts, labels in ((d.train_texts, d.train_labels), (d.test_texts, d.test_labels)):
             assert sorted(set(labels.tolist())) == list(range(len(sets))), task
-            for text, label in zip(texts, labels.tolist()):
+            for text, label in zip(texts, labels.tolist(), strict=True):
                 assert text in sets[label] and not any(text in s for k, s in enumerate(sets) if k != label), (task, text)
         counts = torch.bincount(torch.cat([d.train_labels, d.test_labels]), minlength=len(sets))
         assert counts.max() <= 40, (task, counts)

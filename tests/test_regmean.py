@@ -89,7 +89,7 @@ def test_llama_padding_weighs_nothing(generator):
     junk = {t: [{**b, "input_ids": torch.where(b["attention_mask"].bool(), b["input_ids"], 7)} for b in bs]
             for t, bs in data.items()}
     again = regmean_merging(base, experts, junk)
-    for (p, q) in zip(merged.parameters(), again.parameters()):
+    for (p, q) in zip(merged.parameters(), again.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
 
 

@@ -37,14 +37,14 @@ def _interrupt_then_resume(merged, base, experts, data, tmp_path, monkeypatch, i
         _run(merged, base, experts, data, tmp_path, interrupt_at=interrupt_at, monkeypatch=monkeypatch)
     resumed, calibrator, calls = _run(merged, base, experts, data, tmp_path, monkeypatch=monkeypatch)
     assert len(calls) == total - (interrupt_at - 1)  # finished blocks were not redone
-    for (name, p), q in zip(resumed.named_parameters(), expected.parameters()):
+    for (name, p), q in zip(resumed.named_parameters(), expected.parameters(), strict=True):
         assert torch.equal(p, q), name
     assert calibrator.report.to_dict() == reference.report.to_dict()
     assert len(calibrator.solve_log) == len(reference.solve_log)
     # a finished checkpoint: nothing left to do, same model again
     again, _, calls = _run(merged, base, experts, data, tmp_path, monkeypatch=monkeypatch)
     assert calls == []
-    for p, q in zip(again.parameters(), expected.parameters()):
+    for p, q in zip(again.parameters(), expected.parameters(), strict=True):
         assert torch.equal(p, q)
 
 

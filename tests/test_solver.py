@@ -74,7 +74,7 @@ def _brute_force_linear(tasks, alpha, lam, eps, a_w, a_b):
     weight = torch.linalg.lstsq(torch.cat(rows), torch.cat(targets)).solution.T
     # bias with W fixed: per output a weighted mean, again as a stacked least-squares problem
     design, goal = [], []
-    for s, t in zip(scales, tasks):
+    for s, t in zip(scales, tasks, strict=True):
         x_t = alpha * t["x_e"] + (1 - alpha) * t["x_s"]
         wn = t["w"] / t["w"].sum()
         root = (s * wn).sqrt()[:, None]
@@ -103,7 +103,7 @@ def test_linear_weight_and_bias_equal_brute_force(generator, alpha, lam):
 def test_task_scale_equalises_feature_scales(generator):
     tasks = _tasks(generator)
     stats = _linear_statistics(tasks, 0.25, 1e-8)
-    for s, t in zip(stats.task_scales, tasks):
+    for s, t in zip(stats.task_scales, tasks, strict=True):
         wn = t["w"] / t["w"].sum()
         c = (t["x_s"] * wn[:, None]).T @ t["x_s"]
         assert s == pytest.approx(1.0 / float(torch.linalg.norm(c)), rel=1e-12)

@@ -4,6 +4,8 @@ they switch on (the tiny models of the other tests are narrower than that)."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -74,7 +76,7 @@ def test_gram_blocks_cover_the_upper_triangle_once():
     for dim, count in ((768, 4), (3072, 8), (2100, 7)):  # 2100: blocks of 320 (a multiple of 64)
         blocks = gram_blocks(dim)
         assert len(blocks) == count and blocks[0][0] == 0 and blocks[-1][1] == dim
-        assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+        assert all(a[1] == b[0] for a, b in pairwise(blocks))
         assert all((stop - start) % 64 == 0 for start, stop in blocks[:-1])
 
 

@@ -28,7 +28,7 @@ import os
 import re
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 #: A model, or where to load it from (local folder or hub id).
-ModelLike = Union[nn.Module, str, os.PathLike]
+ModelLike = nn.Module | str | os.PathLike
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -354,7 +354,8 @@ def find_key_prefix(
 def _shared_leading_prefixes(keys: Sequence[str]) -> list[str]:
     """"", then every leading dotted prefix all `keys` share (shortest first; never a whole key)."""
     common: list[str] = []
-    for column in zip(*(k.split(".")[:-1] for k in keys)):
+    # strict=False: keys differ in depth, and only the depth all of them reach can be shared
+    for column in zip(*(k.split(".")[:-1] for k in keys), strict=False):
         if len(set(column)) != 1:
             break
         common.append(column[0])

@@ -436,7 +436,7 @@ class LinearGroupStatistics:
         if self._gram_sum_upper is None:
             self._gram_sum_upper = gram.mul(scale)
         else:
-            for acc, block in zip(upper_blocks(self._gram_sum_upper), upper_blocks(gram)):
+            for acc, block in zip(upper_blocks(self._gram_sum_upper), upper_blocks(gram), strict=True):
                 acc.add_(block, alpha=scale)
         self._gram_sum = None
         self.student_mean_sum = s_i * mu_s if self.student_mean_sum is None else self.student_mean_sum.add_(mu_s, alpha=s_i)

@@ -153,7 +153,7 @@ def encode_causal(tokenizer: Any, examples: Sequence[TextExample]) -> list[tuple
     """Per example ``(prompt_ids, answer_ids)``: the prompt through ``=``, the answer with ``</s>``."""
     prompts = tokenizer([prompt_text(e) for e in examples], add_special_tokens=False)["input_ids"]
     answers = tokenizer([e.target for e in examples], add_special_tokens=False)["input_ids"]
-    return [(p, a + [tokenizer.eos_token_id]) for p, a in zip(prompts, answers)]
+    return [(p, a + [tokenizer.eos_token_id]) for p, a in zip(prompts, answers, strict=True)]
 
 
 def collate_causal(
@@ -293,7 +293,7 @@ def evaluate_causal_exact_match(
                     pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=eos,
                 )
-                for i, row in zip(chunk, out[:, length:].tolist()):
+                for i, row in zip(chunk, out[:, length:].tolist(), strict=True):
                     answer = row[: row.index(eos)] if eos in row else row
                     correct += tokenizer.decode(answer).strip() == examples[i].target
         scores[task] = 100.0 * correct / max(len(examples), 1)

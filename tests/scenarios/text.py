@@ -215,7 +215,7 @@ def generate_task_examples(
 def _encode(tokenizer: Any, examples: Sequence[TextExample]) -> list[tuple[list[int], list[int]]]:
     sources = tokenizer([e.source for e in examples])["input_ids"]
     targets = tokenizer([e.target for e in examples])["input_ids"]
-    return list(zip(sources, targets))
+    return list(zip(sources, targets, strict=True))
 
 
 def collate_examples(tokenizer: Any, examples: Sequence[TextExample]) -> dict[str, Tensor]:
@@ -400,7 +400,7 @@ def evaluate_exact_match(
                 max_new_tokens=max_new_tokens,
             )
             predictions = tokenizer.batch_decode(out, skip_special_tokens=True)
-            correct += sum(p.strip() == e.target for p, e in zip(predictions, chunk))
+            correct += sum(p.strip() == e.target for p, e in zip(predictions, chunk, strict=True))
         scores[task] = 100.0 * correct / max(len(examples), 1)
     scores["mean"] = sum(scores[t] for t in test_data) / max(len(test_data), 1)
     model.train(was_training)
