@@ -69,7 +69,7 @@ def _capture(model: nn.Module, spec: FamilySpec, position: int, batches: list[di
     for batch in batches:
         seen: dict[str, Tensor] = {}
 
-        def hook(mod, args, _name=None):
+        def hook(mod, args, _name=None, seen=seen):
             assert _name not in seen, f"{_name} called twice in one forward"
             seen[_name] = args[0].detach().double()
 
@@ -114,14 +114,14 @@ def reference_featcal(
             expert_side = {t: _capture(experts[t], spec, position, data[t]) for t in tasks}
             updates: dict[str, dict[str, Tensor]] = {}
             for name, module in calibrated_modules(block).items():
-                def anchor(attr: str) -> Tensor:
+                def anchor(attr: str, module: nn.Module = module, name: str = name, position: int = position) -> Tensor:
                     value = getattr(module, attr)
                     if base is None:
                         return value.clone()
                     b = getattr(spec.blocks(base)[position].get_submodule(name), attr)
                     return b + rho * (value - b)
 
-                def expert_module(t: str) -> nn.Module:
+                def expert_module(t: str, name: str = name, position: int = position) -> nn.Module:
                     return spec.blocks(experts[t])[position].get_submodule(name)
 
                 if isinstance(module, nn.Linear):

@@ -64,7 +64,7 @@ def reference_featcal(merged, base, experts, data, *, lam=0.05, rho=2.2, alpha=0
                     continue
                 weighted = last and name not in ("self_attn.k_proj", "self_attn.v_proj")
 
-                def anchor_of(attr):
+                def anchor_of(attr, module=module, idx=idx, name=name):
                     m = getattr(module, attr)
                     if base is None:
                         return m.clone()

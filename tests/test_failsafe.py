@@ -306,7 +306,7 @@ def test_a_failed_move_to_the_compute_device_restores_values_and_placement(clip_
     before = _model_state(model)
     calibrator = FeatCalCalibrator(model, base, experts, data, show_progress=False)
     calibrator.device = torch.device("meta")  # a device that takes the model but cannot run it
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - whichever error torch raises for kernels on meta
         calibrator.calibrate()
     _assert_bit_identical(model, before)  # also the parameters outside the blocks, which went to meta too
 

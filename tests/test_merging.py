@@ -445,7 +445,7 @@ def test_kth_largest_magnitude_matches_topk():
         values = torch.cat(chunks)
         for k in (1, 2, values.numel() // 5, values.numel() // 2, values.numel()):
             expected = values.topk(k).values[-1].item()
-            assert merging_module._kth_largest_magnitude(lambda: iter(chunks), k) == expected, (trial, k)
+            assert merging_module._kth_largest_magnitude(lambda chunks=chunks: iter(chunks), k) == expected, (trial, k)
     assert merging_module._kth_largest_magnitude(lambda: iter(chunks), 0) == math.inf
 
 

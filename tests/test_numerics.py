@@ -66,7 +66,7 @@ def test_bfloat16_model_end_to_end(clip_setting):
     # the tolerance separates right from wrong: the reference itself with α ignored lies far outside it
     alpha_ignored = relative_errors(reference_featcal(merged16, base16, experts16, pixels, alpha=1.0)[0].state_dict())
     assert alpha_ignored["Linear weights"] > 10 * tolerance, alpha_ignored
-    for task, stages in calibrator.report.tasks.items():
+    for stages in calibrator.report.tasks.values():
         assert stages["after"][-1] < stages["before"][-1]
 
 
@@ -135,7 +135,7 @@ def test_duplicated_inputs_rank_deficient_gram(clip_setting, generator):
         handle.remove()
     assert len(inputs) == 6
     for name, x in inputs.items():
-        weight = lambda model: model.encoder.layers[0].get_submodule(name).weight.detach().double()  # noqa: E731
+        weight = lambda model, name=name: model.encoder.layers[0].get_submodule(name).weight.detach().double()  # noqa: E731
         step = float(((weight(expected) - weight(given)) @ x.T).norm())
         # measured ≤ 1e-4 of the step over three seeds; α ignored gives ~2
         assert float(((weight(merged) - weight(expected)) @ x.T).norm()) <= 1e-3 * step, name

@@ -202,7 +202,7 @@ def test_run_help_lists_every_declared_key_with_its_default(monkeypatch):
         assert any(_normalised(key.help) in _normalised(line) for line in found), (section, name)
     for field in dataclasses.fields(__import__("hf_featcal.config", fromlist=["FeatCalConfig"]).FeatCalConfig):
         assert any(line.strip().startswith(f"{field.name}?: [") for line in lines), field.name
-    for method, parameters in schema.MERGE_PARAMETER_DECLARATIONS.items():
+    for parameters in schema.MERGE_PARAMETER_DECLARATIONS.values():
         for parameter in parameters:
             assert any(line.strip().startswith(f"{parameter.name}?: {parameter.describe_range()} [") for line in lines)
 

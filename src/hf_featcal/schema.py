@@ -404,7 +404,7 @@ def _yaml_text(value: object) -> str:
     return str(value)
 
 
-def render_recipe_schema(indent: int = 0, featcal_fields: bool = True) -> str:
+def render_recipe_schema(indent: int = 0, featcal_fields: bool = True) -> str:  # noqa: C901 - one branch per key kind
     """The recipe schema as text (one line per key: ``name?: <value> [default]  # help``), from
     `RECIPE_SECTIONS`, `MERGE_PARAMETER_DECLARATIONS` and (with `featcal_fields`) the fields of
     `FeatCalConfig` with their defaults.

@@ -393,7 +393,9 @@ class LinearGroupStatistics:
                 rhs.addr_(self._sx_s, expert.bias.to(device=self.device, dtype=self.dtype), alpha=-alpha)
             self._rhs_task[name] = rhs
 
-    def finish_task(self, targets: dict[str, LinearTargets], reduce: SumReducer = _identity_reducer) -> None:
+    def finish_task(  # noqa: C901 - the fold's optional parts (bias, norms, direct RHS) are each one branch
+        self, targets: dict[str, LinearTargets], reduce: SumReducer = _identity_reducer
+    ) -> None:
         """Fold the current task into the task sums, using the task's expert parameters."""
         alpha = self.teacher_alpha if self._alpha is None else self._alpha
         count = torch.tensor(float(self._count), dtype=self.dtype, device=self.device)
