@@ -172,7 +172,8 @@ def flop_count(
     except ImportError:  # a library from before that path (`compare_revisions.py` runs old ones)
         outputs_rhs_pays = None
     # fc2 from the expert's outputs: x_sᵀ·y_e per token, the Gram times W_iᵀ per task
-    from_outputs = exact and outputs_rhs_pays is not None and outputs_rhs_pays(samples * tokens, ff, FeatCalConfig().teacher_alpha)
+    from_outputs = exact and outputs_rhs_pays is not None and outputs_rhs_pays(samples * tokens, ff,
+                                                                               FeatCalConfig().teacher_alpha)
     fc2_rhs = 2 * ff * d if from_outputs else 4 * ff * d
     stats = (layers - 1) * m * (3 * (gram_d + 2 * d * d) + gram_ff + fc2_rhs)
     stats += m * (3 * (gram_d_pooled + 2 * d * d) + gram_ff_pooled + fc2_rhs) + m * (gram_d + 2 * d * d)  # last block
@@ -244,7 +245,8 @@ def measure(args: argparse.Namespace) -> dict:
     dtypes = stage_dtypes(args.dtype, forward_dtype, low_products_in_use(device, forward_dtype))
     peaks = {name: matmul_throughput(device, getattr(torch, name)) for name in sorted(set(dtypes.values()))}
     syrk = syrk_in_use(device, forward_dtype)
-    flops = flop_count(args.tasks, args.samples, args.layers, gram_fraction=args.gram_fraction, exact=forward_dtype is None, syrk=syrk)
+    flops = flop_count(args.tasks, args.samples, args.layers, gram_fraction=args.gram_fraction,
+                       exact=forward_dtype is None, syrk=syrk)
     timings = calibrator.timings
     return {
         "library": args.library,
@@ -292,7 +294,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="where models are written (default: a temp folder per library)")
     parser.add_argument("--sweep", default=None, help="comma-separated numbers of experts, e.g. 1,2,4,8")
     parser.add_argument("--output", default=None, help="also write the results (a JSON list) to this file")
-    parser.add_argument("--prepare-only", action="store_true", help="write the models for these arguments to --workdir and stop")
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="write the models for these arguments to --workdir and stop")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.workdir is None:
@@ -311,7 +314,8 @@ def main() -> None:
         return
     rows = []
     for tasks in counts:
-        cmd = [sys.executable, __file__, "--measure", "--library", args.library, "--tasks", str(tasks), "--samples", str(args.samples),
+        cmd = [sys.executable, __file__, "--measure", "--library", args.library, "--tasks", str(tasks), "--samples",
+               str(args.samples),
                "--batch-size", str(args.batch_size), "--layers", str(args.layers), "--device", args.device,
                "--dtype", args.dtype, "--forward-dtype", args.forward_dtype, *([] if args.gram_fraction is None else ["--gram-fraction", repr(args.gram_fraction)]),
                "--stream-placement", args.stream_placement, "--workdir", args.workdir,

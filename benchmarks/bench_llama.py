@@ -200,7 +200,8 @@ def _calibrator(args: argparse.Namespace, merged: torch.nn.Module, device: torch
     vocab = GEOMETRIES[args.geometry]["vocab_size"]
     gen = torch.Generator().manual_seed(0)
     data = {
-        task: [{"input_ids": torch.randint(0, vocab, (min(args.batch_size, args.sequences - s), args.length), generator=gen),
+        task: [{"input_ids": torch.randint(0, vocab, (min(args.batch_size, args.sequences - s), args.length),
+                                           generator=gen),
                 "attention_mask": torch.ones(min(args.batch_size, args.sequences - s), args.length, dtype=torch.long)}
                for s in range(0, args.sequences, args.batch_size)]
         for task in experts
@@ -276,7 +277,8 @@ def check_flops(args: argparse.Namespace) -> None:
     from hf_featcal.pipeline.context import RunContext
 
     prepare(args.workdir, args.geometry, args.tasks, torch.float32)
-    merged = LlamaForCausalLM.from_pretrained(os.path.join(args.workdir, f"merged-{args.tasks}"), dtype=torch.float32).eval()
+    merged = LlamaForCausalLM.from_pretrained(os.path.join(args.workdir, f"merged-{args.tasks}"),
+                                              dtype=torch.float32).eval()
     calibrator = _calibrator(args, merged, torch.device("cpu"))
     aten = torch.ops.aten
     import hf_featcal.statistics as statistics

@@ -173,7 +173,8 @@ def main() -> None:
     if args.output:
         with open(args.output, "w", encoding="utf-8") as handle:
             json.dump(
-                {**result, "before": args.before, "after": args.after, "paired": args.paired, "bench_args": bench_args, "runs": rounds},
+                {**result, "before": args.before, "after": args.after, "paired": args.paired, "bench_args": bench_args,
+                 "runs": rounds},
                 handle, indent=2,
             )
 

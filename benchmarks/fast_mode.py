@@ -57,7 +57,8 @@ def run_one(name: str, seed: int, forward_dtype: str, cache_dir: str | None) -> 
     setting = SETTINGS[name](seed, None if cache_dir is None else os.path.join(cache_dir, f"{name}-seed{seed}"))
     ta = setting.score(setting.merged)
     runs = {}
-    for mode, config in (("exact", setting.config), ("fast", dataclasses.replace(setting.config, forward_dtype=forward_dtype))):
+    for mode, config in (("exact", setting.config),
+                         ("fast", dataclasses.replace(setting.config, forward_dtype=forward_dtype))):
         model = copy.deepcopy(setting.merged)
         dtypes = {n: (p.dtype, p.device) for n, p in model.named_parameters()}
         start = time.perf_counter()

@@ -43,7 +43,8 @@ def main() -> None:
             model = copy.deepcopy(run.merged)
             with timing_calls(digests) as spent:
                 start = time.perf_counter()
-                calibrator = FeatCalCalibrator(model, run.base, sources, run.data, FeatCalConfig(num_samples_per_task=None),
+                calibrator = FeatCalCalibrator(model, run.base, sources, run.data,
+                                               FeatCalConfig(num_samples_per_task=None),
                                                show_progress=False, checkpoint_dir=f"{root}/ckpt-{label[:2]}")
                 calibrator.calibrate()
                 total = time.perf_counter() - start

@@ -66,7 +66,8 @@ def _text_like(s) -> dict:
 
     row = {"ta": score(merged)}
     for granularity in GRANULARITIES:
-        calibrated, seconds = _featcal(merged, s.base, s.experts, s.calibration_batches, FeatCalConfig(granularity=granularity))
+        calibrated, seconds = _featcal(merged, s.base, s.experts, s.calibration_batches,
+                                       FeatCalConfig(granularity=granularity))
         row[granularity], row[f"{granularity}_seconds"] = score(calibrated), seconds
     return row
 

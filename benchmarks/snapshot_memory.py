@@ -162,8 +162,8 @@ def main() -> None:
     rows = []
     for _ in range(args.repeats):
         for snapshot in ("memory", "disk"):
-            cmd = [sys.executable, __file__, "--snapshot", snapshot, "--tasks", str(args.tasks), "--samples", str(args.samples),
-                   "--sample-interval", str(args.sample_interval),
+            cmd = [sys.executable, __file__, "--snapshot", snapshot, "--tasks", str(args.tasks), "--samples",
+                   str(args.samples), "--sample-interval", str(args.sample_interval),
                    "--layers", str(args.layers), "--workdir", args.workdir, *(["--no-base"] if args.no_base else [])]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
             rows.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))

@@ -51,9 +51,12 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "alpha_is_1": ("pipeline/accumulate.py", "    alpha = ctx.config.teacher_alpha\n", "    alpha = 1.0\n"),
     "alpha_is_0": ("pipeline/accumulate.py", "    alpha = ctx.config.teacher_alpha\n", "    alpha = 0.0\n"),
-    "task_scale_1": ("statistics.py", "        s_i = task_scale(upper_gram_norm(gram) / total, self.epsilon)\n", "        s_i = 1.0\n"),
-    "task_sums_not_divided_by_their_weight": ("statistics.py", "        scale = s_i / total\n", "        scale = s_i\n"),
-    "later_tasks_cross_fold_dropped": ("statistics.py", "                self.rhs_sum[name].addmm_(cross, w_i.T)\n", "                pass\n"),
+    "task_scale_1": ("statistics.py", "        s_i = task_scale(upper_gram_norm(gram) / total, self.epsilon)\n",
+                     "        s_i = 1.0\n"),
+    "task_sums_not_divided_by_their_weight": ("statistics.py", "        scale = s_i / total\n",
+                                              "        scale = s_i\n"),
+    "later_tasks_cross_fold_dropped": ("statistics.py", "                self.rhs_sum[name].addmm_(cross, w_i.T)\n",
+                                       "                pass\n"),
     "later_tasks_direct_rhs_unscaled": (
         "statistics.py", "self.rhs_sum[name].add_(moments[index], alpha=scale)", "self.rhs_sum[name].add_(moments[index], alpha=s_i)",
     ),
@@ -81,7 +84,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     "handover_of_a_parameter_sharing_memory": (
         "restore.py", " and owners.get(p.untyped_storage().data_ptr()) == 1", "",
     ),
-    "handover_snapshot_is_the_live_parameter": ("restore.py", "                tensor.data = original.clone()\n", "                pass\n"),
+    "handover_snapshot_is_the_live_parameter": ("restore.py", "                tensor.data = original.clone()\n",
+                                                "                pass\n"),
     "gram_sum_not_remirrored_after_a_task": ("statistics.py", "        self._gram_sum = None\n", "        pass\n"),
     "solve_factors_the_gram_in_place": (
         "solver.py", "    system = shifted(lhs, shift, work)\n    factor, info = cholesky(system, out=system)\n    if info == 0:",
@@ -149,7 +153,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "rhs = symmetric_upper_product(self._gram, w_i.T).mul_(1.0 - alpha)",
         "rhs = symmetric_upper_product(self._gram, w_i.T).mul_(alpha)",
     ),
-    "outputs_captured_are_inputs": ("hooks.py", "                store[_name] = output", "                store[_name] = args[0]"),
+    "outputs_captured_are_inputs": ("hooks.py", "                store[_name] = output",
+                                    "                store[_name] = args[0]"),
     "syrk_diagonal_blocks_not_mirrored": (
         "statistics.py",
         "        mirror_diagonal_blocks_(self._gram)  # (syrk left their lower halves out)\n",
@@ -159,7 +164,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "statistics.py", "block.copy_(block.triu().add_(block.triu(1).mT))", "block.copy_(block.triu().add_(block.tril(-1)))"
     ),
     "syrk_other_triangle": ("mkl_products.py", 'b"L", b"N" if transpose', 'b"U", b"N" if transpose'),
-    "gram_norm_off_diagonal_once": ("statistics.py", "total += 2.0 * float(rows.dot(rows))", "total += float(rows.dot(rows))"),
+    "gram_norm_off_diagonal_once": ("statistics.py", "total += 2.0 * float(rows.dot(rows))",
+                                    "total += float(rows.dot(rows))"),
     "gram_norm_float32_whole_matrix": (
         "statistics.py",
         "    return total**0.5\n",
@@ -176,8 +182,10 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     "cpu_memory_run_thresholds_kept_after": (
         "cpu_memory.py", "AFTER_MMAP_THRESHOLD = 32 << 20", "AFTER_MMAP_THRESHOLD = 64 << 20",
     ),
-    "cpu_memory_inner_exit_resets": ("cpu_memory.py", "        if _depth == 0:\n            libc.mallopt(_M_TRIM", "        if True:\n            libc.mallopt(_M_TRIM"),
-    "drift_without_padding_mask": ("pipeline/drift.py", "totals[i] += (distances * mask).sum()", "totals[i] += distances.sum()"),
+    "cpu_memory_inner_exit_resets": ("cpu_memory.py", "        if _depth == 0:\n            libc.mallopt(_M_TRIM",
+                                     "        if True:\n            libc.mallopt(_M_TRIM"),
+    "drift_without_padding_mask": ("pipeline/drift.py", "totals[i] += (distances * mask).sum()",
+                                   "totals[i] += distances.sum()"),
 }
 
 DEFAULT_TESTS = ["tests/test_reference_blockwise.py", "tests/test_t5.py", "tests/test_llm.py",

@@ -95,7 +95,8 @@ def reference_featcal(merged, base, experts, data, *, lam=0.05, rho=2.2, alpha=0
                         s_sum += s
                         per_task.append((s, wn @ x_s, wn @ x_t, e_mod))
                     a_w = anchor_of("weight")
-                    weight = torch.linalg.solve(lhs + (lam + eps) * torch.eye(d, dtype=torch.float64), rhs + lam * a_w.T).T
+                    weight = torch.linalg.solve(lhs + (lam + eps) * torch.eye(d, dtype=torch.float64),
+                                                rhs + lam * a_w.T).T
                     for s, mu_s, mu_t, e_mod in per_task:
                         bias_num += s * (e_mod.bias + e_mod.weight @ mu_t - weight @ mu_s)
                     bias = (bias_num + lam * anchor_of("bias")) / (s_sum + lam)

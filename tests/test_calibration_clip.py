@@ -71,7 +71,8 @@ def test_exact_recovery_when_only_fc2_differs(generator, dtype, compute_dtype, e
     config = FeatCalConfig(teacher_alpha=1.0, lambda_ratio=0.0, compute_dtype=compute_dtype, epsilon=epsilon)
     probe = torch.randn(6, 3, 8, 8, generator=generator).to(dtype)
     with torch.no_grad():
-        assert _relative_error(merged(pixel_values=probe).last_hidden_state, expert(pixel_values=probe).last_hidden_state) > 0.05
+        assert _relative_error(merged(pixel_values=probe).last_hidden_state,
+                               expert(pixel_values=probe).last_hidden_state) > 0.05
     FeatCalCalibrator(merged, None, {"task": expert}, data, config, show_progress=False).calibrate()
     with torch.no_grad():
         got, want = merged(pixel_values=probe).last_hidden_state, expert(pixel_values=probe).last_hidden_state
@@ -268,7 +269,8 @@ def test_warns_on_singular_gram_after_zero_bias_layer_norm(generator):
     assert not [w for w in caught if "numerically singular" in str(w.message)]
     # without a ridge only ε and round-off set it
     with pytest.warns(FeatCalWarning, match=r"self_attn\.q_proj.*numerically singular.*raise lambda_ratio"):
-        FeatCalCalibrator(copy.deepcopy(base), None, experts, data, FeatCalConfig(lambda_ratio=0.0), show_progress=False).calibrate()
+        FeatCalCalibrator(copy.deepcopy(base), None, experts, data, FeatCalConfig(lambda_ratio=0.0),
+                          show_progress=False).calibrate()
 
 
 def test_training_flag_and_device_are_restored(clip_setting):

@@ -164,7 +164,8 @@ def test_run_recipe_end_to_end(world, capsys):
     saved = load_recipe(out_dir / "featcal_recipe.yaml")
     original = load_recipe(path)
     assert saved.calibration == original.calibration and saved.evaluation == original.evaluation
-    assert (saved.base, saved.experts, saved.merge, saved.featcal) == (original.base, original.experts, original.merge, original.featcal)
+    assert (saved.base, saved.experts, saved.merge, saved.featcal) == (original.base, original.experts, original.merge,
+                                                                       original.featcal)
     drift = json.loads((out_dir / "featcal_drift_report.json").read_text())["tasks"]
     assert all(sum(d["after"]) < sum(d["before"]) for d in drift.values())
 
@@ -178,7 +179,8 @@ def test_run_recipe_end_to_end(world, capsys):
 
     # the saved model evaluates with `hf-featcal evaluate` (custom task: local data + class names)
     scores = world / "scores.json"
-    assert cli.main(["evaluate", "--model", str(out_dir), "--task", "zorbs", "--data", f"zorbs={world / 'data' / 'zorbs'}",
+    assert cli.main(["evaluate", "--model", str(out_dir), "--task", "zorbs", "--data",
+                     f"zorbs={world / 'data' / 'zorbs'}",
                      "--class-names", "zorbs=zorb,blip,quax", "--batch-size", "8", "--output-json", str(scores)]) == 0
     assert json.loads(scores.read_text())["scores"]["zorbs"] == pytest.approx(evaluation["after"]["zorbs"])
     assert "| zorbs | mean |" in capsys.readouterr().out
@@ -291,8 +293,8 @@ def test_merge_then_calibrate_commands(world, capsys):
     assert "last block before" in capsys.readouterr().out
 
     # option errors name the option and stop before loading anything
-    code = cli.main(["merge", "--base", str(world / "base"), *experts, "--method", "task_arithmetic", "--density", "0.5",
-                     "--output-dir", str(world / "never")])
+    code = cli.main(["merge", "--base", str(world / "base"), *experts, "--method", "task_arithmetic", "--density",
+                     "0.5", "--output-dir", str(world / "never")])
     assert code == 2 and "--density" in capsys.readouterr().err
     assert not os.path.exists(world / "never")
 
@@ -306,9 +308,12 @@ def test_run_flan_t5_recipe_end_to_end(tmp_path, capsys):
     from hf_featcal.evaluation.glue import GLUE_LABEL_WORDS, GLUE_PROMPT_TEMPLATES
 
     rows = {
-        "cola": {"sentence": ["the cat sat", "cat the sat", "a dog runs", "runs dog a", "the sun is warm", "warm is sun"]},
-        "rte": {"sentence1": ["the cat sat", "a dog runs", "the sun is warm", "a man eats", "the cat sat", "a dog runs"],
-                "sentence2": ["a cat sat", "the dog sleeps", "the sun is hot", "a man is hungry", "a dog runs", "a cat sat"]},
+        "cola": {"sentence": ["the cat sat", "cat the sat", "a dog runs", "runs dog a", "the sun is warm",
+                              "warm is sun"]},
+        "rte": {"sentence1": ["the cat sat", "a dog runs", "the sun is warm", "a man eats", "the cat sat",
+                              "a dog runs"],
+                "sentence2": ["a cat sat", "the dog sleeps", "the sun is hot", "a man is hungry", "a dog runs",
+                              "a cat sat"]},
     }
     pre = pre_tokenizers.Whitespace()
     texts = [GLUE_PROMPT_TEMPLATES[t] for t in rows] + [w for t in rows for w in GLUE_LABEL_WORDS[t]]
@@ -319,7 +324,8 @@ def test_run_flan_t5_recipe_end_to_end(tmp_path, capsys):
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre
     backend.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>",
+                                        unk_token="<unk>")
 
     torch.manual_seed(0)
     config = T5Config(vocab_size=len(vocab), d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=1,
@@ -382,7 +388,8 @@ BAD = [
     ("evaluation.class_names.zorbs", {"evaluation": {"tasks": ["zorbs"]}}),
     ("evaluation.templates.zorbs[0]", {"evaluation": {"class_names": {"zorbs": ["a", "b", "c"], "glyphs": ["x", "y"]},
                                                       "templates": {"zorbs": ["a photo of {}"]}}}),
-    ("evaluation.split", {"evaluation": {"split": "train", "class_names": {"zorbs": ["a", "b", "c"], "glyphs": ["x", "y"]}}}),
+    ("evaluation.split",
+     {"evaluation": {"split": "train", "class_names": {"zorbs": ["a", "b", "c"], "glyphs": ["x", "y"]}}}),
     ("push_to_hub", {"push_to_hub": "not a repo"}),
     ("private", {"private": "yes"}),
     ("overwrite", {"overwrite": 1}),

@@ -30,7 +30,8 @@ def _data(world, **overrides):
     return [a for t in TASKS for a in ("--data", f"{t}={overrides.get(t, world / 'data' / t)}")]
 
 
-@pytest.mark.parametrize("device", ["meta", "not-a-device", "cuda:97"] + ([] if torch.cuda.is_available() else ["cuda"]))
+@pytest.mark.parametrize("device",
+                         ["meta", "not-a-device", "cuda:97"] + ([] if torch.cuda.is_available() else ["cuda"]))
 def test_an_unusable_device_is_one_line_and_nothing_runs(world, capsys, tmp_path, device):
     out = tmp_path / "out"
     code = cli.main(["calibrate", "--model", str(world / "base"), "--base", str(world / "base"), *_experts(world),

@@ -45,14 +45,16 @@ def test_rows_are_the_scores_of_the_models_they_name(setting, monkeypatch):
     assert list(result.scores) == ["experts", "task_arithmetic", "task_arithmetic+featcal", "ties", "ties+featcal",
                                    "regmean", "regmean+featcal"]
     assert result.scores["experts"]["mean"] == 0.0  # each expert is its own target
-    for method, params in (("task_arithmetic", {"scaling_factor": 0.3}), ("ties", {"scaling_factor": 0.3, "density": 0.2})):
+    for method, params in (("task_arithmetic", {"scaling_factor": 0.3}),
+                           ("ties", {"scaling_factor": 0.3, "density": 0.2})):
         merged = original(base, experts, method, **params)
         direct = evaluate(merged)
         assert result.scores[method] == pytest.approx({**direct, "mean": sum(direct.values()) / 2}, rel=1e-6)
         calibrator = FeatCalCalibrator(copy.deepcopy(merged), base, experts, data, config, show_progress=False)
         after = evaluate(calibrator.calibrate())
         assert result.scores[f"{method}+featcal"] == pytest.approx({**after, "mean": sum(after.values()) / 2}, rel=1e-6)
-        assert result.drift[f"{method}+featcal"] == pytest.approx({t: d["after"][-1] for t, d in calibrator.report.tasks.items()})
+        assert result.drift[f"{method}+featcal"] == pytest.approx({t: d["after"][-1] for t,
+                                                                   d in calibrator.report.tasks.items()})
         assert result.drift[method] == pytest.approx({t: d["before"][-1] for t, d in calibrator.report.tasks.items()})
     direct = evaluate(regmean_merging(base, experts, data, num_samples_per_task=8))
     assert result.scores["regmean"] == pytest.approx({**direct, "mean": sum(direct.values()) / 2}, rel=1e-6)
@@ -110,7 +112,8 @@ def test_bad_merge_parameters_are_refused_before_any_work(setting, merges, match
 def test_missing_or_empty_calibration_data_is_refused_before_any_merge(setting):
     base, experts, data, evaluate = setting
     calls, counted = _evaluations(evaluate)
-    with pytest.raises(ValueError, match=r"tasks \['dtd'\] have an expert in `experts` but no entry in `calibration_data`"):
+    with pytest.raises(ValueError,
+                       match=r"tasks \['dtd'\] have an expert in `experts` but no entry in `calibration_data`"):
         compare_post_merging(base, experts, {"cars": data["cars"]}, counted, merges=["average"])
     for empty in ([], Dataset.from_dict({"pixel_values": []})):
         with pytest.raises(ValueError, match=r"calibration_data\['dtd'\] is empty"):

@@ -76,7 +76,8 @@ def test_compare_recipe_rows(world, capsys):  # noqa: F811
     text = capsys.readouterr().out
     saved = json.loads((out / "comparison.json").read_text())
     assert saved["tasks"] == list(TASKS)
-    assert list(saved["scores"]) == ["experts", "task_arithmetic", "task_arithmetic+featcal", "average", "average+featcal",
+    assert list(saved["scores"]) == ["experts", "task_arithmetic", "task_arithmetic+featcal", "average",
+                                     "average+featcal",
                                    "regmean", "regmean+featcal"]
     assert saved["errors"] == {}
     assert "| average+featcal | " in text and "zero-shot" in text.lower()
@@ -88,10 +89,12 @@ def test_compare_recipe_rows(world, capsys):  # noqa: F811
     base = CLIPModel.from_pretrained(world / "base")
     processing = recipes.load_processing("clip", str(world / "base"))
     experts = {t: str(world / "experts" / t) for t in TASKS}
-    merged = merge_models(str(world / "base"), experts, "task_arithmetic", scaling_factor=0.5)  # the compare section's λ
+    merged = merge_models(str(world / "base"), experts, "task_arithmetic",
+                          scaling_factor=0.5)  # the compare section's λ
     direct, _ = recipes.evaluate_model("clip", merged, recipe.evaluation, processing=processing, clip_model=base,
                                        device="cpu")
-    assert {t: saved["scores"]["task_arithmetic"][t] for t in TASKS} == pytest.approx({t: 100 * v for t, v in direct.items()})
+    assert {t: saved["scores"]["task_arithmetic"][t] for t in TASKS} == pytest.approx({t: 100 * v for t,
+                                                                                       v in direct.items()})
     from transformers import CLIPVisionModel
 
     for task in TASKS:
@@ -156,7 +159,8 @@ def test_compare_section_defaults_and_round_trip(world):  # noqa: F811
 
     path = _write(world / "grid.yaml", _recipe(world, compare={"merges": {"ties": {"density": 0.5}, "regmean": None}}))
     recipe = load_recipe(path)
-    assert recipe.compare.merges == {"ties": {**DEFAULT_MERGES["ties"], "density": 0.5}, "regmean": DEFAULT_MERGES["regmean"]}
+    assert recipe.compare.merges == {"ties": {**DEFAULT_MERGES["ties"], "density": 0.5},
+                                     "regmean": DEFAULT_MERGES["regmean"]}
     assert recipe.compare.post_merging is None
     saved = _write(world / "grid-resolved.yaml", recipe.to_dict())
     assert load_recipe(saved).compare == recipe.compare

@@ -118,11 +118,13 @@ def test_linears_run_on_onednn_only_where_they_may(generator, monkeypatch, count
             strided = torch.randn(12, 4, generator=generator).T  # oneDNN is slow on strided operands: Linear's own
             assert torch.equal(plain(strided), torch.nn.functional.linear(strided, plain.weight, plain.bias))
             x64 = x.double()  # float64: Linear's own forward, bit for bit
-            assert "forward" in wide.__dict__ and torch.equal(wide(x64), torch.nn.functional.linear(x64, wide.weight, wide.bias))
+            assert "forward" in wide.__dict__ and torch.equal(wide(x64),
+                                                              torch.nn.functional.linear(x64, wide.weight, wide.bias))
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 assert plain(x).dtype == torch.bfloat16  # autocast's own path
         with_grad = plain(x)  # gradients on: Linear's own forward, and backward works
-        assert with_grad.requires_grad and torch.equal(with_grad, torch.nn.functional.linear(x, plain.weight, plain.bias))
+        assert with_grad.requires_grad and torch.equal(with_grad,
+                                                       torch.nn.functional.linear(x, plain.weight, plain.bias))
         with_grad.sum().backward()
         assert plain.weight.grad is not None
         assert counted == [(4, 12)]

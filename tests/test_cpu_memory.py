@@ -95,7 +95,8 @@ def test_calibrate_tunes_the_allocator_while_it_runs(clip_setting, reuse):
     seen = []
     model = copy.deepcopy(merged)
     model.encoder.layers[0].register_forward_pre_hook(lambda module, args: seen.append(cpu_memory.active()))
-    calibrator = FeatCalCalibrator(model, base, experts, data, FeatCalConfig(reuse_freed_cpu_memory=reuse), device="cpu")
+    calibrator = FeatCalCalibrator(model, base, experts, data, FeatCalConfig(reuse_freed_cpu_memory=reuse),
+                                   device="cpu")
     seen.clear()  # (the constructor's input checks forward a batch before the run)
     calibrator.calibrate()
     assert seen and set(seen) == {reuse}
@@ -118,8 +119,10 @@ def test_results_are_the_same_bit_for_bit(clip_setting):
     weights = []
     for reuse in (True, False):
         model = copy.deepcopy(merged)
-        calibrator = FeatCalCalibrator(model, base, experts, data, FeatCalConfig(reuse_freed_cpu_memory=reuse), device="cpu")
+        calibrator = FeatCalCalibrator(model, base, experts, data, FeatCalConfig(reuse_freed_cpu_memory=reuse),
+                                       device="cpu")
         weights.append({k: v.clone() for k, v in calibrator.calibrate().state_dict().items()})
-    assert not torch.equal(weights[0]["encoder.layers.0.mlp.fc1.weight"], merged.state_dict()["encoder.layers.0.mlp.fc1.weight"])
+    assert not torch.equal(weights[0]["encoder.layers.0.mlp.fc1.weight"],
+                           merged.state_dict()["encoder.layers.0.mlp.fc1.weight"])
     for name, value in weights[0].items():
         assert torch.equal(value, weights[1][name]), name

@@ -123,7 +123,8 @@ def llama_saved(tmp_path_factory):
     for task in ("add", "sort"):
         perturbed(base, generator, 0.03).save_pretrained(folders[task])
 
-    merged = merge_models(folders["base"], {t: folders[t] for t in ("add", "sort")}, "task_arithmetic", scaling_factor=0.5)
+    merged = merge_models(folders["base"], {t: folders[t] for t in ("add", "sort")}, "task_arithmetic",
+                          scaling_factor=0.5)
     uncalibrated = copy.deepcopy(merged).eval()
     rng = np.random.default_rng(0)
     calibration = {
@@ -271,9 +272,10 @@ def clip_processor() -> CLIPProcessor:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.normalizer = normalizers.Lowercase()
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.post_processor = processors.TemplateProcessing(single="<bos> $A <eos>", special_tokens=[("<bos>", 0), ("<eos>", 1)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<eos>",
-                                        unk_token="<unk>", model_max_length=16)
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A <eos>",
+                                                           special_tokens=[("<bos>", 0), ("<eos>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
+                                        pad_token="<eos>", unk_token="<unk>", model_max_length=16)
     image_processor = CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
     return CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer)
 
@@ -294,7 +296,8 @@ def clip_saved(tmp_path_factory):
     torch.manual_seed(1)
     text = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                 vocab_size=len(processor.tokenizer), bos_token_id=0, eos_token_id=1, pad_token_id=1, max_position_embeddings=16)
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=4)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8,
+                  patch_size=4)
     base = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)).eval()
     randomise_norms(base, generator)
     base.config._name_or_path = "featcal-tests/tiny-clip"
@@ -420,7 +423,8 @@ def test_open_clip_folder_records_its_preprocess(tmp_path):
     from hf_featcal.architectures.openclip import CONFIG_NAME, load_open_clip, load_open_clip_processing
 
     cfg = {"embed_dim": 8, "quick_gelu": True,
-           "vision_cfg": {"image_size": 8, "layers": 2, "width": 16, "head_width": 8, "mlp_ratio": 2.0, "patch_size": 4},
+           "vision_cfg": {"image_size": 8, "layers": 2, "width": 16, "head_width": 8, "mlp_ratio": 2.0,
+                          "patch_size": 4},
            "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 16, "heads": 2, "layers": 1}}
     (tmp_path / "featcal-downstream-vit.json").write_text(json.dumps(cfg))
     open_clip.add_model_config(tmp_path / "featcal-downstream-vit.json")
@@ -463,7 +467,8 @@ def test_vision_tower_folder_runs_image_feature_extraction(clip_setting, tmp_pat
     from hf_featcal.report import pipeline_tag_of
 
     base, experts, merged, data = clip_setting
-    calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(num_samples_per_task=10), show_progress=False)
+    calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(num_samples_per_task=10),
+                                   show_progress=False)
     calibrator.calibrate()
     image_processor = CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
     out = tmp_path / "tower"
@@ -476,5 +481,6 @@ def test_vision_tower_folder_runs_image_feature_extraction(clip_setting, tmp_pat
     with torch.no_grad():
         direct = calibrator.model(**image_processor(image, return_tensors="pt")).last_hidden_state
     torch.testing.assert_close(torch.as_tensor(features).reshape(direct.shape), direct)
-    tiny_llama = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    tiny_llama = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                             num_attention_heads=2)
     assert pipeline_tag_of(LlamaModel(tiny_llama)) == "feature-extraction"

@@ -41,7 +41,8 @@ def _image(generator, n=4):
 FAMILIES = {
     "bert": (lambda: BertForSequenceClassification(BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2,
               num_attention_heads=2, intermediate_size=32, num_labels=3)), _text),
-    "roberta": (lambda: RobertaForSequenceClassification(RobertaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2,
+    "roberta": (lambda: RobertaForSequenceClassification(RobertaConfig(vocab_size=40, hidden_size=16,
+                                                                       num_hidden_layers=2,
                  num_attention_heads=2, intermediate_size=32, num_labels=3, pad_token_id=1)), _text),
     "vit": (lambda: ViTForImageClassification(ViTConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
              intermediate_size=32, image_size=8, patch_size=4, num_labels=3)), _image),
@@ -101,7 +102,8 @@ def test_drift_and_recovery(family, generator):
     perturbed_model = copy.deepcopy(expert)
     with torch.no_grad():
         for layer in _blocks(perturbed_model):
-            _ffn_out(layer).weight.add_(0.3 * torch.randn(_ffn_out(layer).weight.shape, generator=generator, dtype=torch.float64))
+            _ffn_out(layer).weight.add_(0.3 * torch.randn(_ffn_out(layer).weight.shape, generator=generator,
+                                                          dtype=torch.float64))
     batches = [{k: (v.double() if v.is_floating_point() else v) for k, v in make_batch(generator, n=16).items()} for _ in range(3)]
     config = FeatCalConfig(teacher_alpha=1.0, lambda_ratio=0.0, compute_dtype="float64", epsilon=1e-15)
     FeatCalCalibrator(perturbed_model, None, {"t": expert}, {"t": batches}, config, show_progress=False).calibrate()

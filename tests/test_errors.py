@@ -50,8 +50,10 @@ def test_mismatched_expert_config(clip_setting, overrides, match):
 
 def test_mismatched_architecture_and_base(clip_setting):
     base, experts, merged, data = clip_setting
-    bert = BertModel(BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50))
-    with pytest.raises(ValueError, match=r"`base_model` has model_type 'bert', which does not match the merged CLIPVisionModel"):
+    bert = BertModel(BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                vocab_size=50))
+    with pytest.raises(ValueError,
+                       match=r"`base_model` has model_type 'bert', which does not match the merged CLIPVisionModel"):
         FeatCalCalibrator(merged, bert, experts, data)
     gpt2 = GPT2Model(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match=r"`base_model` has unsupported architecture"):
@@ -70,7 +72,8 @@ def test_mismatched_parameter_shapes(clip_setting):
 
 def test_task_without_data_or_expert(clip_setting):
     base, experts, merged, data = clip_setting
-    with pytest.raises(ValueError, match=r"tasks \['dtd'\] have an expert in `experts` but no entry in `calibration_data`"):
+    with pytest.raises(ValueError,
+                       match=r"tasks \['dtd'\] have an expert in `experts` but no entry in `calibration_data`"):
         FeatCalCalibrator(merged, base, experts, {"cars": data["cars"]})
     with pytest.raises(ValueError, match=r"tasks \['svhn'\] have data in `calibration_data` but no expert"):
         FeatCalCalibrator(merged, base, experts, {**data, "svhn": data["cars"]})

@@ -131,11 +131,13 @@ def _linear_output_dtypes(model, run):
     return seen
 
 
-@pytest.mark.parametrize("forward_dtype,expected", [(None, torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+@pytest.mark.parametrize("forward_dtype,expected",
+                         [(None, torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)])
 def test_block_forwards_run_in_the_forward_dtype(generator, forward_dtype, expected):
     base, experts, merged, data = build_clip_setting(generator)
     model = copy.deepcopy(merged)
-    calibrator = FeatCalCalibrator(model, base, experts, data, FeatCalConfig(forward_dtype=forward_dtype), show_progress=False)
+    calibrator = FeatCalCalibrator(model, base, experts, data, FeatCalConfig(forward_dtype=forward_dtype),
+                                   show_progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         seen = _linear_output_dtypes(model, calibrator.calibrate)
@@ -220,6 +222,7 @@ def test_gram_products_take_the_forward_dtype(generator, forward_dtype, low_pays
         warnings.simplefilter("ignore")
         FeatCalCalibrator(copy.deepcopy(merged), base, experts, data, FeatCalConfig(forward_dtype=forward_dtype),
                           show_progress=False).calibrate()
-    statistics = {dtypes for dtypes, shape, inner in recorder.products if shape[0] == shape[1] in widths and inner == 25}
+    statistics = {dtypes for dtypes, shape,
+                  inner in recorder.products if shape[0] == shape[1] in widths and inner == 25}
     expected = torch.bfloat16 if forward_dtype is not None and low_pays else torch.float32
     assert statistics == {(expected, expected)}

@@ -47,7 +47,8 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _calibrated(merged, experts, data, granularity, **config):
     model = copy.deepcopy(merged)
-    FeatCalCalibrator(model, None, experts, data, FeatCalConfig(granularity=granularity, **config), show_progress=False).calibrate()
+    FeatCalCalibrator(model, None, experts, data, FeatCalConfig(granularity=granularity, **config),
+                      show_progress=False).calibrate()
     return model
 
 
@@ -112,7 +113,8 @@ def test_block_is_the_default_and_unchanged(generator):
     default = copy.deepcopy(merged)
     FeatCalCalibrator(default, base, experts, data, FeatCalConfig(), show_progress=False).calibrate()
     explicit = copy.deepcopy(merged)
-    FeatCalCalibrator(explicit, base, experts, data, FeatCalConfig(granularity="block"), show_progress=False).calibrate()
+    FeatCalCalibrator(explicit, base, experts, data, FeatCalConfig(granularity="block"),
+                      show_progress=False).calibrate()
     module = copy.deepcopy(merged)
     FeatCalCalibrator(module, base, experts, data, FeatCalConfig(granularity="module"), show_progress=False).calibrate()
     moved = False

@@ -106,7 +106,8 @@ def test_exact_recovery_when_only_down_proj_differs(generator, family):
     merged = copy.deepcopy(expert)
     with torch.no_grad():
         for layer in merged.model.layers:
-            layer.mlp.down_proj.weight.add_(0.3 * torch.randn(layer.mlp.down_proj.weight.shape, generator=generator, dtype=torch.float64))
+            layer.mlp.down_proj.weight.add_(0.3 * torch.randn(layer.mlp.down_proj.weight.shape, generator=generator,
+                                                              dtype=torch.float64))
     data = {"task": [lm_batch(generator, n=16) for _ in range(3)]}  # ≥ 48 (= intermediate) tokens
     probe = lm_batch(generator, n=3, pad=False)
     logits = lambda m: m(**probe).logits  # noqa: E731
@@ -135,7 +136,8 @@ def test_only_selected_positions_count(generator):
     other["input_ids"][:, 5:] = torch.randint(1, VOCAB, (6, 3), generator=generator)
     one, two = copy.deepcopy(merged), copy.deepcopy(merged)
     FeatCalCalibrator(one, base, experts, {"a": [{**batch, "labels": labels}]}, show_progress=False).calibrate()
-    FeatCalCalibrator(two, base, experts, {"a": [{**other, "loss_mask": (labels != -100).long()}]}, show_progress=False).calibrate()
+    FeatCalCalibrator(two, base, experts, {"a": [{**other, "loss_mask": (labels != -100).long()}]},
+                      show_progress=False).calibrate()
     for (name, p), q in zip(one.named_parameters(), two.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
     changed = copy.deepcopy(merged)

@@ -142,7 +142,8 @@ def test_trained_lora_biases_are_applied_as_peft_does(clip_setting, tmp_path, bi
 
     base = clip_setting[0]
     full = _adapter_with_trained_biases(base, tmp_path / "a", 0, bias)
-    moved = [k for k, v in base.state_dict().items() if k.endswith(".bias") and not torch.equal(v, full.state_dict()[k])]
+    moved = [k for k,
+             v in base.state_dict().items() if k.endswith(".bias") and not torch.equal(v, full.state_dict()[k])]
     assert len(moved) == (18 if bias == "all" else 4)  # the adapter does carry trained biases
     # merging: lambda = 1 gives the expert itself
     merged = task_arithmetic(base, {"a": str(tmp_path / "a")}, scaling_factor=1.0)
@@ -170,7 +171,8 @@ def test_non_finite_adapter_is_named_when_opened(clip_setting, tmp_path):
     from hf_featcal.merging import task_arithmetic
 
     base, experts, merged, data = clip_setting
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    peft_model = get_peft_model(copy.deepcopy(base),
+                                LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
     with torch.no_grad():
         peft_model.base_model.model.encoder.layers[1].self_attn.q_proj.lora_B["default"].weight[0, 0] = float("nan")
     peft_model.save_pretrained(tmp_path / "a")

@@ -150,7 +150,8 @@ def test_merged_model_runs_forward(vision_setting):
     base_sd = base.state_dict()
     independent = CLIPVisionModel(vision_config()).eval()
     independent.load_state_dict(
-        {k: v + 0.3 * sum(e.state_dict()[k] - v for e in experts.values()) if v.is_floating_point() else v for k, v in base_sd.items()}
+        {k: v + 0.3 * sum(e.state_dict()[k] - v for e in experts.values()) if v.is_floating_point() else v for k,
+         v in base_sd.items()}
     )
     pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -418,7 +419,8 @@ def test_ties_sign_election_and_disjoint_mean_on_a_constructed_example():
 def test_ties_single_expert_full_density_is_the_expert(vision_setting):
     base, experts = vision_setting
     for per_tensor in (False, True):
-        merged = ties_merging(base, {"a": experts["task0"]}, scaling_factor=1.0, density=1.0, per_tensor_trim=per_tensor)
+        merged = ties_merging(base, {"a": experts["task0"]}, scaling_factor=1.0, density=1.0,
+                              per_tensor_trim=per_tensor)
         assert_state_close(merged, float_state(experts["task0"]))
 
 

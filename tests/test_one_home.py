@@ -76,7 +76,8 @@ def test_module_device_skips_meta_parameters():
 def test_model_type_of_reads_a_model_or_a_config_and_loads_no_torch():
     from hf_featcal.architectures import model_type_of
 
-    bert = BertModel(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16))
+    bert = BertModel(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=16))
     assert model_type_of(bert) == "bert" and model_type_of(T5Config()) == "t5"
     assert model_type_of(nn.Linear(2, 2)) is None and model_type_of(None) is None
     code = (

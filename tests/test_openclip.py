@@ -137,7 +137,8 @@ def test_drift_before_is_the_full_models_own_forward(generator):
     for task, expert in experts.items():
         sums, count = torch.zeros(LAYERS, dtype=torch.float64), 0
         for batch in data[task]:
-            for i, (hm, he) in enumerate(zip(_block_outputs(given, batch["pixel_values"]), _block_outputs(expert, batch["pixel_values"]), strict=True)):
+            for i, (hm, he) in enumerate(zip(_block_outputs(given, batch["pixel_values"]),
+                                             _block_outputs(expert, batch["pixel_values"]), strict=True)):
                 sums[i] += (hm.double() - he.double()).norm(dim=-1).sum()
             count += hm.shape[0] * hm.shape[1]
         assert calibrator.report.tasks[task]["before"] == pytest.approx((sums / count).tolist(), rel=1e-5)
@@ -183,7 +184,8 @@ def test_pool_type_decides_the_class_token_weighting(generator):
     calibrator.calibrate()
     # average pooling: the same as class-token pooling with every token at weight 1 in the last block
     tok_uniform = copy.deepcopy(merged)
-    FeatCalCalibrator(tok_uniform, base, experts, data, FeatCalConfig(final_block_token_weight=1.0), show_progress=False).calibrate()
+    FeatCalCalibrator(tok_uniform, base, experts, data, FeatCalConfig(final_block_token_weight=1.0),
+                      show_progress=False).calibrate()
     tok_default = copy.deepcopy(merged)
     FeatCalCalibrator(tok_default, base, experts, data, show_progress=False).calibrate()
     assert _relative(avg["merged"].state_dict(), tok_uniform.state_dict()) < 1e-6
@@ -205,7 +207,8 @@ def test_mismatched_and_unsupported_models(generator):
     with pytest.raises(ValueError, match="only ResidualAttentionBlock"):
         FeatCalCalibrator(custom, None, {"cars": copy.deepcopy(custom)}, {"cars": data["cars"]})
     with pytest.raises(ValueError, match=r"calibration_data\['cars'\]"):
-        FeatCalCalibrator(merged, base, experts, {"cars": [{"input_ids": torch.ones(2, 3, dtype=torch.long)}], "dtd": data["dtd"]})
+        FeatCalCalibrator(merged, base, experts,
+                          {"cars": [{"input_ids": torch.ones(2, 3, dtype=torch.long)}], "dtd": data["dtd"]})
 
 
 @pytest.fixture
@@ -280,7 +283,8 @@ def test_zero_shot_evaluation_of_open_clip_models(generator):
     from hf_featcal.evaluation import evaluate_clip_zeroshot
 
     text = CLIPTextCfg(context_length=12, vocab_size=49408, width=16, heads=2, layers=1)
-    vision = CLIPVisionCfg(layers=LAYERS, width=WIDTH, head_width=WIDTH // HEADS, mlp_ratio=2.0, patch_size=PATCH, image_size=IMAGE)
+    vision = CLIPVisionCfg(layers=LAYERS, width=WIDTH, head_width=WIDTH // HEADS, mlp_ratio=2.0, patch_size=PATCH,
+                           image_size=IMAGE)
     model = CLIP(embed_dim=8, vision_cfg=vision, text_cfg=text, quick_gelu=True).eval()
     randomise_norms(model, generator)
     tokenizer = open_clip.tokenizer.SimpleTokenizer(context_length=12)
@@ -338,7 +342,8 @@ def test_open_clip_recipe_and_commands_end_to_end(generator, tmp_path, tiny_mode
                                     class_names={"zorbs": names["zorbs"]})
     assert evaluation["after"]["zorbs"] == pytest.approx(direct["zorbs"])
     # the calibration changed the vision tower and only that
-    merged = task_arithmetic(f"local-dir:{tmp_path / 'base'}", {t: f"local-dir:{tmp_path / 'experts' / t}" for t in names}, 0.3)
+    merged = task_arithmetic(f"local-dir:{tmp_path / 'base'}",
+                             {t: f"local-dir:{tmp_path / 'experts' / t}" for t in names}, 0.3)
     key = "visual.transformer.resblocks.1.mlp.c_proj.weight"
     assert not torch.equal(reloaded.state_dict()[key], merged.state_dict()[key])
     assert torch.equal(reloaded.state_dict()["text_projection"], merged.state_dict()["text_projection"])
@@ -348,7 +353,8 @@ def test_open_clip_recipe_and_commands_end_to_end(generator, tmp_path, tiny_mode
     assert cli.main(["merge", "--base", f"local-dir:{tmp_path / 'base'}", *experts, "--method", "task_arithmetic",
                      "--scaling-factor", "0.3", "--output-dir", str(tmp_path / "merged")]) == 0
     data = [arg for task in names for arg in ("--data", f"{task}={tmp_path / 'data' / task}")]
-    assert cli.main(["calibrate", "--model", f"local-dir:{tmp_path / 'merged'}", "--base", f"local-dir:{tmp_path / 'base'}",
+    assert cli.main(["calibrate", "--model", f"local-dir:{tmp_path / 'merged'}", "--base",
+                     f"local-dir:{tmp_path / 'base'}",
                      *experts, *data, "--num-examples", "8", "--batch-size", "4", "--quiet",
                      "--output-dir", str(tmp_path / "calibrated")]) == 0
     calibrated = open_clip.create_model(f"local-dir:{tmp_path / 'calibrated'}")

@@ -161,7 +161,8 @@ def test_the_declared_range_and_default_are_the_ones_enforced(monkeypatch, capsy
     monkeypatch.setitem(RECIPE_SECTIONS, f"calibration.tasks.{TASK}", changed)
     recipe = copy.deepcopy(_CLIP)
     recipe["calibration"]["default"]["num_examples"] = 5
-    with pytest.raises(RecipeError, match=re.escape("calibration.default.num_examples: must be an integer ≥ 10 or null, got 5")):
+    with pytest.raises(RecipeError,
+                       match=re.escape("calibration.default.num_examples: must be an integer ≥ 10 or null, got 5")):
         parse_recipe(recipe)
     assert {s.max_input_length for s in parse_recipe(copy.deepcopy(_T5)).calibration.values()} == {100}
     argv = ["calibrate", "--model", "org/merged", "--expert", "a=org/expert-a", "--data", "a=org/data",
@@ -219,7 +220,8 @@ def test_the_recipes_docstring_and_docs_show_the_rendered_schema():
 _FLAGS = [
     *(("calibrate", "calibration.default", name) for name in recipe_keys("calibration.default")),
     ("calibrate", "", "output_dir"), ("calibrate", "", "push_to_hub"),
-    ("evaluate", "evaluation", "split"), ("evaluate", "evaluation", "max_samples"), ("evaluate", "evaluation", "batch_size"),
+    ("evaluate", "evaluation", "split"), ("evaluate", "evaluation", "max_samples"), ("evaluate", "evaluation",
+                                                                                     "batch_size"),
     ("run", "", "output_dir"), ("run", "", "push_to_hub"),
 ]
 
@@ -320,8 +322,8 @@ def test_merge_and_calibrate_run_the_recipe_stages_and_save_the_same_model(world
 def test_a_flag_for_another_family_names_the_flag_and_writes_nothing(world, tmp_path, capsys):
     experts = [a for t in TASKS for a in ("--expert", f"{t}={world / 'experts' / t}")]
     out = tmp_path / "out"
-    assert cli.main(["calibrate", "--model", str(world / "base"), *experts, "--data-default", str(world / "data" / "{task}"),
-                     "--glue-task", "cola", "--output-dir", str(out), "--quiet"]) == 2
+    assert cli.main(["calibrate", "--model", str(world / "base"), *experts, "--data-default",
+                     str(world / "data" / "{task}"), "--glue-task", "cola", "--output-dir", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("hf-featcal calibrate: error: calibration data: calibration.default.glue_task: only for model_family 'flan_t5'")
     assert err.endswith("(given by --glue-task)")

@@ -99,7 +99,8 @@ def test_bad_arguments_are_named(generator):
         regmean_merging(base, experts, data, reduction=1.5)
     with pytest.raises(TypeError, match=r"experts\['cars'\] must be an in-memory model"):
         regmean_merging(base, {**experts, "cars": "some/folder"}, data)
-    with pytest.raises(ValueError, match=r"tasks \['dtd'\] have an expert in `experts` but no entry in `calibration_data`"):
+    with pytest.raises(ValueError,
+                       match=r"tasks \['dtd'\] have an expert in `experts` but no entry in `calibration_data`"):
         regmean_merging(base, experts, {"cars": data["cars"]})
 
 
@@ -114,12 +115,14 @@ def test_bad_inputs_get_the_calibrators_checks(generator):
     with pytest.raises(ValueError, match=r"calibration_data\['dtd'\] is empty"):
         regmean_merging(base, experts, {**data, "dtd": []})
     shallow = CLIPVisionModel(tiny_vision_config(num_hidden_layers=1))
-    with pytest.raises(ValueError, match=r"`experts\['dtd'\]` has a different configuration .*num_hidden_layers: merged 2 vs 1"):
+    with pytest.raises(ValueError,
+                       match=r"`experts\['dtd'\]` has a different configuration .*num_hidden_layers: merged 2 vs 1"):
         regmean_merging(base, {**experts, "dtd": shallow}, data)
     poisoned = [dict(batch) for batch in data["dtd"]]
     poisoned[1] = {"pixel_values": poisoned[1]["pixel_values"].clone()}
     poisoned[1]["pixel_values"][0, 0, 0, 0] = float("nan")
-    with pytest.raises(ValueError, match=r"non-finite values in the features of calibration_data\['dtd'\] entering block 0"):
+    with pytest.raises(ValueError,
+                       match=r"non-finite values in the features of calibration_data\['dtd'\] entering block 0"):
         regmean_merging(base, experts, {**data, "dtd": poisoned})
     with pytest.raises(ValueError, match=r"num_samples_per_task must be a positive integer or None, got 0"):
         regmean_merging(base, experts, data, num_samples_per_task=0)

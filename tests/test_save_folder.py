@@ -24,7 +24,8 @@ from hf_featcal.saving import atomic_folder, read_manifest
 @pytest.fixture
 def calibrator(clip_setting):
     base, experts, merged, data = clip_setting
-    calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(num_samples_per_task=10), show_progress=False)
+    calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(num_samples_per_task=10),
+                                   show_progress=False)
     calibrator.calibrate()
     return calibrator
 
@@ -327,7 +328,8 @@ def test_push_to_hub_deletes_stale_remote_weights(calibrator, monkeypatch):
               "model.safetensors", "README.md", "onnx/model.onnx", "notes.txt"]
     deleted = [path for path in filter_repo_objects(remote, allow_patterns=calls["delete_patterns"])
                if path not in calls["files"]]
-    assert deleted == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert deleted == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                       "model.safetensors.index.json"]
 
 
 @pytest.fixture

@@ -191,7 +191,8 @@ def test_objective_decrease_from_the_factor_equals_the_gram_product(generator, n
     x = torch.randn(n + 100, n, generator=generator, dtype=F64)
     gram = x.T @ x / n
     anchor = torch.randn(40, n, generator=generator, dtype=F64)
-    (new,), info = solve_linear_weights(gram, [torch.randn(n, 40, generator=generator, dtype=F64)], [anchor], 0.05, 1e-8)
+    (new,), info = solve_linear_weights(gram, [torch.randn(n, 40, generator=generator, dtype=F64)], [anchor], 0.05,
+                                        1e-8)
     assert info.method == "cholesky" and info.factor is not None
     old = anchor + 0.1 * torch.randn(40, n, generator=generator, dtype=F64)
     want = linear_objective_decrease(gram, old, new, 0.05, 1e-8)

@@ -151,7 +151,8 @@ def test_exact_recovery_when_only_wo_differs(generator, dtype, compute_dtype, ep
     assert float((logits(merged) - logits(expert)).norm() / logits(expert).norm()) > 0.05
     FeatCalCalibrator(merged, None, {"task": expert}, data, config, show_progress=False).calibrate()
     assert float((logits(merged) - logits(expert)).norm() / logits(expert).norm()) <= output_tol
-    for mb, eb in zip(list(merged.encoder.block) + list(merged.decoder.block), list(expert.encoder.block) + list(expert.decoder.block), strict=True):
+    for mb, eb in zip(list(merged.encoder.block) + list(merged.decoder.block),
+                      list(expert.encoder.block) + list(expert.decoder.block), strict=True):
         got, want = mb.layer[-1].DenseReluDense.wo.weight, eb.layer[-1].DenseReluDense.wo.weight
         assert float((got - want).norm() / want.norm()) <= weight_tol
 
@@ -171,7 +172,8 @@ def test_t5_v1_geometry_and_encoder_only_model(generator):
     for task in experts:
         assert calibrator.report.tasks[task]["before"] == pytest.approx(_independent_drift(given, experts[task], data[task]), rel=1e-5)
     assert torch.equal(merged.lm_head.weight, lm_head)  # embeddings / head keep their merged values
-    assert not torch.equal(merged.encoder.block[0].layer[1].DenseReluDense.wi.weight, given.encoder.block[0].layer[1].DenseReluDense.wi.weight)
+    assert not torch.equal(merged.encoder.block[0].layer[1].DenseReluDense.wi.weight,
+                           given.encoder.block[0].layer[1].DenseReluDense.wi.weight)
 
     encoder_only = T5EncoderModel(config).eval()
     encoder_only.load_state_dict(given.state_dict(), strict=False)
@@ -210,7 +212,8 @@ def test_mismatched_vocabulary_or_config(t5_setting):
     with pytest.raises(ValueError, match=r"base_model.*feed_forward_proj"):
         FeatCalCalibrator(merged, T5ForConditionalGeneration(t5_config(feed_forward_proj="relu")), experts, data)
     with pytest.raises(ValueError, match=r"experts\['cola'\].*num_decoder_layers: merged 2 vs 1"):
-        FeatCalCalibrator(merged, base, {**experts, "cola": T5ForConditionalGeneration(t5_config(num_decoder_layers=1))}, data)
+        FeatCalCalibrator(merged, base,
+                          {**experts, "cola": T5ForConditionalGeneration(t5_config(num_decoder_layers=1))}, data)
 
 
 def _word_tokenizer(words):

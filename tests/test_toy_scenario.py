@@ -155,7 +155,8 @@ def test_experts_specialise(scenario, accuracies):
         own = accuracies["experts"][task]
         for other in scenario.tasks:
             if other != task:
-                assert accuracy(scenario.experts[other], scenario.heads[task], d.test_images, d.test_labels) < own - 0.05
+                assert accuracy(scenario.experts[other], scenario.heads[task], d.test_images,
+                                d.test_labels) < own - 0.05
 
 
 @pytest.mark.slow  # uses the module-scoped full scenario (built once, ~15-20 s)

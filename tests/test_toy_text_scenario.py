@@ -152,7 +152,8 @@ def test_mini_scenario_is_deterministic_and_caches(tmp_path):
             assert torch.equal(x, y), name
     assert not torch.equal(first.base.shared.weight, other.base.shared.weight)
     for task in TASKS:
-        assert all(torch.equal(x[k], y[k]) for x, y in zip(first.calibration_batches[task], second.calibration_batches[task], strict=True) for k in x)
+        assert all(torch.equal(x[k], y[k]) for x,
+                   y in zip(first.calibration_batches[task], second.calibration_batches[task], strict=True) for k in x)
         # experts differ from the base, i.e. they were fine-tuned
         assert not torch.equal(first.experts[task].lm_head.weight, first.base.lm_head.weight)
     # reloaded from the cache: the same weights, and the saved tokenizer is there
@@ -161,7 +162,8 @@ def test_mini_scenario_is_deterministic_and_caches(tmp_path):
     assert not reloaded.base.config.tie_word_embeddings
     assert not torch.equal(reloaded.base.lm_head.weight, reloaded.base.shared.weight)
     for task in TASKS:
-        for x, y in zip(first.experts[task].state_dict().values(), reloaded.experts[task].state_dict().values(), strict=True):
+        for x, y in zip(first.experts[task].state_dict().values(), reloaded.experts[task].state_dict().values(),
+                        strict=True):
             assert torch.equal(x, y)
     assert (tmp_path / "text-scenario" / "tokenizer" / "tokenizer.json").is_file()
     datasets = first.calibration_datasets()
@@ -201,7 +203,8 @@ def test_calibration_batches_come_from_train_split(scenario):
         assert sum(b["input_ids"].shape[0] for b in batches) == 64
         assert all(b["input_ids"].shape[0] == 16 for b in batches)
         rows = {
-            tuple(row[mask.bool()].tolist()) for b in batches for row, mask in zip(b["input_ids"], b["attention_mask"], strict=True)
+            tuple(row[mask.bool()].tolist()) for b in batches for row, mask in zip(b["input_ids"], b["attention_mask"],
+                                                                                   strict=True)
         }
         train = {tuple(ids) for ids in tokenizer([e.source for e in scenario.train_data[task]])["input_ids"]}
         test = {tuple(ids) for ids in tokenizer([e.source for e in scenario.test_data[task]])["input_ids"]}

@@ -39,7 +39,8 @@ def held_out_accuracy(scenario):
         scores = []
         for task in scenario.tasks:
             data = scenario.data[task]
-            scores.append(accuracy(model, scenario.heads[task], data.train_images[HELD_OUT], data.train_labels[HELD_OUT]))
+            scores.append(accuracy(model, scenario.heads[task], data.train_images[HELD_OUT],
+                                   data.train_labels[HELD_OUT]))
         return sum(scores) / len(scores)
 
     return validation_fn
@@ -50,7 +51,8 @@ def test_tune_returns_argmax_and_reproduces(scenario):
     snapshot = copy.deepcopy(merged.state_dict())
     validation_fn = held_out_accuracy(scenario)
     lines: list[str] = []
-    result = tune_featcal(merged, scenario.base, scenario.experts, scenario.calibration, validation_fn, GRID, log=lines.append)
+    result = tune_featcal(merged, scenario.base, scenario.experts, scenario.calibration, validation_fn, GRID,
+                          log=lines.append)
 
     assert isinstance(result, TuningResult)
     assert len(result.table) == len(GRID) == len(lines)
@@ -131,8 +133,10 @@ def test_sources_and_batches_are_prepared_once_for_the_grid(scenario, tmp_path, 
             for t in scenario.tasks}
     resolved, batched = [], []
     original_resolve, original_prepare = experts_module.resolve_checkpoint, tuning_module.prepare_batches
-    monkeypatch.setattr(experts_module, "resolve_checkpoint", lambda name, *a, **k: resolved.append(name) or original_resolve(name, *a, **k))
-    monkeypatch.setattr(tuning_module, "prepare_batches", lambda task, *a, **k: batched.append(task) or original_prepare(task, *a, **k))
+    monkeypatch.setattr(experts_module, "resolve_checkpoint", lambda name, *a,
+                        **k: resolved.append(name) or original_resolve(name, *a, **k))
+    monkeypatch.setattr(tuning_module, "prepare_batches", lambda task, *a,
+                        **k: batched.append(task) or original_prepare(task, *a, **k))
     merged = scenario.task_arithmetic(0.3)
     grid = [{"lambda_ratio": 0.05}, {"lambda_ratio": 0.5}, {"lambda_ratio": 0.05, "batch_size": 8}]
     scores = {}

@@ -66,7 +66,8 @@ def batch_size_of(batch: Mapping[str, Any], main_input_name: str) -> int:
 
 def cut_batch(batch: Mapping[str, Any], size: int, keep: int) -> Batch:
     """The first `keep` examples of a batch of `size` (tensors with that leading dimension are cut)."""
-    return {k: (v[:keep] if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == size else v) for k, v in batch.items()}
+    return {k: (v[:keep] if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == size else v) for k,
+            v in batch.items()}
 
 
 def prepare_batches(
@@ -235,7 +236,8 @@ def text_length_limit(max_length: int | None, model_config: Any, processing_clas
         return max_length
     known = [
         value
-        for value in (getattr(model_config, "max_position_embeddings", None), getattr(processing_class, "model_max_length", None))
+        for value in (getattr(model_config, "max_position_embeddings", None),
+                      getattr(processing_class, "model_max_length", None))
         if isinstance(value, int) and not isinstance(value, bool) and 0 < value < _UNKNOWN_TOKENIZER_LIMIT
     ]
     return min(known) if known else None

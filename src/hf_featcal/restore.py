@@ -225,7 +225,8 @@ class _DiskSnapshot:
         for key, entry in header.items():
             if key != "__metadata__":
                 start, stop = entry["data_offsets"]
-                self._entries[key] = (mapped, _SAFETENSORS_NAMES[entry["dtype"]], entry["shape"], 8 + length + start, stop - start)
+                self._entries[key] = (mapped, _SAFETENSORS_NAMES[entry["dtype"]], entry["shape"], 8 + length + start,
+                                      stop - start)
 
     def read(self, key: str) -> Tensor:
         if key not in self._entries:

@@ -117,7 +117,8 @@ _MERGE_FUNC = MergeParameter(
 )
 _DARE = (
     _SCALING_FACTOR,
-    MergeParameter("drop_rate", float, 0.9, "probability p of dropping each task-vector entry", interval=(0.0, 1.0, False, True)),
+    MergeParameter("drop_rate", float, 0.9, "probability p of dropping each task-vector entry",
+                   interval=(0.0, 1.0, False, True)),
     MergeParameter("rescale", bool, True, "rescale the kept entries (see rescale_mode)"),
     MergeParameter("seed", int, 0, "seed of the drop masks"),
     MergeParameter(
@@ -277,7 +278,8 @@ class RecipeKey:
 
 
 _CALIBRATION_DATA = (
-    RecipeKey("dataset", "dataset", "calibration dataset; '{task}' is replaced by the task name (also in config and split)",
+    RecipeKey("dataset", "dataset",
+              "calibration dataset; '{task}' is replaced by the task name (also in config and split)",
               option="--data-default", metavar="DATASET"),
     RecipeKey("config", "str", "dataset config name (hub datasets)", nullable=True, option="--data-default-config",
               metavar="NAME"),
@@ -317,10 +319,12 @@ RECIPE_SECTIONS: dict[str, tuple[RecipeKey, ...]] = {
         RecipeKey("compare", "section", "the grid of hf-featcal compare RECIPE (ignored by run)"),
     ),
     "experts": (RecipeKey(TASK, "model", "the expert of this task"),),
-    "merge": (RecipeKey("method", "choice", "the merge method", required=True, choices=tuple(MERGE_PARAMETER_DECLARATIONS)),),
+    "merge": (RecipeKey("method", "choice", "the merge method", required=True,
+                        choices=tuple(MERGE_PARAMETER_DECLARATIONS)),),
     "calibration": (
         RecipeKey("default", "section", "applies to every task"),
-        RecipeKey("tasks", "mapping", "per-task entries override default; <task>: <dataset> is short for {dataset: ...}"),
+        RecipeKey("tasks", "mapping",
+                  "per-task entries override default; <task>: <dataset> is short for {dataset: ...}"),
     ),
     "calibration.default": _CALIBRATION_DATA,
     f"calibration.tasks.{TASK}": _CALIBRATION_DATA,
@@ -328,7 +332,8 @@ RECIPE_SECTIONS: dict[str, tuple[RecipeKey, ...]] = {
         RecipeKey("tasks", "list", "the evaluated tasks", value_text="[<task>, ...]", default_text="every expert"),
         RecipeKey("split", "str", "evaluation split", value_text="<split> | {<task>: <split>}",
                   default_text="clip / open_clip: test; flan_t5: validation (mnli: validation_matched)"),
-        RecipeKey("max_samples", "int", "evaluate a seeded random subset (seed 0) of at most this many examples per task",
+        RecipeKey("max_samples", "int",
+                  "evaluate a seeded random subset (seed 0) of at most this many examples per task",
                   minimum=1, nullable=True),
         RecipeKey("batch_size", "int", "evaluation batch size", minimum=1, default_text="the family's: {batch_sizes}"),
         RecipeKey("datasets", "mapping", "per-task evaluation data: <task>: <dataset> or a mapping",
@@ -337,13 +342,15 @@ RECIPE_SECTIONS: dict[str, tuple[RecipeKey, ...]] = {
                   value_text="{<task>: [<name>, ...]}"),
         RecipeKey("templates", "mapping", "zero-shot prompt templates with the placeholder {c}",
                   value_text="{<task>: [\"a photo of a {c}.\", ...]}"),
-        RecipeKey("clip_model", "model", "the CLIPModel whose text tower builds the zero-shot heads", default_text="base"),
+        RecipeKey("clip_model", "model", "the CLIPModel whose text tower builds the zero-shot heads",
+                  default_text="base"),
     ),
     f"evaluation.datasets.{TASK}": (
         RecipeKey("dataset", "dataset", "evaluation dataset", required=True),
         RecipeKey("config", "str", "dataset config name (hub datasets)", nullable=True),
         RecipeKey("split", "str", "evaluation split", default_text="evaluation.split"),
-        RecipeKey("image_column", "str", "the image column (renamed to image)", nullable=True, default_text="image / img"),
+        RecipeKey("image_column", "str", "the image column (renamed to image)", nullable=True,
+                  default_text="image / img"),
         RecipeKey("label_column", "str", "the label column (renamed to label)", nullable=True, default_text="label"),
     ),
     "compare": (

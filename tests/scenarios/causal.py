@@ -252,7 +252,8 @@ def train_causal_lm(
     """Train `model` in place as a causal LM on `examples` (loss on the answer tokens only) with
     :func:`scenarios.text.train_on_pairs`; returns it in eval mode."""
     pad_id = tokenizer.pad_token_id
-    return train_on_pairs(model, encode_causal(tokenizer, examples), lambda chunk: collate_causal(chunk, pad_id, "answer"),
+    return train_on_pairs(model, encode_causal(tokenizer, examples),
+                          lambda chunk: collate_causal(chunk, pad_id, "answer"),
                           steps, batch_size, lr, weight_decay, warmup, seed, use_cache=False)
 
 
@@ -448,7 +449,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows, merged = scenario.score_rows()
     reports = {}
     for positions in CALIBRATION_POSITIONS if args.positions == "both" else (args.positions,):
-        calibrated, reports[positions], seconds = scenario.calibrate_with_defaults(merged, scenario.calibration_data(positions))
+        calibrated, reports[positions], seconds = scenario.calibrate_with_defaults(merged,
+                                                                                   scenario.calibration_data(positions))
         print(f"FeatCal ({positions} positions) in {seconds:.1f} s")
         rows[f"TA 0.3 + FeatCal ({positions})"] = scenario.evaluate(calibrated)
     scenario.print_scores(rows)

@@ -513,7 +513,8 @@ class ScenarioBase(MergingScenario):
         start = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            calibrator = FeatCalCalibrator(merged, self.base, self.experts, batches, config=FeatCalConfig(), show_progress=False)
+            calibrator = FeatCalCalibrator(merged, self.base, self.experts, batches, config=FeatCalConfig(),
+                                           show_progress=False)
             calibrated = calibrator.calibrate()
         return calibrated, calibrator.report, time.perf_counter() - start
 
@@ -555,7 +556,8 @@ class TextScenario(ScenarioBase):
         return evaluate_exact_match(model, self.tokenizer, self.test_data, **kwargs)
 
 
-def scenario_splits(config: Any) -> tuple[dict[str, list[TextExample]], dict[str, list[TextExample]], dict[str, list[TextExample]]]:
+def scenario_splits(config: Any) -> tuple[dict[str, list[TextExample]], dict[str, list[TextExample]],
+                                          dict[str, list[TextExample]]]:
     """Per target task deterministic train/test examples, and the base's pretraining mix: the proxy
     tasks plus, when ``config.pretrain_target_max_length`` is set, the target tasks' short TRAIN
     examples. `config` has the fields of :class:`TextScenarioConfig` that describe data."""
@@ -610,7 +612,8 @@ def resolve_config(config: Any, default: Callable[[], Any], seed: int | None) ->
     return config
 
 
-def save_scenario_build(path: str, key: Mapping[str, Any], tokenizer: Any, base: Any, experts: Mapping[str, Any]) -> None:
+def save_scenario_build(path: str, key: Mapping[str, Any], tokenizer: Any, base: Any,
+                        experts: Mapping[str, Any]) -> None:
     """`save_build` of a text scenario: ``base/``, ``expert_<task>/`` and ``tokenizer/``."""
     models = {"base": base, **{f"expert_{task}": expert for task, expert in experts.items()}}
     save_build(path, key, models, lambda folder: tokenizer.save_pretrained(os.path.join(folder, "tokenizer")))

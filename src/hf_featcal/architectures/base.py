@@ -65,7 +65,8 @@ class ModuleSpec:
 
     def value(self, block: nn.Module, attr: str = "weight") -> Tensor | None:
         """This spec's weight or bias (attr 'weight' / 'bias') in `block`, None for a missing bias."""
-        tensor = getattr(block.get_submodule(self.owner), self.weight_attr if attr == "weight" else self.bias_attr, None)
+        tensor = getattr(block.get_submodule(self.owner), self.weight_attr if attr == "weight" else self.bias_attr,
+                         None)
         if tensor is None:
             return None
         tensor = tensor.detach()

@@ -130,7 +130,8 @@ class OpenCLIPVisionLayerMap(LayerMap):
             import open_clip
 
             with torch.device("meta"), _without_random_init_warning():
-                skeleton = open_clip.create_model(LOCAL_DIR + folder, load_weights=False, device="meta", pretrained_text=False)
+                skeleton = open_clip.create_model(LOCAL_DIR + folder, load_weights=False, device="meta",
+                                                  pretrained_text=False)
             return cls().describe(skeleton)
 
         return LibraryCheckpoint(name, lambda: load_open_clip(reference), files, describe)
