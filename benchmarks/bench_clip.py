@@ -122,8 +122,10 @@ def prepare(workdir: str, tasks: int, layers: int, library: _Library) -> None:
     merged = {k: v.clone() for k, v in original.items()}
     for i in range(tasks):
         gen = torch.Generator().manual_seed(1000 + i)
-        expert = {k: v + 0.02 * v.std().clamp_min(1e-3) * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v
-                  for k, v in original.items()}
+        expert = {
+            k: v + 0.02 * v.std().clamp_min(1e-3) * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v
+            for k, v in original.items()
+        }
         for k, v in expert.items():
             if v.is_floating_point():
                 merged[k] += 0.3 * (v - original[k])
@@ -139,8 +141,15 @@ def prepare(workdir: str, tasks: int, layers: int, library: _Library) -> None:
 
 
 def flop_count(
-    tasks: int, samples: int, layers: int, d: int = 768, ff: int = 3072, tokens: int = 50, gram_fraction: float | None = None,
-    exact: bool = True, syrk: bool = False,
+    tasks: int,
+    samples: int,
+    layers: int,
+    d: int = 768,
+    ff: int = 3072,
+    tokens: int = 50,
+    gram_fraction: float | None = None,
+    exact: bool = True,
+    syrk: bool = False,
 ) -> dict[str, float]:
     """Arithmetic (2 × multiply-adds) of one FeatCal run with the default settings, per timed stage,
     as the library does it.
@@ -314,12 +323,33 @@ def main() -> None:
         return
     rows = []
     for tasks in counts:
-        cmd = [sys.executable, __file__, "--measure", "--library", args.library, "--tasks", str(tasks), "--samples",
-               str(args.samples),
-               "--batch-size", str(args.batch_size), "--layers", str(args.layers), "--device", args.device,
-               "--dtype", args.dtype, "--forward-dtype", args.forward_dtype, *([] if args.gram_fraction is None else ["--gram-fraction", repr(args.gram_fraction)]),
-               "--stream-placement", args.stream_placement, "--workdir", args.workdir,
-               *(["--reuse-freed-cpu-memory"] if args.reuse_freed_cpu_memory else [])]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--measure",
+            "--library",
+            args.library,
+            "--tasks",
+            str(tasks),
+            "--samples",
+            str(args.samples),
+            "--batch-size",
+            str(args.batch_size),
+            "--layers",
+            str(args.layers),
+            "--device",
+            args.device,
+            "--dtype",
+            args.dtype,
+            "--forward-dtype",
+            args.forward_dtype,
+            *([] if args.gram_fraction is None else ["--gram-fraction", repr(args.gram_fraction)]),
+            "--stream-placement",
+            args.stream_placement,
+            "--workdir",
+            args.workdir,
+            *(["--reuse-freed-cpu-memory"] if args.reuse_freed_cpu_memory else []),
+        ]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
             sys.stderr.write(run.stdout + run.stderr)

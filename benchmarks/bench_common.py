@@ -193,7 +193,9 @@ def stage_table(result: dict, title: str) -> str:
         "|---|---:|---:|---:|---:|---|",
     ]
     for stage, seconds, tflop, rate, fraction, dtype in stage_rows(result):
-        lines.append(f"| {stage} | {seconds:.2f} | {fmt(tflop, '.3f')} | {fmt(rate, '.3f')} | {fmt(fraction, '.3f')} | {dtype or '-'} |")
+        lines.append(
+            f"| {stage} | {seconds:.2f} | {fmt(tflop, '.3f')} | {fmt(rate, '.3f')} | {fmt(fraction, '.3f')} | {dtype or '-'} |"
+        )
     device_mem = "-" if result["peak_device_gib"] is None else f"{result['peak_device_gib']:.2f} GiB"
     peaks = ", ".join(f"{k} {v:.2f}" for k, v in result["measured_matmul_tflops"].items())
     lines.append(

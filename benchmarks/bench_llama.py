@@ -235,9 +235,17 @@ def measure(args: argparse.Namespace) -> dict:
     dtypes = stage_dtypes(args.dtype, forward_dtype, low_products_in_use(device, forward_dtype))
     peaks = {name: matmul_throughput(device, getattr(torch, name)) for name in sorted(set(dtypes.values()))}
     config = calibrator.config
-    flops = flop_count(GEOMETRIES[args.geometry], args.tasks, args.sequences, args.length, args.batch_size,
-                       teacher_alpha=config.teacher_alpha, report_drift=config.report_drift, exact=forward_dtype is None,
-                       syrk=syrk_in_use(device, forward_dtype))
+    flops = flop_count(
+        GEOMETRIES[args.geometry],
+        args.tasks,
+        args.sequences,
+        args.length,
+        args.batch_size,
+        teacher_alpha=config.teacher_alpha,
+        report_drift=config.report_drift,
+        exact=forward_dtype is None,
+        syrk=syrk_in_use(device, forward_dtype),
+    )
     return {
         "geometry": args.geometry,
         "parameters_billion": sum(p.numel() for p in merged.parameters()) / 1e9,
@@ -307,10 +315,21 @@ def check_flops(args: argparse.Namespace) -> None:
     finally:
         RunContext.timed = timed
     config = calibrator.config
-    model = flop_count(GEOMETRIES[args.geometry], args.tasks, args.sequences, args.length, args.batch_size,
-                       teacher_alpha=config.teacher_alpha, report_drift=config.report_drift, causal=False, products_only=True,
-                       exact=config.forward_dtype is None)
-    print(f"geometry {args.geometry} · {args.tasks} tasks × {args.sequences} sequences × {args.length} tokens · batches of {args.batch_size}")
+    model = flop_count(
+        GEOMETRIES[args.geometry],
+        args.tasks,
+        args.sequences,
+        args.length,
+        args.batch_size,
+        teacher_alpha=config.teacher_alpha,
+        report_drift=config.report_drift,
+        causal=False,
+        products_only=True,
+        exact=config.forward_dtype is None,
+    )
+    print(
+        f"geometry {args.geometry} · {args.tasks} tasks × {args.sequences} sequences × {args.length} tokens · batches of {args.batch_size}"
+    )
     print("| stage | flop_count (GFLOP) | FlopCounterMode (GFLOP) | ratio |\n|---|---:|---:|---:|")
     for stage in dict.fromkeys([*model, *counted]):
         ours, torchs = model.get(stage, 0.0), counted.get(stage, 0)
@@ -378,7 +397,9 @@ def main() -> None:
             with open(args.output, "w", encoding="utf-8") as handle:
                 json.dump(rows, handle, indent=2)
     if len(rows) > 1:
-        print("\n| experts | seconds | peak RSS (GiB) | peak device (GiB) | fraction of matmul peak |\n|---:|---:|---:|---:|---:|")
+        print(
+            "\n| experts | seconds | peak RSS (GiB) | peak device (GiB) | fraction of matmul peak |\n|---:|---:|---:|---:|---:|"
+        )
         for r in rows:
             device_mem = f"{r['peak_device_gib']:.2f}" if r["peak_device_gib"] is not None else "-"
             fraction = r["block_work_fraction_of_matmul_peak"]

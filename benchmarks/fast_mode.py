@@ -38,7 +38,9 @@ from scenario_spread import SETTINGS, _featcal, _mean
 SCORE_BAR = 0.5
 
 
-def calibrated_parameter_differences(merged: torch.nn.Module, exact: torch.nn.Module, fast: torch.nn.Module) -> dict[str, float]:
+def calibrated_parameter_differences(
+    merged: torch.nn.Module, exact: torch.nn.Module, fast: torch.nn.Module
+) -> dict[str, float]:
     """‖P_fast − P_exact‖_F / ‖P_exact‖_F for every parameter tensor that exact-mode FeatCal changed
     (those it calibrated), in float64."""
     before = dict(merged.named_parameters())
@@ -97,7 +99,9 @@ def table(rows: list[dict]) -> str:
             f"{r['max_relative_difference']:.2e} | {r['mean_relative_difference']:.2e} | {r['seconds_exact']:.1f} | {r['seconds_fast']:.1f} |"
         )
     lines.append("")
-    lines.append("| scenario | seeds | TA | exact | fast | fast − exact (pt) | max \\|fast − exact\\| (pt) | within 0.5 pt | rel. diff. W max |")
+    lines.append(
+        "| scenario | seeds | TA | exact | fast | fast − exact (pt) | max \\|fast − exact\\| (pt) | within 0.5 pt | rel. diff. W max |"
+    )
     lines.append("|---|---:|---:|---:|---:|---:|---:|---|---:|")
     for name in dict.fromkeys(r["scenario"] for r in rows):
         mine = [r for r in rows if r["scenario"] == name]

@@ -28,8 +28,10 @@ from hf_featcal import FeatCalCalibrator, FeatCalConfig
 def main() -> None:
     run = clip_tower_run()
     size = sum(p.numel() * p.element_size() for p in run.base.parameters())
-    print(f"tower: {sum(p.numel() for p in run.base.parameters()) / 1e6:.1f} M parameters ({size / 2**20:.0f} MiB) per model; "
-          f"{run.args.samples} images per task, {run.args.threads} threads")
+    print(
+        f"tower: {sum(p.numel() for p in run.base.parameters()) / 1e6:.1f} M parameters ({size / 2**20:.0f} MiB) per model; "
+        f"{run.args.samples} images per task, {run.args.threads} threads"
+    )
 
     # the calibrator module's own names: the data digest at construction, and the run digest at the start
     # of `calibrate()` as a whole (reads parameters, hashes expert files); neither call holds the other

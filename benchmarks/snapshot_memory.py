@@ -96,7 +96,9 @@ def measure(args: argparse.Namespace) -> dict:
     merged = library.load(os.path.join(args.workdir, f"merged-{args.tasks}"), torch.float32)
     experts = {f"task{i}": os.path.join(args.workdir, f"expert-{i}") for i in range(args.tasks)}
     data = {
-        task: [{"pixel_values": torch.randn(min(16, args.samples - s), 3, 224, 224)} for s in range(0, args.samples, 16)]
+        task: [
+            {"pixel_values": torch.randn(min(16, args.samples - s), 3, 224, 224)} for s in range(0, args.samples, 16)
+        ]
         for task in experts
     }
     after_load = _status_mib()
@@ -169,7 +171,9 @@ def main() -> None:
             rows.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{args.tasks} tasks, {args.samples} samples/task, {args.layers} blocks, base: {not args.no_base}")
-    print("| snapshot | seconds | snapshot s | peak RSS (MiB) | anon at peak | file at peak | RSS after load | snapshot adds |")
+    print(
+        "| snapshot | seconds | snapshot s | peak RSS (MiB) | anon at peak | file at peak | RSS after load | snapshot adds |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         at = r["sampled_at_peak_mib"]

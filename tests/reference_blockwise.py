@@ -60,7 +60,9 @@ def calibrated_modules(block: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def _capture(model: nn.Module, spec: FamilySpec, position: int, batches: list[dict]) -> dict[str, tuple[Tensor, Tensor]]:
+def _capture(
+    model: nn.Module, spec: FamilySpec, position: int, batches: list[dict]
+) -> dict[str, tuple[Tensor, Tensor]]:
     """Inputs of every calibrated module of block `position` over all `batches`, as (rows × d, weights)."""
     block = spec.blocks(model)[position]
     modules = calibrated_modules(block)
@@ -156,7 +158,9 @@ def reference_featcal(
                     r = torch.zeros(d, 2, dtype=torch.float64)
                     for t in tasks:
                         x_s, w = student[t][name]
-                        z = (x_s - x_s.mean(-1, keepdim=True)) / torch.sqrt(x_s.var(-1, unbiased=False, keepdim=True) + module.eps)
+                        z = (x_s - x_s.mean(-1, keepdim=True)) / torch.sqrt(
+                            x_s.var(-1, unbiased=False, keepdim=True) + module.eps
+                        )
                         wn = w / w.sum()
                         m_i, e_i = wn @ z, wn @ z.square()
                         e_mod = expert_module(t)

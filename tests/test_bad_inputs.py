@@ -160,10 +160,15 @@ def test_merging_refuses_non_finite_experts_and_base(clip_setting, tmp_path, bad
     with torch.no_grad():
         broken.encoder.layers[1].mlp.fc2.weight[3, 4] = bad
     for merge in (task_arithmetic, ties_merging):
-        with pytest.raises(ValueError, match=r"expert 'dtd' has non-finite values \(NaN/Inf\) in 'encoder.layers.1.mlp.fc2.weight'"):
+        with pytest.raises(
+            ValueError, match=r"expert 'dtd' has non-finite values \(NaN/Inf\) in 'encoder.layers.1.mlp.fc2.weight'"
+        ):
             merge(base, {**experts, "dtd": broken})
     broken.save_pretrained(tmp_path / "dtd")
-    with pytest.raises(ValueError, match=r"expert 'dtd' has non-finite values \(NaN/Inf\) in '(vision_model\.)?encoder.layers.1.mlp.fc2.weight'"):
+    with pytest.raises(
+        ValueError,
+        match=r"expert 'dtd' has non-finite values \(NaN/Inf\) in '(vision_model\.)?encoder.layers.1.mlp.fc2.weight'",
+    ):
         task_arithmetic(base, {**experts, "dtd": str(tmp_path / "dtd")})
     broken_base = copy.deepcopy(base)
     with torch.no_grad():
@@ -185,7 +190,10 @@ def _bounded(items, limit=20000):
 def test_unbounded_iterables_are_refused(clip_setting, generator):
     base, experts, merged, data = clip_setting
     endless = _bounded(itertools.repeat(data["cars"][0]))
-    with pytest.raises(ValueError, match=r"calibration_data\['cars'\] is a generator without a length, and FeatCalConfig.num_samples_per_task is None"):
+    with pytest.raises(
+        ValueError,
+        match=r"calibration_data\['cars'\] is a generator without a length, and FeatCalConfig.num_samples_per_task is None",
+    ):
         FeatCalCalibrator(merged, base, experts, {**data, "cars": endless}, FeatCalConfig(num_samples_per_task=None))
     empty = _bounded(itertools.repeat({"pixel_values": torch.empty(0, 3, 8, 8)}))
     with pytest.raises(ValueError, match=r"calibration_data\['cars'\] yielded 1000 empty batches in a row"):
@@ -200,7 +208,10 @@ def test_unbounded_iterables_are_refused(clip_setting, generator):
 def test_a_numpy_array_is_named_as_such(clip_setting, generator):
     base, experts, merged, data = clip_setting
     arrays = [{"pixel_values": np.zeros((2, 3, 8, 8), dtype=np.float32)}]
-    with pytest.raises(ValueError, match=r"calibration_data\['cars'\] item 0: the batch's 'pixel_values' is a numpy.ndarray, expected a torch.Tensor"):
+    with pytest.raises(
+        ValueError,
+        match=r"calibration_data\['cars'\] item 0: the batch's 'pixel_values' is a numpy.ndarray, expected a torch.Tensor",
+    ):
         FeatCalCalibrator(merged, base, experts, {**data, "cars": arrays})
 
 

@@ -160,7 +160,9 @@ def _weight_objective(given, calibrated, base, experts, data, layer, module):
         w = torch.cat(weights)
         w = w / w.sum()
         scale = 1.0 / max(float(torch.linalg.norm((x_s * w[:, None]).T @ x_s)), EPSILON)
-        target = (ALPHA * x_e + (1 - ALPHA) * x_s) @ expert.encoder.layers[layer].get_submodule(module).weight.detach().double().T
+        target = (ALPHA * x_e + (1 - ALPHA) * x_s) @ expert.encoder.layers[layer].get_submodule(
+            module
+        ).weight.detach().double().T
         terms.append((scale, w, x_s, target))
     base_w = base.encoder.layers[layer].get_submodule(module).weight.detach().double()
     anchor = base_w + RHO * (given.encoder.layers[layer].get_submodule(module).weight.detach().double() - base_w)

@@ -57,7 +57,10 @@ def test_a_recipe_fast_mode_dtype_is_refused_before_merging(world, tmp_path, cap
     path = _write(world / "fast16.yaml", recipe)
     assert cli.main(["run", path, "--quiet"]) == 2
     line = _one_error_line(capsys, "run")
-    assert "featcal.forward_dtype: FeatCalConfig.forward_dtype='bfloat16' cannot run `base`, whose weights are float16" in line
+    assert (
+        "featcal.forward_dtype: FeatCalConfig.forward_dtype='bfloat16' cannot run `base`, whose weights are float16"
+        in line
+    )
     assert "Merging" not in capsys.readouterr().err
     assert not out.exists()
     # calibrate: found before the calibration data are loaded (a dataset that cannot load is not reached)
@@ -208,6 +211,23 @@ def test_a_key_given_twice_in_a_recipe_is_refused_naming_it_and_its_lines(world,
                                                                                "d": {"b": 3, "c": 2}}
     featcal = tmp_path / "featcal.yaml"
     featcal.write_text("lambda_ratio: 0.1\nlambda_ratio: 0.2\n")
-    assert cli.main(["calibrate", "--model", str(world / "base"), "--base", str(world / "base"), *_experts(world),
-                     *_data(world), "--featcal-config", str(featcal), "--output-dir", str(tmp_path / "never"), "--quiet"]) == 2
+    assert (
+        cli.main(
+            [
+                "calibrate",
+                "--model",
+                str(world / "base"),
+                "--base",
+                str(world / "base"),
+                *_experts(world),
+                *_data(world),
+                "--featcal-config",
+                str(featcal),
+                "--output-dir",
+                str(tmp_path / "never"),
+                "--quiet",
+            ]
+        )
+        == 2
+    )
     assert "duplicate key 'lambda_ratio' on line 2 (first given on line 1)" in capsys.readouterr().err

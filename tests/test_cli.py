@@ -261,7 +261,11 @@ def test_an_output_folder_the_run_reads_is_refused_before_any_work(world, capsys
     path = _write(world / "into-data.yaml", _recipe(world, output_dir=str(world / "data")))
     assert cli.main(["run", path, "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "output_dir: " in err and "contains the folder of `calibration.tasks.zorbs.dataset`" in err and "Loading" not in err
+    assert (
+        "output_dir: " in err
+        and "contains the folder of `calibration.tasks.zorbs.dataset`" in err
+        and "Loading" not in err
+    )
     with pytest.raises(RecipeError, match="contains the folder of"):
         recipes.run_recipe(load_recipe(path), log=lambda message: None)
     assert sorted(os.listdir(world / "base")) == before
@@ -279,7 +283,9 @@ def test_merge_then_calibrate_commands(world, capsys):
     merged = CLIPModel.from_pretrained(merged_dir)
     assert merged.config.hf_featcal_merge["method"] == "ties"
     assert merged.config.hf_featcal_merge["density"] == 0.5
-    assert os.path.isfile(merged_dir / "processor_config.json") or os.path.isfile(merged_dir / "preprocessor_config.json")
+    assert os.path.isfile(merged_dir / "processor_config.json") or os.path.isfile(
+        merged_dir / "preprocessor_config.json"
+    )
 
     data = [arg for task in TASKS for arg in ("--data", f"{task}={world / 'data' / task}")]
     out = world / "calibrated"

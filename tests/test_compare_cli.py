@@ -32,7 +32,10 @@ def test_compare_demo_prints_the_table_of_the_models_it_names(tmp_path, capsys):
     assert list(saved["scores"]) == ["experts", "task_arithmetic", "task_arithmetic+featcal", "ties", "ties+featcal"]
     assert saved["errors"] == {}
     for row, scores in saved["scores"].items():  # the printed table is the saved one
-        assert f"| {row} | " + " | ".join(f"{scores[t]:.1f}" for t in saved["tasks"]) + f" | {scores['mean']:.1f} |" in text
+        assert (
+            f"| {row} | " + " | ".join(f"{scores[t]:.1f}" for t in saved["tasks"]) + f" | {scores['mean']:.1f} |"
+            in text
+        )
     assert (out / "comparison.md").read_text() in text
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

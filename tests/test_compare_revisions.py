@@ -22,7 +22,8 @@ def _load():
 
 compare_revisions = _load()
 needs_git = pytest.mark.skipif(
-    subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode != 0, reason="not a git checkout"
+    subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode != 0,
+    reason="not a git checkout",
 )
 
 

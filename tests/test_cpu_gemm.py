@@ -81,7 +81,9 @@ def test_the_vendor_is_read_from_cpuinfo():
 @pytest.mark.parametrize("transposed_weight", [False, True])
 def test_onednn_linear_is_a_float32_product(generator, shape, with_bias, transposed_weight):
     x = torch.randn(*shape, generator=generator)
-    weight = torch.randn(24, 40, generator=generator).T if transposed_weight else torch.randn(40, 24, generator=generator)
+    weight = (
+        torch.randn(24, 40, generator=generator).T if transposed_weight else torch.randn(40, 24, generator=generator)
+    )
     bias = torch.randn(40, generator=generator) if with_bias else None
     got = onednn_linear(x, weight, bias)
     want = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())

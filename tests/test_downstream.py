@@ -119,7 +119,9 @@ def llama_saved(tmp_path_factory):
     recorded["_name_or_path"] = "featcal-tests/tiny-llama-base"
     with open(os.path.join(folders["base"], "config.json"), "w") as handle:
         json.dump(recorded, handle)
-    ModelCard("---\nlicense: mit\nlibrary_name: transformers\n---\n# tiny base\n").save(os.path.join(folders["base"], "README.md"))
+    ModelCard("---\nlicense: mit\nlibrary_name: transformers\n---\n# tiny base\n").save(
+        os.path.join(folders["base"], "README.md")
+    )
     for task in ("add", "sort"):
         perturbed(base, generator, 0.03).save_pretrained(folders[task])
 
@@ -243,12 +245,16 @@ def test_lm_eval_harness_scores_the_saved_folder(llama_saved, tmp_path):
     for sample, doc in zip(samples, MC_DOCS, strict=True):
         harness = [float(resp[0][0]) for resp in sample["resps"]]
         direct = [_continuation_loglikelihood(model, tokenizer, doc["question"], " " + c) for c in doc["choices"]]
-        before = [_continuation_loglikelihood(uncalibrated, tokenizer, doc["question"], " " + c) for c in doc["choices"]]
+        before = [
+            _continuation_loglikelihood(uncalibrated, tokenizer, doc["question"], " " + c) for c in doc["choices"]
+        ]
         np.testing.assert_allclose(harness, direct, rtol=0, atol=1e-4)
         largest_gap = max(largest_gap, max(abs(a - b) for a, b in zip(harness, direct, strict=True)))
         largest_change = max(largest_change, max(abs(a - b) for a, b in zip(direct, before, strict=True)))
         acc.append(float(np.argmax(direct) == doc["answer"]))
-        acc_norm.append(float(np.argmax([ll / len(c) for ll, c in zip(direct, doc["choices"], strict=True)]) == doc["answer"]))
+        acc_norm.append(
+            float(np.argmax([ll / len(c) for ll, c in zip(direct, doc["choices"], strict=True)]) == doc["answer"])
+        )
     assert largest_change > 1e-3
     scores = results["results"]["featcal_tiny_mc"]
     assert scores["acc,none"] == pytest.approx(np.mean(acc))
@@ -294,8 +300,17 @@ def clip_saved(tmp_path_factory):
     generator = torch.Generator().manual_seed(1)
     processor = clip_processor()
     torch.manual_seed(1)
-    text = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                vocab_size=len(processor.tokenizer), bos_token_id=0, eos_token_id=1, pad_token_id=1, max_position_embeddings=16)
+    text = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        vocab_size=len(processor.tokenizer),
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        max_position_embeddings=16,
+    )
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8,
                   patch_size=4)
     base = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)).eval()
@@ -315,7 +330,9 @@ def clip_saved(tmp_path_factory):
 
 def test_clip_folder_runs_zero_shot_pipeline(clip_saved):
     out, model, processor = clip_saved["out"], clip_saved["model"], clip_saved["processor"]
-    assert {"config.json", "model.safetensors", "processor_config.json", "tokenizer.json", "README.md"} <= set(_files(out))
+    assert {"config.json", "model.safetensors", "processor_config.json", "tokenizer.json", "README.md"} <= set(
+        _files(out)
+    )
     reloaded = CLIPModel.from_pretrained(out).eval()
     reloaded_processor = CLIPProcessor.from_pretrained(out)
     labels = ["red square", "green circle", "blue square"]
@@ -396,17 +413,24 @@ def test_t5_folder_generates_with_auto_classes(t5_saved):
     """transformers 5 removed the `text2text-generation` pipeline (`transformers.pipelines.REMOVED_TASKS`):
     what it did — AutoTokenizer + AutoModelForSeq2SeqLM + generate — runs on the folder as it is."""
     out, model, tokenizer = t5_saved["out"], t5_saved["model"], t5_saved["tokenizer"]
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md"} <= set(_files(out))
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md"} <= set(
+        _files(out)
+    )
     reloaded_tokenizer = AutoTokenizer.from_pretrained(out)
     reloaded = AutoModelForSeq2SeqLM.from_pretrained(out).eval()
     inputs = reloaded_tokenizer(["cola sentence : the movie was good"], return_tensors="pt")
-    assert inputs["input_ids"].tolist() == tokenizer(["cola sentence : the movie was good"], return_tensors="pt")["input_ids"].tolist()
+    assert (
+        inputs["input_ids"].tolist()
+        == tokenizer(["cola sentence : the movie was good"], return_tensors="pt")["input_ids"].tolist()
+    )
     with torch.no_grad():
         produced = reloaded.generate(**inputs, max_new_tokens=5, do_sample=False)
         direct = model.generate(**inputs, max_new_tokens=5, do_sample=False)
     assert produced.tolist() == direct.tolist()
     meta = _check_card(out)
-    assert meta["pipeline_tag"] == "text2text-generation"  # transformers' own task mapping for T5ForConditionalGeneration
+    assert (
+        meta["pipeline_tag"] == "text2text-generation"
+    )  # transformers' own task mapping for T5ForConditionalGeneration
     assert meta["base_model"] == ["featcal-tests/tiny-flan-t5"]  # in-memory experts have no hub id: text only
     assert meta["featcal"]["experts"] == {"cola": None, "sst2": None}
     assert meta["license"] == "apache-2.0"  # from the base's card in the local hub cache

@@ -88,7 +88,11 @@ def test_drift_and_recovery(family, generator):
     for task, expert in experts.items():
         sums, count = torch.zeros(2, dtype=torch.float64), 0.0
         for batch in data[task]:
-            w = batch["attention_mask"].double() if "attention_mask" in batch else torch.ones(batch["pixel_values"].shape[0], 5, dtype=torch.float64)
+            w = (
+                batch["attention_mask"].double()
+                if "attention_mask" in batch
+                else torch.ones(batch["pixel_values"].shape[0], 5, dtype=torch.float64)
+            )
             for i, (hm, he) in enumerate(zip(_block_outputs(given, batch), _block_outputs(expert, batch), strict=True)):
                 sums[i] += ((hm.double() - he.double()).norm(dim=-1) * w).sum()
             count += float(w.sum())
@@ -104,7 +108,10 @@ def test_drift_and_recovery(family, generator):
         for layer in _blocks(perturbed_model):
             _ffn_out(layer).weight.add_(0.3 * torch.randn(_ffn_out(layer).weight.shape, generator=generator,
                                                           dtype=torch.float64))
-    batches = [{k: (v.double() if v.is_floating_point() else v) for k, v in make_batch(generator, n=16).items()} for _ in range(3)]
+    batches = [
+        {k: (v.double() if v.is_floating_point() else v) for k, v in make_batch(generator, n=16).items()}
+        for _ in range(3)
+    ]
     config = FeatCalConfig(teacher_alpha=1.0, lambda_ratio=0.0, compute_dtype="float64", epsilon=1e-15)
     FeatCalCalibrator(perturbed_model, None, {"t": expert}, {"t": batches}, config, show_progress=False).calibrate()
     for lp, le in zip(_blocks(perturbed_model), _blocks(expert), strict=True):

@@ -28,7 +28,10 @@ def _assert_unchanged(model, state):
 def test_unsupported_architecture_names_the_supported_ones(clip_setting):
     _, experts, _, data = clip_setting
     gpt2 = GPT2Model(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50))
-    with pytest.raises(ValueError, match=r"`model` has unsupported architecture GPT2Model.*supported model types: bert, clip, clip_vision_model, llama"):
+    with pytest.raises(
+        ValueError,
+        match=r"`model` has unsupported architecture GPT2Model.*supported model types: bert, clip, clip_vision_model, llama",
+    ):
         FeatCalCalibrator(gpt2, None, experts, data)
 
 
@@ -158,7 +161,10 @@ def test_non_finite_features_are_reported_with_block_and_module(clip_setting):
     bad = copy.deepcopy(data["dtd"])
     bad[1]["pixel_values"][0, 0, 0, 0] = float("nan")
     calibrator = FeatCalCalibrator(merged, base, experts, {**data, "dtd": bad}, show_progress=False)
-    with pytest.raises(FeatCalError, match=r"non-finite values in the features entering block 0 of vision_encoder, module self_attn\.k_proj, self_attn\.v_proj, self_attn\.q_proj"):
+    with pytest.raises(
+        FeatCalError,
+        match=r"non-finite values in the features entering block 0 of vision_encoder, module self_attn\.k_proj, self_attn\.v_proj, self_attn\.q_proj",
+    ):
         calibrator.calibrate()
     _assert_unchanged(merged, state)
     assert calibrator.report is None
@@ -185,7 +191,9 @@ def test_non_finite_expert_or_base_weights_are_named_before_any_solve(clip_setti
     broken_base = copy.deepcopy(base)
     with torch.no_grad():
         broken_base.encoder.layers[1].layer_norm2.bias[3] = bad  # only the anchor
-    with pytest.raises(ValueError, match=r"`base_model` has non-finite values \(NaN/Inf\) in 'encoder\.layers\.1\.layer_norm2\.bias'"):
+    with pytest.raises(
+        ValueError, match=r"`base_model` has non-finite values \(NaN/Inf\) in 'encoder\.layers\.1\.layer_norm2\.bias'"
+    ):
         FeatCalCalibrator(merged, broken_base, experts, data, show_progress=False)
     _assert_unchanged(merged, state)
 

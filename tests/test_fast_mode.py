@@ -175,7 +175,11 @@ def test_exact_mode_unaffected_by_a_fast_run(generator):
     after = _calibrated(merged, base, experts, data, forward_dtype=None)
     changed = 0
     for (name, p), (_, q), (_, m), (_, f) in zip(
-        after.named_parameters(), before.named_parameters(), merged.named_parameters(), fast.named_parameters(), strict=True
+        after.named_parameters(),
+        before.named_parameters(),
+        merged.named_parameters(),
+        fast.named_parameters(),
+        strict=True,
     ):
         assert torch.equal(p, q), name
         changed += not torch.equal(p, m)

@@ -26,7 +26,9 @@ WORKER = os.path.join(os.path.dirname(__file__), "granularity_worker.py")
 EXACT = dict(teacher_alpha=1.0, lambda_ratio=1e-10, epsilon=1e-15, compute_dtype="float64")
 
 
-def _perturb_blocks(expert: torch.nn.Module, prefix: str, generator: torch.Generator, scale: float = 0.05) -> torch.nn.Module:
+def _perturb_blocks(
+    expert: torch.nn.Module, prefix: str, generator: torch.Generator, scale: float = 0.05
+) -> torch.nn.Module:
     """A copy of `expert` with every parameter inside the blocks (every Linear and norm) moved."""
     merged = copy.deepcopy(expert)
     moved = 0

@@ -36,7 +36,10 @@ def test_inferred_layer_map_finds_blocks_and_calibrates(generator):
     merged = task_arithmetic(base, experts)
     data = {t: [_batch(generator), _batch(generator)] for t in experts}
     given = copy.deepcopy(merged)
-    with pytest.warns(UserWarning, match=r"inferred blocks \['model.decoder.layers'\] \(2 blocks\).*fc2 \(linear\).*final_layer_norm \(layer_norm\)"):
+    with pytest.warns(
+        UserWarning,
+        match=r"inferred blocks \['model.decoder.layers'\] \(2 blocks\).*fc2 \(linear\).*final_layer_norm \(layer_norm\)",
+    ):
         calibrator = FeatCalCalibrator(merged, base, experts, data, show_progress=False, allow_inferred_layer_map=True)
     calibrator.calibrate()
     for task, expert in experts.items():

@@ -100,7 +100,9 @@ def test_folder_with_missing_block_tensors_is_refused(clip_setting, tmp_path):
         FeatCalCalibrator(merged, base, {**experts, "cars": str(folder)}, data)
 
 
-def test_a_block_read_from_a_folder_holds_the_checkpoints_tensors_and_leaves_the_merged_block_alone(clip_setting, tmp_path):
+def test_a_block_read_from_a_folder_holds_the_checkpoints_tensors_and_leaves_the_merged_block_alone(
+    clip_setting, tmp_path
+):
     """`CheckpointSource.block` gives the expert's block (its tensors taken from the checkpoint
     without a copy of the merged block's), in eval mode, converted to the merged model's dtype;
     the merged model's own block keeps its values and shares no memory with it."""

@@ -76,7 +76,9 @@ def _independent_drift(merged, expert, batches, weights_of=lambda b: b["attentio
         outs = []
         for model in (merged, expert):
             store = []
-            handle = model.model.layers[-1].register_forward_hook(lambda m, a, o, store=store: store.append(o[0] if isinstance(o, tuple) else o))
+            handle = model.model.layers[-1].register_forward_hook(
+                lambda m, a, o, store=store: store.append(o[0] if isinstance(o, tuple) else o)
+            )
             with torch.no_grad():
                 model(**batch)
             handle.remove()

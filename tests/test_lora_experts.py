@@ -52,7 +52,9 @@ def test_lora_adapter_experts_equal_their_merged_models(clip_setting, tmp_path, 
 def test_lora_adapter_needs_a_base(clip_setting, tmp_path):
     base, experts, merged, data = clip_setting
     _adapter(base, tmp_path / "a", 0, r=2, target_modules=["q_proj"])
-    with pytest.raises(ValueError, match=r"`experts\['cars'\]` is a LoRA adapter: pass the model it was trained on as `base_model`"):
+    with pytest.raises(
+        ValueError, match=r"`experts\['cars'\]` is a LoRA adapter: pass the model it was trained on as `base_model`"
+    ):
         FeatCalCalibrator(merged, None, {**experts, "cars": str(tmp_path / "a")}, data)
 
 

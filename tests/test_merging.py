@@ -209,7 +209,10 @@ def test_clip_model_base_with_vision_experts_merges_only_the_vision_tower(tmp_pa
 
 def test_find_key_prefix():
     assert find_key_prefix({"a.x", "a.y"}, {"a.x"}) == ""
-    assert find_key_prefix({"vision_model.enc.w", "vision_model.enc.b", "text_model.enc.w"}, {"enc.w", "enc.b"}) == "vision_model."
+    assert (
+        find_key_prefix({"vision_model.enc.w", "vision_model.enc.b", "text_model.enc.w"}, {"enc.w", "enc.b"})
+        == "vision_model."
+    )
     assert find_key_prefix({"vision_model.enc.w"}, {"enc.w", "enc.extra"}) is None
     assert find_key_prefix({"a"}, set()) is None
 
@@ -946,7 +949,9 @@ def test_experts_of_another_configuration_are_refused_as_the_calibrator_refuses_
         odd.save_pretrained(tmp_path / "odd")
         odd = str(tmp_path / "odd")
     (field, value), = other.items()
-    expected = rf"`experts\['odd'\]` has a different configuration from the merged model \({field}: merged .* vs {value!r}\)"
+    expected = (
+        rf"`experts\['odd'\]` has a different configuration from the merged model \({field}: merged .* vs {value!r}\)"
+    )
     with pytest.raises(ValueError, match=expected) as from_merge:
         task_arithmetic(base, {"task0": experts["task0"], "odd": odd})
     data = {t: [{"pixel_values": torch.randn(2, 3, 16, 16)}] for t in ("task0", "odd")}

@@ -47,10 +47,14 @@ def test_bfloat16_model_end_to_end(clip_setting):
     assert all(torch.equal(got[k], given[k]) for k in given if k not in blocks)
     # per kind of parameter, so that a wrong bias (small next to the weights) cannot hide in a total
     groups = {
-        kind: [k for k in blocks if isinstance(merged16.get_submodule(k.rsplit(".", 1)[0]), module) and k.endswith(attr)]
-        for kind, module, attr in [("Linear weights", torch.nn.Linear, "weight"),
-                                   ("Linear biases", torch.nn.Linear, "bias"),
-                                   ("LayerNorm affines", torch.nn.LayerNorm, "")]
+        kind: [
+            k for k in blocks if isinstance(merged16.get_submodule(k.rsplit(".", 1)[0]), module) and k.endswith(attr)
+        ]
+        for kind, module, attr in [
+            ("Linear weights", torch.nn.Linear, "weight"),
+            ("Linear biases", torch.nn.Linear, "bias"),
+            ("LayerNorm affines", torch.nn.LayerNorm, ""),
+        ]
     }
     assert sum(map(len, groups.values())) == len(blocks)
 
@@ -84,7 +88,10 @@ def test_dead_input_dimension(clip_setting):
     base, experts, merged, data = clip_setting
     _kill_fc1_unit([base, merged, *experts.values()])
     anchor_col = [
-        (base.encoder.layers[i].mlp.fc2.weight[:, 3] + 2.2 * (merged.encoder.layers[i].mlp.fc2.weight[:, 3] - base.encoder.layers[i].mlp.fc2.weight[:, 3])).clone()
+        (
+            base.encoder.layers[i].mlp.fc2.weight[:, 3]
+            + 2.2 * (merged.encoder.layers[i].mlp.fc2.weight[:, 3] - base.encoder.layers[i].mlp.fc2.weight[:, 3])
+        ).clone()
         for i in range(2)
     ]
     with pytest.warns(FeatCalWarning, match=r"mlp\.fc2.*(numerically singular|weighted tokens)"):
@@ -196,7 +203,9 @@ def test_stream_placement_decides_where_streams_wait(clip_setting, placement):
     base, experts, merged, data = clip_setting
     config = FeatCalConfig(stream_placement=placement)
     calibrator = FeatCalCalibrator(merged, base, experts, data, config, device="cpu", show_progress=False)
-    calibrator.device = torch.device("meta")  # the library refuses 'meta' as an argument; here it only moves stream batches
+    calibrator.device = torch.device(
+        "meta"
+    )  # the library refuses 'meta' as an argument; here it only moves stream batches
     state = StreamBatch(torch.randn(2, 5, 16), (torch.ones(2, 1, 5, 5),), {"mask": torch.ones(2, 5)},
                         torch.ones(2, 5), {"encoder_weights": torch.ones(2, 3)})
 

@@ -55,7 +55,9 @@ def test_no_module_looks_up_model_type_inline():
     """The lookup was also written out inline (`getattr(getattr(model, "config", None), "model_type", None)`)."""
     inline = re.compile(r"getattr\(\s*getattr\([^()]*\"config\"[^()]*\)\s*,\s*\"model_type\"")
     places = [
-        path.relative_to(PACKAGE).as_posix() for path in sorted(PACKAGE.rglob("*.py")) if inline.search(path.read_text())
+        path.relative_to(PACKAGE).as_posix()
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if inline.search(path.read_text())
     ]
     assert places == ["architectures/__init__.py"]
 

@@ -160,7 +160,9 @@ def test_exact_recovery(generator, parameter, target_modules):
         for block in merged.transformer.resblocks:
             p = block.get_parameter(parameter)
             p.add_(0.3 * torch.randn(p.shape, generator=generator, dtype=torch.float64))
-    batches = [{"pixel_values": torch.randn(8, 3, IMAGE, IMAGE, generator=generator, dtype=torch.float64)} for _ in range(3)]
+    batches = [
+        {"pixel_values": torch.randn(8, 3, IMAGE, IMAGE, generator=generator, dtype=torch.float64)} for _ in range(3)
+    ]
     config = FeatCalConfig(teacher_alpha=1.0, lambda_ratio=0.0, compute_dtype="float64", epsilon=1e-15,
                            target_modules=target_modules)
     FeatCalCalibrator(merged, None, {"t": expert}, {"t": batches}, config, show_progress=False).calibrate()
@@ -240,9 +242,13 @@ def test_open_clip_folders_read_lazily_saved_the_open_clip_way(generator, tmp_pa
     assert loads == ["base_model"]
     assert type(merged) is CLIP
     for name, value in merged.state_dict().items():
-        want = base.state_dict()[name] + 0.3 * sum(e.state_dict()[name] - base.state_dict()[name] for e in experts.values())
+        want = base.state_dict()[name] + 0.3 * sum(
+            e.state_dict()[name] - base.state_dict()[name] for e in experts.values()
+        )
         torch.testing.assert_close(value, want, rtol=0, atol=1e-6)
-    data = {t: [{"pixel_values": torch.randn(4, 3, IMAGE, IMAGE, generator=generator)} for _ in range(2)] for t in experts}
+    data = {
+        t: [{"pixel_values": torch.randn(4, 3, IMAGE, IMAGE, generator=generator)} for _ in range(2)] for t in experts
+    }
 
     in_memory = copy.deepcopy(merged)
     FeatCalCalibrator(in_memory, base, experts, data, show_progress=False).calibrate()

@@ -199,5 +199,8 @@ def test_mean_pooled_encoder_last_block_is_uniformly_weighted_least_squares(gene
     FeatCalCalibrator(default, None, experts, data, FeatCalConfig(layers_to_transform=[-1]),
                       show_progress=False).calibrate()
     query = "attention.self.query"
-    gap = default.bert.encoder.layer[-1].get_submodule(query).weight - merged.bert.encoder.layer[-1].get_submodule(query).weight
+    gap = (
+        default.bert.encoder.layer[-1].get_submodule(query).weight
+        - merged.bert.encoder.layer[-1].get_submodule(query).weight
+    )
     assert float(gap.detach().norm()) > 1e-3

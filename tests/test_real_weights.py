@@ -100,7 +100,9 @@ def test_task_labels_are_the_corpus_files_they_come_from():
         out = set()
         for file in files:
             with open(os.path.join(folder, language, file), encoding="utf-8") as handle:
-                for conversation in yaml.load(handle, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))["conversations"]:
+                for conversation in yaml.load(handle, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))[
+                    "conversations"
+                ]:
                     out.update(u.strip() for u in conversation if isinstance(u, str))
         return out
 
@@ -108,7 +110,9 @@ def test_task_labels_are_the_corpus_files_they_come_from():
     languages = ["english", "italian", "spanish", "portuguese", "dutch", "indonesian"]
     by_label = {
         "topic_it": [utterances("italian", [topic]) for topic in topics],
-        "language": [utterances(language, sorted(os.listdir(os.path.join(folder, language)))) for language in languages],
+        "language": [
+            utterances(language, sorted(os.listdir(os.path.join(folder, language)))) for language in languages
+        ],
     }
     for task, sets in by_label.items():
         d = data[task]
@@ -117,7 +121,10 @@ def test_task_labels_are_the_corpus_files_they_come_from():
         for texts, labels in ((d.train_texts, d.train_labels), (d.test_texts, d.test_labels)):
             assert sorted(set(labels.tolist())) == list(range(len(sets))), task
             for text, label in zip(texts, labels.tolist(), strict=True):
-                assert text in sets[label] and not any(text in s for k, s in enumerate(sets) if k != label), (task, text)
+                assert text in sets[label] and not any(text in s for k, s in enumerate(sets) if k != label), (
+                    task,
+                    text,
+                )
         counts = torch.bincount(torch.cat([d.train_labels, d.test_labels]), minlength=len(sets))
         assert counts.max() <= 40, (task, counts)
 

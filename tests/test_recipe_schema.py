@@ -289,8 +289,16 @@ def test_merge_and_calibrate_run_the_recipe_stages_and_save_the_same_model(world
     recipe = _recipe(world, evaluation=False, output_dir=str(tmp_path / "run"),
                      featcal={"lambda_ratio": 0.05, "batch_size": 8})
     assert cli.main(["run", _write(world / "stages.yaml", recipe), "--quiet"]) == 0  # paths relative to the world
-    assert stage_calls == ["check_output_dir", "check_output_dir", "load_calibration_data", "merge_experts",
-                           "build_calibrator", "calibrate_merged", "save_run", "push_run"]  # the CLI's check, then run_recipe
+    assert stage_calls == [
+        "check_output_dir",
+        "check_output_dir",
+        "load_calibration_data",
+        "merge_experts",
+        "build_calibrator",
+        "calibrate_merged",
+        "save_run",
+        "push_run",
+    ]  # the CLI's check, then run_recipe
 
     stage_calls.clear()
     experts = [a for t in TASKS for a in ("--expert", f"{t}={world / 'experts' / t}")]
@@ -299,9 +307,32 @@ def test_merge_and_calibrate_run_the_recipe_stages_and_save_the_same_model(world
     assert stage_calls == ["check_output_dir", "merge_experts"]
 
     stage_calls.clear()
-    assert cli.main(["calibrate", "--model", str(tmp_path / "merged"), "--base", str(world / "base"), *experts,
-                     "--data-default", str(world / "data" / "{task}"), "--split", "train", "--num-examples", "16",
-                     "--lambda-ratio", "0.05", "--batch-size", "8", "--quiet", "--output-dir", str(tmp_path / "cli")]) == 0
+    assert (
+        cli.main(
+            [
+                "calibrate",
+                "--model",
+                str(tmp_path / "merged"),
+                "--base",
+                str(world / "base"),
+                *experts,
+                "--data-default",
+                str(world / "data" / "{task}"),
+                "--split",
+                "train",
+                "--num-examples",
+                "16",
+                "--lambda-ratio",
+                "0.05",
+                "--batch-size",
+                "8",
+                "--quiet",
+                "--output-dir",
+                str(tmp_path / "cli"),
+            ]
+        )
+        == 0
+    )
     assert stage_calls == ["check_output_dir", "load_calibration_data", "build_calibrator", "calibrate_merged",
                            "save_run", "push_run"]
     capsys.readouterr()
@@ -316,7 +347,9 @@ def test_merge_and_calibrate_run_the_recipe_stages_and_save_the_same_model(world
     assert not torch.equal(from_cli[fc2], merged[fc2])  # calibration did change the merge
     drift = [json.loads((tmp_path / d / "featcal_drift_report.json").read_text())["tasks"] for d in ("run", "cli")]
     assert drift[0] == drift[1]
-    assert (tmp_path / "run" / "featcal_recipe.yaml").is_file() and not (tmp_path / "cli" / "featcal_recipe.yaml").exists()
+    assert (tmp_path / "run" / "featcal_recipe.yaml").is_file() and not (
+        tmp_path / "cli" / "featcal_recipe.yaml"
+    ).exists()
 
 
 def test_a_flag_for_another_family_names_the_flag_and_writes_nothing(world, tmp_path, capsys):
@@ -325,6 +358,8 @@ def test_a_flag_for_another_family_names_the_flag_and_writes_nothing(world, tmp_
     assert cli.main(["calibrate", "--model", str(world / "base"), *experts, "--data-default",
                      str(world / "data" / "{task}"), "--glue-task", "cola", "--output-dir", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("hf-featcal calibrate: error: calibration data: calibration.default.glue_task: only for model_family 'flan_t5'")
+    assert err.startswith(
+        "hf-featcal calibrate: error: calibration data: calibration.default.glue_task: only for model_family 'flan_t5'"
+    )
     assert err.endswith("(given by --glue-task)")
     assert not out.exists()

@@ -18,8 +18,12 @@ def _linear_inputs(model, blocks, batches, weights_of):
     rows: dict = {}
     for batch in batches:
         seen = {}
-        handles = [m.register_forward_pre_hook(lambda mod, args, _k=(i, n), seen=seen: seen.__setitem__(_k, args[0]))
-                   for i, block in enumerate(blocks(model)) for n, m in block.named_modules() if isinstance(m, nn.Linear)]
+        handles = [
+            m.register_forward_pre_hook(lambda mod, args, _k=(i, n), seen=seen: seen.__setitem__(_k, args[0]))
+            for i, block in enumerate(blocks(model))
+            for n, m in block.named_modules()
+            if isinstance(m, nn.Linear)
+        ]
         with torch.no_grad():
             model(**batch)
         for h in handles:

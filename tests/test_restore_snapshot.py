@@ -98,7 +98,9 @@ def test_a_successful_run_removes_the_folder_and_equals_the_memory_snapshot_bit_
     assert os.listdir(snapshot_tmpdir) == []
     _assert_same_result(model, calibrator, expected_model, expected)
     assert not torch.equal(model.encoder.layers[0].mlp.fc1.weight, clip_setting[2].encoder.layers[0].mlp.fc1.weight)
-    assert [e["objective_decrease"] for e in calibrator.solve_log] == [e["objective_decrease"] for e in expected.solve_log]
+    assert [e["objective_decrease"] for e in calibrator.solve_log] == [
+        e["objective_decrease"] for e in expected.solve_log
+    ]
 
 
 def test_a_late_failure_after_a_dtype_change_restores_from_disk_in_small_files(clip_setting, snapshot_tmpdir,

@@ -28,7 +28,9 @@ def test_save_model_round_trip(calibrated, tmp_path):
     calibrator, data = calibrated
     out = tmp_path / "calibrated"
     calibrator.save_model(out)
-    assert {"config.json", "model.safetensors", "README.md", "featcal_config.json", "featcal_drift_report.json"} <= set(os.listdir(out))
+    assert {"config.json", "model.safetensors", "README.md", "featcal_config.json", "featcal_drift_report.json"} <= set(
+        os.listdir(out)
+    )
     loaded = CLIPVisionModel.from_pretrained(out).eval()
     pixels = data["cars"][0]["pixel_values"]
     with torch.no_grad():

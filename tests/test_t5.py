@@ -170,7 +170,9 @@ def test_t5_v1_geometry_and_encoder_only_model(generator):
     calibrator = FeatCalCalibrator(merged, base, experts, data, show_progress=False)
     calibrator.calibrate()
     for task in experts:
-        assert calibrator.report.tasks[task]["before"] == pytest.approx(_independent_drift(given, experts[task], data[task]), rel=1e-5)
+        assert calibrator.report.tasks[task]["before"] == pytest.approx(
+            _independent_drift(given, experts[task], data[task]), rel=1e-5
+        )
     assert torch.equal(merged.lm_head.weight, lm_head)  # embeddings / head keep their merged values
     assert not torch.equal(merged.encoder.block[0].layer[1].DenseReluDense.wi.weight,
                            given.encoder.block[0].layer[1].DenseReluDense.wi.weight)

@@ -216,7 +216,12 @@ def test_calibration_batches_come_from_train_split(scenario):
 def test_featcal_improves_task_arithmetic_merge(scenario, ta_merge, scores):
     merged = task_arithmetic(scenario.base, scenario.experts, scaling_factor=0.3).eval()
     calibrator = FeatCalCalibrator(
-        merged, scenario.base, scenario.experts, scenario.calibration_batches, config=FeatCalConfig(), show_progress=False
+        merged,
+        scenario.base,
+        scenario.experts,
+        scenario.calibration_batches,
+        config=FeatCalConfig(),
+        show_progress=False,
     )
     calibrated = calibrator.calibrate()
     after = scenario.evaluate(calibrated)

@@ -129,8 +129,10 @@ def test_sources_and_batches_are_prepared_once_for_the_grid(scenario, tmp_path, 
     for task, expert in scenario.experts.items():
         expert.save_pretrained(tmp_path / task)
         folders[task] = str(tmp_path / task)
-    data = {t: Dataset.from_dict({"pixel_values": scenario.data[t].train_images[:CALIBRATION].numpy()}).with_format("torch")
-            for t in scenario.tasks}
+    data = {
+        t: Dataset.from_dict({"pixel_values": scenario.data[t].train_images[:CALIBRATION].numpy()}).with_format("torch")
+        for t in scenario.tasks
+    }
     resolved, batched = [], []
     original_resolve, original_prepare = experts_module.resolve_checkpoint, tuning_module.prepare_batches
     monkeypatch.setattr(experts_module, "resolve_checkpoint", lambda name, *a,

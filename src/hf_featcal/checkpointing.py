@@ -178,10 +178,13 @@ class CheckpointFolder:
             if key not in parameter_shapes:
                 raise self._damaged(name, f"{key!r} is not a parameter of the model")
             if shape != tuple(parameter_shapes[key]):
-                raise self._damaged(name, f"{key!r} has shape {list(shape)}, the model's parameter {list(parameter_shapes[key])}")
+                raise self._damaged(
+                    name, f"{key!r} has shape {list(shape)}, the model's parameter {list(parameter_shapes[key])}"
+                )
         if recorded.get(name) != actual:
             raise self._damaged(
-                name, f"its contents are not those committed with block {index} (SHA-256 {actual}, recorded {recorded.get(name)})"
+                name,
+                f"its contents are not those committed with block {index} (SHA-256 {actual}, recorded {recorded.get(name)})",
             )
         self._block_sha256[index] = actual
 
@@ -241,7 +244,9 @@ class CheckpointFolder:
             _atomic(self._streams_file(finished_blocks), lambda p: save_file(tensors, p, metadata=metadata))
         barrier()
         if self.is_main:
-            committed = {os.path.basename(self._block_file(i)): self._block_sha256[i] for i in range(1, finished_blocks + 1)}
+            committed = {
+                os.path.basename(self._block_file(i)): self._block_sha256[i] for i in range(1, finished_blocks + 1)
+            }
             state = {"format": FORMAT, "fingerprint": self.digest, "finished_blocks": finished_blocks,
                      "block_sha256": committed}
             with self._writing(STATE_NAME):

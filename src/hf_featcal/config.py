@@ -101,7 +101,9 @@ class FeatCalConfig:
     )
     report_drift: bool = field(
         default=True,
-        metadata={"help": "Measure the per-block feature drift before and after calibration (one extra merged forward per block)."},
+        metadata={
+            "help": "Measure the per-block feature drift before and after calibration (one extra merged forward per block)."
+        },
     )
     stream_placement: str = field(
         default="accelerator",
@@ -256,7 +258,9 @@ class FeatCalConfig:
                 f"FeatCalConfig.forward_dtype must be None, 'bfloat16' or 'float16', got {self.forward_dtype!r}."
             )
         if self.restore_snapshot not in RESTORE_SNAPSHOTS:
-            raise ValueError(f"FeatCalConfig.restore_snapshot must be 'memory' or 'disk', got {self.restore_snapshot!r}.")
+            raise ValueError(
+                f"FeatCalConfig.restore_snapshot must be 'memory' or 'disk', got {self.restore_snapshot!r}."
+            )
         if self.granularity not in ("block", "module"):
             raise ValueError(f"FeatCalConfig.granularity must be 'block' or 'module', got {self.granularity!r}.")
 

@@ -58,7 +58,9 @@ def batch_size_of(batch: Mapping[str, Any], main_input_name: str) -> int:
     value = batch[main_input_name]
     if not isinstance(value, Tensor):
         kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
-        raise ValueError(f"the batch's '{main_input_name}' is a {kind}, expected a torch.Tensor (convert it with torch.as_tensor)")
+        raise ValueError(
+            f"the batch's '{main_input_name}' is a {kind}, expected a torch.Tensor (convert it with torch.as_tensor)"
+        )
     if value.dim() == 0:
         raise ValueError(f"the batch's '{main_input_name}' is a 0-dimensional tensor, expected one example per row")
     return int(value.shape[0])

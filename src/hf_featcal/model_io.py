@@ -422,7 +422,9 @@ class LoraAdapter:
         with open(os.path.join(folder, ADAPTER_CONFIG_NAME), encoding="utf-8") as handle:
             self.config = json.load(handle)
         if self.config.get("peft_type", "LORA") != "LORA":
-            raise ValueError(f"`{argument}`: only LoRA adapters are supported, got peft_type {self.config['peft_type']!r}.")
+            raise ValueError(
+                f"`{argument}`: only LoRA adapters are supported, got peft_type {self.config['peft_type']!r}."
+            )
         used = [key for key in self._UNSUPPORTED if self.config.get(key)]
         if used:
             raise ValueError(f"`{argument}`: LoRA adapters using {used} are not supported.")
@@ -436,7 +438,9 @@ class LoraAdapter:
         with self._tensors:  # an adapter is small: every tensor is checked now, before any use of it
             for key in self._shapes:
                 if not bool(torch.isfinite(self._tensors.read(key)).all()):
-                    raise ValueError(f"`{argument}`: the LoRA adapter {folder!r} has non-finite values (NaN/Inf) in {key!r}.")
+                    raise ValueError(
+                        f"`{argument}`: the LoRA adapter {folder!r} has non-finite values (NaN/Inf) in {key!r}."
+                    )
         suffix = ".lora_A.weight"
         # module path as the adapter names it (relative to the model it was trained on)
         self.modules = [k[len(_PEFT_PREFIX):-len(suffix)] for k in self._shapes if k.endswith(suffix)]
@@ -520,7 +524,9 @@ def lora_module_paths(
     biases = {name: tuple(m.bias.shape) for name,
               m in model.named_modules() if isinstance(getattr(m, "bias", None), torch.Tensor)}
     trained_on = adapter.trained_on
-    recorded = next((n for n, m in model.named_modules() if type(m).__name__ == trained_on), None) if trained_on else None
+    recorded = (
+        next((n for n, m in model.named_modules() if type(m).__name__ == trained_on), None) if trained_on else None
+    )
     roots: list[str] = [] if recorded is None else [recorded]
     strips: list[str] = [""]
     if layer_map is not None:

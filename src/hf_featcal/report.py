@@ -38,7 +38,9 @@ class DriftReport:
         return [
             task
             for task, stages in self.tasks.items()
-            if stages.get("head_before") and stages.get("head_after") and stages["head_after"][-1] > stages["head_before"][-1]
+            if stages.get("head_before")
+            and stages.get("head_after")
+            and stages["head_after"][-1] > stages["head_before"][-1]
         ]
 
     def to_dict(self) -> dict[str, Any]:
@@ -191,7 +193,9 @@ def license_of(name: str | None, model: Any = None) -> dict[str, str]:
         data = ModelCard.load(card_path, ignore_metadata_errors=True).data
     except Exception:  # noqa: BLE001 - an unreadable card carries no license
         return {}
-    return {key: str(getattr(data, key)) for key in ("license", "license_name", "license_link") if getattr(data, key, None)}
+    return {
+        key: str(getattr(data, key)) for key in ("license", "license_name", "license_link") if getattr(data, key, None)
+    }
 
 
 def pipeline_tag_of(model: Any) -> str | None:
@@ -212,7 +216,11 @@ def pipeline_tag_of(model: Any) -> str | None:
         if name in _class_names(mapping):
             return task
     if name in _class_names(MODEL_MAPPING_NAMES):
-        return "image-feature-extraction" if getattr(model, "main_input_name", None) == "pixel_values" else "feature-extraction"
+        return (
+            "image-feature-extraction"
+            if getattr(model, "main_input_name", None) == "pixel_values"
+            else "feature-extraction"
+        )
     return None
 
 

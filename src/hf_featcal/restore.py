@@ -101,7 +101,12 @@ def restore_on_failure(
                     value = store.read(f"tensor.{index}")
                     if ident in handed_over:
                         tensor.data = value  # its original memory back
-                    elif tensor.is_meta or tensor.device != device or tensor.dtype != dtype or tensor.shape != value.shape:
+                    elif (
+                        tensor.is_meta
+                        or tensor.device != device
+                        or tensor.dtype != dtype
+                        or tensor.shape != value.shape
+                    ):
                         tensor.data = value.to(device=device, dtype=dtype)
                     else:
                         tensor.copy_(value)

@@ -272,7 +272,9 @@ class RecipeKey:
             if value is None and nullable:
                 return None
             if not isinstance(value, str) or "/" not in value or not HUB_ID.match(value):
-                raise ValueError(f"must be a hub repo id such as 'me/my-model'{', or null' if nullable else ''}; got {value!r}")
+                raise ValueError(
+                    f"must be a hub repo id such as 'me/my-model'{', or null' if nullable else ''}; got {value!r}"
+                )
             return value
         raise TypeError(f"RecipeKey.check does not check {self.kind!r} values ({self.name})")
 

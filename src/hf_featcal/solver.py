@@ -206,7 +206,9 @@ def solve_linear_bias(
     b = [Σ s_i (b_i + W_i μ_t,i − W μ_s,i) + λ A_b] / (Σ s_i + λ), with `target_sum` = Σ s_i (b_i + W_i μ_t,i)
     and `student_mean_sum` = Σ s_i μ_s,i.
     """
-    numerator = target_sum - weight.to(target_sum.dtype) @ student_mean_sum + lambda_ratio * anchor_bias.to(target_sum.dtype)
+    numerator = (
+        target_sum - weight.to(target_sum.dtype) @ student_mean_sum + lambda_ratio * anchor_bias.to(target_sum.dtype)
+    )
     return numerator / (scale_sum + lambda_ratio)
 
 

@@ -299,10 +299,16 @@ class LinearGroupStatistics:
         if self._from_outputs is None:
             self._from_outputs = from_outputs
         elif self._from_outputs != from_outputs:
-            raise ValueError(f"modules {list(self.modules)}: one task's batches must all bring the expert's outputs, or none")
+            raise ValueError(
+                f"modules {list(self.modules)}: one task's batches must all bring the expert's outputs, or none"
+            )
         device_type = torch.device(self.device).type
         # the sums' products in the dtypes chosen here, also when the caller holds fast mode's autocast
-        off = torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else contextlib.nullcontext()
+        off = (
+            torch.autocast(device_type, enabled=False)
+            if torch.is_autocast_enabled(device_type)
+            else contextlib.nullcontext()
+        )
         with off:
             self._add_batch(x_student, x_expert, alpha, weights, targets, expert_outputs)
 
@@ -441,7 +447,9 @@ class LinearGroupStatistics:
             for acc, block in zip(upper_blocks(self._gram_sum_upper), upper_blocks(gram), strict=True):
                 acc.add_(block, alpha=scale)
         self._gram_sum = None
-        self.student_mean_sum = s_i * mu_s if self.student_mean_sum is None else self.student_mean_sum.add_(mu_s, alpha=s_i)
+        self.student_mean_sum = (
+            s_i * mu_s if self.student_mean_sum is None else self.student_mean_sum.add_(mu_s, alpha=s_i)
+        )
         self.scale_sum += s_i
         for index, name in enumerate(self.modules):
             expert = targets[name]
@@ -457,7 +465,9 @@ class LinearGroupStatistics:
             target = w_i @ mu_t
             if expert.bias is not None:
                 target = target + expert.bias.to(device=self.device, dtype=self.dtype)
-            self.bias_target_sum[name] = s_i * target if name not in self.bias_target_sum else self.bias_target_sum[name].add_(target, alpha=s_i)
+            self.bias_target_sum[name] = (
+                s_i * target if name not in self.bias_target_sum else self.bias_target_sum[name].add_(target, alpha=s_i)
+            )
         self._reset_task()
 
 

@@ -350,7 +350,9 @@ class CausalScenario(ScenarioBase):
 
     config: CausalScenarioConfig
 
-    def calibration_data(self, positions: str | None = None, num_samples: int | None = None) -> dict[str, list[dict[str, Tensor]]]:
+    def calibration_data(
+        self, positions: str | None = None, num_samples: int | None = None
+    ) -> dict[str, list[dict[str, Tensor]]]:
         """Calibration batches per task, drawn as ``calibration_batches`` were, with other counted
         `positions` (``"predicting"`` / ``"answer"``) or another `num_samples`."""
         cfg = self.config

@@ -95,7 +95,9 @@ class OpenCLIPVisionLayerMap(LayerMap):
         transformer = getattr(tower, "transformer", None)
         blocks = getattr(transformer, "resblocks", None)
         if not isinstance(blocks, nn.ModuleList) or not hasattr(tower, "pool_type"):
-            raise ValueError(f"{type(tower).__name__} is not an open_clip VisionTransformer (no transformer.resblocks).")
+            raise ValueError(
+                f"{type(tower).__name__} is not an open_clip VisionTransformer (no transformer.resblocks)."
+            )
         if not getattr(transformer, "batch_first", True):
             raise ValueError("open_clip towers built with batch_first=False are not supported.")
         for index, block in enumerate(blocks):

@@ -581,7 +581,8 @@ def build_digits_scenario(
     )
 
     calibration = {
-        t: calibration_batches(data[t].train_images, calibration_samples, calibration_batch_size) for t in settings.tasks
+        t: calibration_batches(data[t].train_images, calibration_samples, calibration_batch_size)
+        for t in settings.tasks
     }
     calibration_sets = {t: calibration_dataset(data[t].train_images, calibration_samples) for t in settings.tasks}
     return DigitsScenario(
