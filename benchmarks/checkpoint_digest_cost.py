@@ -42,9 +42,14 @@ def main() -> None:
                   f"SHA-256 {hashing:.2f} s ({100 * hashing / total:.2f} %: block files {spent['block files']:.2f} s, "
                   f"streams {spent['streams']:.2f} s)")
         sizes = {name: os.path.getsize(os.path.join(folder, name)) / 2**20 for name in sorted(os.listdir(folder))}
-        print("files (MiB):",
-              {name: round(size, 1) for name,
-               size in sizes.items() if not name.startswith("block-") or name.endswith("1.safetensors")})
+        print(
+            "files (MiB):",
+            {
+                name: round(size, 1)
+                for name, size in sizes.items()
+                if not name.startswith("block-") or name.endswith("1.safetensors")
+            },
+        )
 
 
 if __name__ == "__main__":

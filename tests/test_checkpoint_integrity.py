@@ -50,8 +50,9 @@ def _flip_last_bit(path) -> None:
 def _writes_recorded(calibrator, monkeypatch) -> list[str]:
     written = []
     original = calibrator.parameters.write
-    monkeypatch.setattr(calibrator.parameters, "write", lambda name,
-                        value: written.append(name) or original(name, value))
+    monkeypatch.setattr(
+        calibrator.parameters, "write", lambda name, value: written.append(name) or original(name, value)
+    )
     return written
 
 

@@ -53,8 +53,9 @@ def test_rows_are_the_scores_of_the_models_they_name(setting, monkeypatch):
         calibrator = FeatCalCalibrator(copy.deepcopy(merged), base, experts, data, config, show_progress=False)
         after = evaluate(calibrator.calibrate())
         assert result.scores[f"{method}+featcal"] == pytest.approx({**after, "mean": sum(after.values()) / 2}, rel=1e-6)
-        assert result.drift[f"{method}+featcal"] == pytest.approx({t: d["after"][-1] for t,
-                                                                   d in calibrator.report.tasks.items()})
+        assert result.drift[f"{method}+featcal"] == pytest.approx(
+            {t: d["after"][-1] for t, d in calibrator.report.tasks.items()}
+        )
         assert result.drift[method] == pytest.approx({t: d["before"][-1] for t, d in calibrator.report.tasks.items()})
     direct = evaluate(regmean_merging(base, experts, data, num_samples_per_task=8))
     assert result.scores["regmean"] == pytest.approx({**direct, "mean": sum(direct.values()) / 2}, rel=1e-6)

@@ -96,8 +96,9 @@ def test_compare_recipe_rows(world, capsys):  # noqa: F811
                           scaling_factor=0.5)  # the compare section's λ
     direct, _ = recipes.evaluate_model("clip", merged, recipe.evaluation, processing=processing, clip_model=base,
                                        device="cpu")
-    assert {t: saved["scores"]["task_arithmetic"][t] for t in TASKS} == pytest.approx({t: 100 * v for t,
-                                                                                       v in direct.items()})
+    assert {t: saved["scores"]["task_arithmetic"][t] for t in TASKS} == pytest.approx(
+        {t: 100 * v for t, v in direct.items()}
+    )
     from transformers import CLIPVisionModel
 
     for task in TASKS:

@@ -158,8 +158,9 @@ def test_interrupt_between_the_new_files_and_the_state_commit_keeps_the_last_blo
     resumed = _calibrator(model, clip_setting, folder)
     blocks = []
     original_block = resumed._calibrate_block
-    monkeypatch.setattr(resumed, "_calibrate_block", lambda plan,
-                        *a: blocks.append(plan.block_index) or original_block(plan, *a))
+    monkeypatch.setattr(
+        resumed, "_calibrate_block", lambda plan, *a: blocks.append(plan.block_index) or original_block(plan, *a)
+    )
     resumed.calibrate()
     assert blocks == [1]  # block 1 was kept, only block 2 (index 1) was redone
     _assert_same_result(model, resumed, expected_model, expected)

@@ -226,7 +226,8 @@ def test_gram_products_take_the_forward_dtype(generator, forward_dtype, low_pays
         warnings.simplefilter("ignore")
         FeatCalCalibrator(copy.deepcopy(merged), base, experts, data, FeatCalConfig(forward_dtype=forward_dtype),
                           show_progress=False).calibrate()
-    statistics = {dtypes for dtypes, shape,
-                  inner in recorder.products if shape[0] == shape[1] in widths and inner == 25}
+    statistics = {
+        dtypes for dtypes, shape, inner in recorder.products if shape[0] == shape[1] in widths and inner == 25
+    }
     expected = torch.bfloat16 if forward_dtype is not None and low_pays else torch.float32
     assert statistics == {(expected, expected)}

@@ -48,9 +48,12 @@ def test_inferred_layer_map_finds_blocks_and_calibrates(generator):
             outs = {}
             for key, model in (("m", given), ("e", expert)):
                 store = []
-                handles = [layer.register_forward_hook(lambda mod, a, o,
-                                                       store=store: store.append(o[0] if isinstance(o, tuple) else o))
-                           for layer in model.model.decoder.layers]
+                handles = [
+                    layer.register_forward_hook(
+                        lambda mod, a, o, store=store: store.append(o[0] if isinstance(o, tuple) else o)
+                    )
+                    for layer in model.model.decoder.layers
+                ]
                 with torch.no_grad():
                     model(**batch)
                 for h in handles:

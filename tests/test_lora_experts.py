@@ -144,8 +144,9 @@ def test_trained_lora_biases_are_applied_as_peft_does(clip_setting, tmp_path, bi
 
     base = clip_setting[0]
     full = _adapter_with_trained_biases(base, tmp_path / "a", 0, bias)
-    moved = [k for k,
-             v in base.state_dict().items() if k.endswith(".bias") and not torch.equal(v, full.state_dict()[k])]
+    moved = [
+        k for k, v in base.state_dict().items() if k.endswith(".bias") and not torch.equal(v, full.state_dict()[k])
+    ]
     assert len(moved) == (18 if bias == "all" else 4)  # the adapter does carry trained biases
     # merging: lambda = 1 gives the expert itself
     merged = task_arithmetic(base, {"a": str(tmp_path / "a")}, scaling_factor=1.0)

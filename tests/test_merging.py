@@ -150,8 +150,10 @@ def test_merged_model_runs_forward(vision_setting):
     base_sd = base.state_dict()
     independent = CLIPVisionModel(vision_config()).eval()
     independent.load_state_dict(
-        {k: v + 0.3 * sum(e.state_dict()[k] - v for e in experts.values()) if v.is_floating_point() else v for k,
-         v in base_sd.items()}
+        {
+            k: v + 0.3 * sum(e.state_dict()[k] - v for e in experts.values()) if v.is_floating_point() else v
+            for k, v in base_sd.items()
+        }
     )
     pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

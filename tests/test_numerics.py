@@ -140,10 +140,13 @@ def test_duplicated_inputs_rank_deficient_gram(clip_setting, generator):
     assert _all_finite(merged)
     inputs = {}  # every Linear's input in the first block (the same for library and reference: the given block's)
     block = given.encoder.layers[0]
-    handles = [m.register_forward_pre_hook(lambda mod, args,
-                                           _n=n: inputs.__setitem__(_n,
-                                                                    args[0].reshape(-1, args[0].shape[-1]).double()))
-               for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)]
+    handles = [
+        m.register_forward_pre_hook(
+            lambda mod, args, _n=n: inputs.__setitem__(_n, args[0].reshape(-1, args[0].shape[-1]).double())
+        )
+        for n, m in block.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
     with torch.no_grad():
         given(pixel_values=one)
     for handle in handles:

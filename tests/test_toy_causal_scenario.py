@@ -154,8 +154,11 @@ def test_mini_scenario_is_deterministic_and_caches(tmp_path):
     assert all(same(first.experts[t], second.experts[t]) for t in TASKS)
     assert not same(first.base, first.experts["sort"])
     for task in TASKS:
-        assert all(torch.equal(a[k], b[k]) for a,
-                   b in zip(first.calibration_batches[task], second.calibration_batches[task], strict=True) for k in a)
+        assert all(
+            torch.equal(a[k], b[k])
+            for a, b in zip(first.calibration_batches[task], second.calibration_batches[task], strict=True)
+            for k in a
+        )
     # reloaded from the cache: same weights, same generations
     cached = build_causal_scenario(seed=1, cache_dir=tmp_path, config=MINI)
     assert (tmp_path / "causal-scenario" / "scenario.json").is_file()

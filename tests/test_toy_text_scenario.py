@@ -152,8 +152,11 @@ def test_mini_scenario_is_deterministic_and_caches(tmp_path):
             assert torch.equal(x, y), name
     assert not torch.equal(first.base.shared.weight, other.base.shared.weight)
     for task in TASKS:
-        assert all(torch.equal(x[k], y[k]) for x,
-                   y in zip(first.calibration_batches[task], second.calibration_batches[task], strict=True) for k in x)
+        assert all(
+            torch.equal(x[k], y[k])
+            for x, y in zip(first.calibration_batches[task], second.calibration_batches[task], strict=True)
+            for k in x
+        )
         # experts differ from the base, i.e. they were fine-tuned
         assert not torch.equal(first.experts[task].lm_head.weight, first.base.lm_head.weight)
     # reloaded from the cache: the same weights, and the saved tokenizer is there

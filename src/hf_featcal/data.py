@@ -68,8 +68,9 @@ def batch_size_of(batch: Mapping[str, Any], main_input_name: str) -> int:
 
 def cut_batch(batch: Mapping[str, Any], size: int, keep: int) -> Batch:
     """The first `keep` examples of a batch of `size` (tensors with that leading dimension are cut)."""
-    return {k: (v[:keep] if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == size else v) for k,
-            v in batch.items()}
+    return {
+        k: (v[:keep] if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == size else v) for k, v in batch.items()
+    }
 
 
 def prepare_batches(

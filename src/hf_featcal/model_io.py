@@ -521,8 +521,11 @@ def lora_module_paths(
         for name, module in model.named_modules()
         if isinstance(getattr(module, "weight", None), torch.Tensor)
     }
-    biases = {name: tuple(m.bias.shape) for name,
-              m in model.named_modules() if isinstance(getattr(m, "bias", None), torch.Tensor)}
+    biases = {
+        name: tuple(m.bias.shape)
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "bias", None), torch.Tensor)
+    }
     trained_on = adapter.trained_on
     recorded = (
         next((n for n, m in model.named_modules() if type(m).__name__ == trained_on), None) if trained_on else None

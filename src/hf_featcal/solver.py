@@ -140,8 +140,13 @@ def solve_linear_weights(
     `work` as in `symmetric_solve`.
     """
     # (the anchor transposed into a contiguous copy first: an add reading it transposed is ~3× slower)
-    rhs = torch.cat([torch.add(r, a.T.to(r.dtype).contiguous(), alpha=lambda_ratio) for r,
-                     a in zip(rhs_sums, anchor_weights, strict=True)], dim=1)
+    rhs = torch.cat(
+        [
+            torch.add(r, a.T.to(r.dtype).contiguous(), alpha=lambda_ratio)
+            for r, a in zip(rhs_sums, anchor_weights, strict=True)
+        ],
+        dim=1,
+    )
     solution, info = symmetric_solve(gram_sum, rhs, shift=lambda_ratio + epsilon, work=work)
     widths = [r.shape[1] for r in rhs_sums]
     return [part.T.contiguous() for part in torch.split(solution, widths, dim=1)], info
