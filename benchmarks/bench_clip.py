@@ -208,7 +208,8 @@ def flop_count(
 def stage_table(result: dict) -> str:
     """The per-stage table (`bench_common.stage_table`) under this run's description."""
     title = (
-        f"{result['library']} · {result['tasks']} tasks × {result['samples_per_task']} samples · {result['layers']} layers · "
+        f"{result['library']} · {result['tasks']} tasks × {result['samples_per_task']} samples · {result['layers']} "
+        "layers · "
         f"{result['device']} · model {result['dtype']} · forward dtype {result['forward_dtype'] or 'none (exact)'}"
     )
     return common_stage_table(result, title)

@@ -194,12 +194,14 @@ def stage_table(result: dict, title: str) -> str:
     ]
     for stage, seconds, tflop, rate, fraction, dtype in stage_rows(result):
         lines.append(
-            f"| {stage} | {seconds:.2f} | {fmt(tflop, '.3f')} | {fmt(rate, '.3f')} | {fmt(fraction, '.3f')} | {dtype or '-'} |"
+            f"| {stage} | {seconds:.2f} | {fmt(tflop, '.3f')} | {fmt(rate, '.3f')} | {fmt(fraction, '.3f')} | "
+            f"{dtype or '-'} |"
         )
     device_mem = "-" if result["peak_device_gib"] is None else f"{result['peak_device_gib']:.2f} GiB"
     peaks = ", ".join(f"{k} {v:.2f}" for k, v in result["measured_matmul_tflops"].items())
     lines.append(
-        f"total {result['seconds_total']:.2f} s · {sum(result['tflop'].values()):.2f} TFLOP · fraction of peak (counted stages) "
+        f"total {result['seconds_total']:.2f} s · {sum(result['tflop'].values()):.2f} TFLOP · fraction of peak "
+        "(counted stages) "
         f"{fmt(result['block_work_fraction_of_matmul_peak'], '.3f')} · peak RSS {result['peak_rss_gib']:.2f} GiB · "
         f"peak device {device_mem} · measured matmul peak (TFLOP/s): {peaks}"
     )

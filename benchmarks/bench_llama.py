@@ -8,9 +8,9 @@ RSS (this process's `VmHWM`) and peak device memory (GPU).
 
     python benchmarks/bench_llama.py --geometry 1b --sweep 1,4 --sequences 4 --length 128      # CPU memory
     python benchmarks/bench_llama.py --geometry 3b --device cuda --dtype bfloat16 --tasks 4 \\
-        --sequences 64 --length 512                                                         # GPU variant
+        --sequences 64 --length 512                                                     # GPU variant
     python benchmarks/bench_llama.py --geometry 1b --device cuda --forward-dtype bfloat16 \\
-        --restore-snapshot disk --tasks 4 --sequences 64 --length 512                       # fast mode, snapshot on disk
+        --restore-snapshot disk --tasks 4 --sequences 64 --length 512                   # fast mode, snapshot on disk
     python benchmarks/bench_llama.py --geometry tiny --tasks 2 --sequences 4 --length 64    # try the script
     python benchmarks/bench_llama.py --check-flops      # `flop_count` against torch's FlopCounterMode, per stage
 
@@ -328,7 +328,8 @@ def check_flops(args: argparse.Namespace) -> None:
         exact=config.forward_dtype is None,
     )
     print(
-        f"geometry {args.geometry} · {args.tasks} tasks × {args.sequences} sequences × {args.length} tokens · batches of {args.batch_size}"
+        f"geometry {args.geometry} · {args.tasks} tasks × {args.sequences} sequences × {args.length} tokens · batches "
+        f"of {args.batch_size}"
     )
     print("| stage | flop_count (GFLOP) | FlopCounterMode (GFLOP) | ratio |\n|---|---:|---:|---:|")
     for stage in dict.fromkeys([*model, *counted]):
@@ -398,7 +399,8 @@ def main() -> None:
                 json.dump(rows, handle, indent=2)
     if len(rows) > 1:
         print(
-            "\n| experts | seconds | peak RSS (GiB) | peak device (GiB) | fraction of matmul peak |\n|---:|---:|---:|---:|---:|"
+            "\n| experts | seconds | peak RSS (GiB) | peak device (GiB) | fraction of matmul peak "
+            "|\n|---:|---:|---:|---:|---:|"
         )
         for r in rows:
             device_mem = f"{r['peak_device_gib']:.2f}" if r["peak_device_gib"] is not None else "-"

@@ -160,14 +160,16 @@ def main() -> None:
                 before, after = measure_together([(sources["before"], first), (sources["after"], second)], bench_args)
             rounds.append((before, after))
             print(
-                f"round {index}: before ({args.before}) {before['seconds_total']:.2f} s, {before['peak_rss_gib']:.2f} GiB · "
+                f"round {index}: before ({args.before}) {before['seconds_total']:.2f} s, {before['peak_rss_gib']:.2f} "
+                "GiB · "
                 f"after ({args.after}) {after['seconds_total']:.2f} s, {after['peak_rss_gib']:.2f} GiB · "
                 f"{before['seconds_total'] / after['seconds_total']:.3f}×",
                 flush=True,
             )
     result = summary(rounds)
     print(
-        f"ratio before/after: mean {result['ratio_mean']:.3f}×, lowest {result['ratio_min']:.3f}×, highest {result['ratio_max']:.3f}×"
+        f"ratio before/after: mean {result['ratio_mean']:.3f}×, lowest {result['ratio_min']:.3f}×, highest "
+        f"{result['ratio_max']:.3f}×"
     )
     stages = sorted({stage for pair in rounds for run in pair for stage in run["seconds_per_stage"]})
     print("\n| stage | before (mean s) | after (mean s) |\n|---|---:|---:|")

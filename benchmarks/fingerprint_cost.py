@@ -29,7 +29,8 @@ def main() -> None:
     run = clip_tower_run()
     size = sum(p.numel() * p.element_size() for p in run.base.parameters())
     print(
-        f"tower: {sum(p.numel() for p in run.base.parameters()) / 1e6:.1f} M parameters ({size / 2**20:.0f} MiB) per model; "
+        f"tower: {sum(p.numel() for p in run.base.parameters()) / 1e6:.1f} M parameters ({size / 2**20:.0f} MiB) per "
+        "model; "
         f"{run.args.samples} images per task, {run.args.threads} threads"
     )
 

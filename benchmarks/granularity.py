@@ -116,8 +116,10 @@ def main() -> None:
     for name in args.scenarios:
         mine = [r for r in rows if r["scenario"] == name]
         print(
-            f"{name}: mean over seeds TA {_mean(r['ta'] for r in mine):.2f}, block {_mean(r['block'] for r in mine):.2f}, "
-            f"module {_mean(r['module'] for r in mine):.2f}; seconds block {_mean(r['block_seconds'] for r in mine):.2f}, "
+            f"{name}: mean over seeds TA {_mean(r['ta'] for r in mine):.2f}, block "
+            f"{_mean(r['block'] for r in mine):.2f}, "
+            f"module {_mean(r['module'] for r in mine):.2f}; seconds block "
+            f"{_mean(r['block_seconds'] for r in mine):.2f}, "
             f"module {_mean(r['module_seconds'] for r in mine):.2f}"
         )
 

@@ -151,7 +151,8 @@ def main() -> None:
         gaps = [r["means"]["experts"] - r["means"]["ta"] for r in mine]
         ratios = [a / b for r in mine for b, a in r["drift"].values()]
         print(
-            f"  FeatCal − TA (mean) {min(gains):+.2f} – {max(gains):+.2f};  experts − TA {min(gaps):.2f} – {max(gaps):.2f}"
+            f"  FeatCal − TA (mean) {min(gains):+.2f} – {max(gains):+.2f};  experts − TA {min(gaps):.2f} – "
+            f"{max(gaps):.2f}"
         )
         print(f"  last-block drift after/before: max {max(ratios):.3f}")
 

@@ -172,7 +172,8 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{args.tasks} tasks, {args.samples} samples/task, {args.layers} blocks, base: {not args.no_base}")
     print(
-        "| snapshot | seconds | snapshot s | peak RSS (MiB) | anon at peak | file at peak | RSS after load | snapshot adds |"
+        "| snapshot | seconds | snapshot s | peak RSS (MiB) | anon at peak | file at peak | RSS after load | snapshot "
+        "adds |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

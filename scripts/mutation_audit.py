@@ -127,7 +127,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "checkpoint_block_keeps_the_merged_tensors": (
         "experts.py",
-        "                    memo[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value\n",
+        "                    memo[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if isinstance(tensor, "
+        "nn.Parameter) else value\n",
         "                    pass\n",
     ),
     "gram_norm_of_upper_only": (

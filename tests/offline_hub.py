@@ -21,7 +21,7 @@ its working directory (`finetuned/<task>`, open_clip folders: the stand-in base 
 task vector), since such experts are the user's own rather than hub ids.
 
 To add an id the docs use, add it to `MODELS` / `DATASETS` below.
-"""
+"""  # noqa: E501 - the table's rows stay one line each
 
 from __future__ import annotations
 

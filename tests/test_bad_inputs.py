@@ -192,7 +192,8 @@ def test_unbounded_iterables_are_refused(clip_setting, generator):
     endless = _bounded(itertools.repeat(data["cars"][0]))
     with pytest.raises(
         ValueError,
-        match=r"calibration_data\['cars'\] is a generator without a length, and FeatCalConfig.num_samples_per_task is None",
+        match=r"calibration_data\['cars'\] is a generator without a length, and FeatCalConfig.num_samples_per_task is "
+              r"None",
     ):
         FeatCalCalibrator(merged, base, experts, {**data, "cars": endless}, FeatCalConfig(num_samples_per_task=None))
     empty = _bounded(itertools.repeat({"pixel_values": torch.empty(0, 3, 8, 8)}))
@@ -210,7 +211,8 @@ def test_a_numpy_array_is_named_as_such(clip_setting, generator):
     arrays = [{"pixel_values": np.zeros((2, 3, 8, 8), dtype=np.float32)}]
     with pytest.raises(
         ValueError,
-        match=r"calibration_data\['cars'\] item 0: the batch's 'pixel_values' is a numpy.ndarray, expected a torch.Tensor",
+        match=r"calibration_data\['cars'\] item 0: the batch's 'pixel_values' is a numpy.ndarray, expected a "
+              r"torch.Tensor",
     ):
         FeatCalCalibrator(merged, base, experts, {**data, "cars": arrays})
 

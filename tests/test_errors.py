@@ -30,7 +30,8 @@ def test_unsupported_architecture_names_the_supported_ones(clip_setting):
     gpt2 = GPT2Model(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50))
     with pytest.raises(
         ValueError,
-        match=r"`model` has unsupported architecture GPT2Model.*supported model types: bert, clip, clip_vision_model, llama",
+        match=r"`model` has unsupported architecture GPT2Model.*supported model types: bert, clip, clip_vision_model, "
+              r"llama",
     ):
         FeatCalCalibrator(gpt2, None, experts, data)
 
@@ -163,7 +164,8 @@ def test_non_finite_features_are_reported_with_block_and_module(clip_setting):
     calibrator = FeatCalCalibrator(merged, base, experts, {**data, "dtd": bad}, show_progress=False)
     with pytest.raises(
         FeatCalError,
-        match=r"non-finite values in the features entering block 0 of vision_encoder, module self_attn\.k_proj, self_attn\.v_proj, self_attn\.q_proj",
+        match=r"non-finite values in the features entering block 0 of vision_encoder, module self_attn\.k_proj, "
+              r"self_attn\.v_proj, self_attn\.q_proj",
     ):
         calibrator.calibrate()
     _assert_unchanged(merged, state)
@@ -180,7 +182,8 @@ def test_non_finite_expert_or_base_weights_are_named_before_any_solve(clip_setti
     broken = copy.deepcopy(experts["dtd"])
     with torch.no_grad():
         broken.encoder.layers[1].mlp.fc1.weight[0, 0] = bad  # block 0 is solved and written first
-    named = r"`experts\['dtd'\]`.* has non-finite values \(NaN/Inf\) in '(vision_model\.)?encoder\.layers\.1\.mlp\.fc1\.weight'"
+    named = (r"`experts\['dtd'\]`.* has non-finite values \(NaN/Inf\) in "
+             r"'(vision_model\.)?encoder\.layers\.1\.mlp\.fc1\.weight'")
     with pytest.raises(ValueError, match=named):
         FeatCalCalibrator(merged, base, {**experts, "dtd": broken}, data, show_progress=False)
     broken.save_pretrained(tmp_path / "dtd")

@@ -38,7 +38,8 @@ def test_inferred_layer_map_finds_blocks_and_calibrates(generator):
     given = copy.deepcopy(merged)
     with pytest.warns(
         UserWarning,
-        match=r"inferred blocks \['model.decoder.layers'\] \(2 blocks\).*fc2 \(linear\).*final_layer_norm \(layer_norm\)",
+        match=r"inferred blocks \['model.decoder.layers'\] \(2 blocks\).*fc2 \(linear\).*final_layer_norm "
+              r"\(layer_norm\)",
     ):
         calibrator = FeatCalCalibrator(merged, base, experts, data, show_progress=False, allow_inferred_layer_map=True)
     calibrator.calibrate()

@@ -179,7 +179,8 @@ def test_non_finite_adapter_is_named_when_opened(clip_setting, tmp_path):
     with torch.no_grad():
         peft_model.base_model.model.encoder.layers[1].self_attn.q_proj.lora_B["default"].weight[0, 0] = float("nan")
     peft_model.save_pretrained(tmp_path / "a")
-    named = r"`experts\['cars'\]`: the LoRA adapter .* has non-finite values \(NaN/Inf\) in 'base_model\.model\.encoder\.layers\.1\.self_attn\.q_proj\.lora_B\.weight'"
+    named = (r"`experts\['cars'\]`: the LoRA adapter .* has non-finite values \(NaN/Inf\) in "
+             r"'base_model\.model\.encoder\.layers\.1\.self_attn\.q_proj\.lora_B\.weight'")
     with pytest.raises(ValueError, match=named):
         FeatCalCalibrator(merged, base, {**experts, "cars": str(tmp_path / "a")}, data)
     with pytest.raises(ValueError, match=named):
@@ -193,7 +194,8 @@ def test_adapter_tensors_that_are_not_read_are_refused_not_dropped(clip_setting,
 
     base, experts, merged, data = clip_setting
     _adapter(base, tmp_path / "a", 0, r=2, target_modules=["q_proj", "position_embedding"])
-    named = r"`experts\['cars'\]`: the LoRA adapter .* holds tensors other than LoRA A/B weights and biases.*lora_embedding_"
+    named = (r"`experts\['cars'\]`: the LoRA adapter .* holds tensors other than LoRA A/B weights and biases"
+             r".*lora_embedding_")
     with pytest.raises(ValueError, match=named):
         task_arithmetic(base, {**experts, "cars": str(tmp_path / "a")})
     with pytest.raises(ValueError, match=named):

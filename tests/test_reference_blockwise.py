@@ -107,16 +107,9 @@ def test_pooled_encoders_equal_the_float64_reference(family, generator):
     """Post-norm BERT and pre-norm ViT, both pooled on token 0: in the last block every module but
     the key/value projections weighs the other tokens 0.01."""
     if family == "bert":
-        build = lambda: BertForSequenceClassification(
-            BertConfig(  # noqa: E731
-                vocab_size=40,
-                hidden_size=16,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                intermediate_size=32,
-                num_labels=3,
-            )
-        )
+        build = lambda: BertForSequenceClassification(BertConfig(  # noqa: E731
+            vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+            num_labels=3))
         batch, prefixes = _text_batch, ("bert.encoder.layer.",)
         blocks, key_value, mask_key = (lambda m: list(m.bert.encoder.layer)), (
             "attention.self.key", "attention.self.value"), "attention_mask"

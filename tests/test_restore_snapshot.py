@@ -105,8 +105,8 @@ def test_a_successful_run_removes_the_folder_and_equals_the_memory_snapshot_bit_
 
 def test_a_late_failure_after_a_dtype_change_restores_from_disk_in_small_files(clip_setting, snapshot_tmpdir,
                                                                                monkeypatch):
-    """One file per tensor (a 1-byte file size): the snapshot spans many files; the body casts the model to half and zeroes
-    tensors outside the blocks, so restoring replaces tensor data from the files."""
+    """One file per tensor (a 1-byte file size): the snapshot spans many files; the body casts the model to half
+    and zeroes tensors outside the blocks, so restoring replaces tensor data from the files."""
     monkeypatch.setattr(restore, "SNAPSHOT_FILE_BYTES", 1)
     base, experts, merged, data = clip_setting
     model = copy.deepcopy(merged)

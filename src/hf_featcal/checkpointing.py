@@ -184,7 +184,8 @@ class CheckpointFolder:
         if recorded.get(name) != actual:
             raise self._damaged(
                 name,
-                f"its contents are not those committed with block {index} (SHA-256 {actual}, recorded {recorded.get(name)})",
+                f"its contents are not those committed with block {index} (SHA-256 {actual}, recorded "
+                f"{recorded.get(name)})",
             )
         self._block_sha256[index] = actual
 

@@ -102,7 +102,8 @@ class FeatCalConfig:
     report_drift: bool = field(
         default=True,
         metadata={
-            "help": "Measure the per-block feature drift before and after calibration (one extra merged forward per block)."
+            "help": "Measure the per-block feature drift before and after calibration (one extra merged forward per "
+                    "block)."
         },
     )
     stream_placement: str = field(
@@ -141,10 +142,10 @@ class FeatCalConfig:
     reuse_freed_cpu_memory: bool = field(
         default=False,
         metadata={
-            "help": "Opt-in, CPU runs on Linux (glibc): during calibrate() freed memory is kept for reuse instead of being "
-            "handed back to the system and page-faulted in again (2-3x fewer page faults on the CLIP benchmark; its time "
-            "and peak RSS moved within the machine's noise). Afterwards glibc keeps blocks of up to 32 MB (the ceiling its "
-            "own adaptive threshold reaches) and free memory is handed back. Does not change results."
+            "help": "Opt-in, CPU runs on Linux (glibc): during calibrate() freed memory is kept for reuse instead of "
+            "being handed back to the system and page-faulted in again (2-3x fewer page faults on the CLIP benchmark; "
+            "its time and peak RSS moved within the machine's noise). Afterwards glibc keeps blocks of up to 32 MB "
+            "(the ceiling its own adaptive threshold reaches) and free memory is handed back. Does not change results."
         },
     )
     granularity: str = field(
@@ -208,7 +209,8 @@ class FeatCalConfig:
             or self.num_samples_per_task < 1
         ):
             raise ValueError(
-                f"FeatCalConfig.num_samples_per_task must be a positive integer or None, got {self.num_samples_per_task!r}."
+                f"FeatCalConfig.num_samples_per_task must be a positive integer or None, got "
+                f"{self.num_samples_per_task!r}."
             )
         if self.max_length is not None and (
             isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 1
@@ -233,7 +235,8 @@ class FeatCalConfig:
                     raise ValueError(f"FeatCalConfig.{name} is not a valid regular expression: {err}.") from None
             elif not (isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)):
                 raise ValueError(
-                    f"FeatCalConfig.{name} must be None, a regex string or a non-empty list of module names, got {value!r}."
+                    f"FeatCalConfig.{name} must be None, a regex string or a non-empty list of module names, got "
+                    f"{value!r}."
                 )
         layers = self.layers_to_transform
         if isinstance(layers, int) and not isinstance(layers, bool):
@@ -249,7 +252,8 @@ class FeatCalConfig:
             )
         if self.stream_placement not in ("accelerator", "cpu", "pinned_cpu"):
             raise ValueError(
-                f"FeatCalConfig.stream_placement must be 'accelerator', 'cpu' or 'pinned_cpu', got {self.stream_placement!r}."
+                f"FeatCalConfig.stream_placement must be 'accelerator', 'cpu' or 'pinned_cpu', got "
+                f"{self.stream_placement!r}."
             )
         if self.compute_dtype not in ("float32", "float64"):
             raise ValueError(f"FeatCalConfig.compute_dtype must be 'float32' or 'float64', got {self.compute_dtype!r}.")

@@ -188,8 +188,9 @@ def collate(
         # the default collator would fail on the raw column ("Could not infer dtype of PngImageFile")
         raise ValueError(
             f"calibration_data[{task!r}]: its rows have no {main_input_name!r} (columns: {sorted(rows[0])}) and no "
-            f"`processing_class` was given to make it from them: pass processing_class=<the model's image processor, "
-            f"per-image transform or tokenizer>, or give rows with {main_input_name!r} (or a `data_collator` that makes it)."
+            "`processing_class` was given to make it from them: pass processing_class=<the model's image processor, "
+            f"per-image transform or tokenizer>, or give rows with {main_input_name!r} (or a `data_collator` that "
+            "makes it)."
         )
     if data_collator is None:
         # as `Trainer` drops unused columns: raw text (e.g. a prompt kept beside its token ids) is no input

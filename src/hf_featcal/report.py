@@ -315,5 +315,5 @@ post-merging models, arXiv 2605.13030) using `hf_featcal`. Same architecture and
 ## Feature drift (mean ‖h_merged − h_expert‖ per token; what the head reads, relative to the expert)
 
 {drift}
-"""
+"""  # noqa: E501 - the card's paragraph as it is written
     return ModelCard(content)

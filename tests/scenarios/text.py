@@ -663,8 +663,8 @@ def build_text_scenario(
     ``pretrain_target_max_length``, the short train examples of the target tasks; one expert per task
     (a copy of the base fine-tuned for ``expert_steps``); FeatCal calibration batches from the train
     splits. With `cache_dir`, the tokenizer and models are saved there (``save_pretrained``: ``base/``,
-    ``expert_<task>/``, ``tokenizer/`` in ``text-scenario/``) and the models are reloaded on later calls with the same config
-    and vocabulary (else rebuilt and overwritten); data are always regenerated (cheap, deterministic).
+    ``expert_<task>/``, ``tokenizer/`` in ``text-scenario/``) and the models are reloaded on later calls with the
+    same config and vocabulary (else rebuilt and overwritten); data are always regenerated (cheap, deterministic).
     `seed`, when given, overrides ``config.seed`` (default 0).
     """
     start = time.perf_counter()

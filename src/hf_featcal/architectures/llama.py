@@ -3,11 +3,11 @@
 One stack of decoder layers. Each stream enters it through its own model's forward, so it carries
 that model's rotary position embeddings and causal/padding mask. Padding (`attention_mask == 0`)
 weighs 0; a batch may also select the positions that count with `loss_mask` (1 = counts) or
-`labels` (-100 = does not count), e.g. only the response tokens of instruction data. Keys and values are then fitted on every position
-a counted position attends to (all non-padding positions up to the last counted one, by the causal
-mask) — the analogue of the pooled-token rule for key/value projections. RMS norms
-(also Qwen3's per-head q/k norms) use the scale-only closed form; q/k/v (grouped-query shapes
-included) and gate/up share their statistics.
+`labels` (-100 = does not count), e.g. only the response tokens of instruction data. Keys and values
+are then fitted on every position a counted position attends to (all non-padding positions up to the
+last counted one, by the causal mask) — the analogue of the pooled-token rule for key/value
+projections. RMS norms (also Qwen3's per-head q/k norms) use the scale-only closed form; q/k/v
+(grouped-query shapes included) and gate/up share their statistics.
 """
 
 from __future__ import annotations

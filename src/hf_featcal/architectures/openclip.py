@@ -103,7 +103,8 @@ class OpenCLIPVisionLayerMap(LayerMap):
         for index, block in enumerate(blocks):
             if not isinstance(getattr(block, "attn", None), nn.MultiheadAttention):
                 raise ValueError(
-                    f"open_clip block {index} is a {type(block).__name__} with {type(getattr(block, 'attn', None)).__name__} "
+                    f"open_clip block {index} is a {type(block).__name__} with "
+                    f"{type(getattr(block, 'attn', None)).__name__} "
                     "attention; only ResidualAttentionBlock (nn.MultiheadAttention) blocks are supported."
                 )
         return blocks
