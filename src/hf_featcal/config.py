@@ -281,9 +281,11 @@ class FeatCalConfig:
 
     def block_selected(self, index: int, num_blocks: int) -> bool:
         """Whether block `index` (of `num_blocks`) is calibrated."""
-        if self.layers_to_transform is None:
+        layers = self.layers_to_transform
+        if layers is None:
             return True
-        return any(i % num_blocks == index for i in self.layers_to_transform if -num_blocks <= i < num_blocks)
+        assert not isinstance(layers, int)  # `_validate` turned a single int into a list
+        return any(i % num_blocks == index for i in layers if -num_blocks <= i < num_blocks)
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:

@@ -251,7 +251,7 @@ def build_model_card(
     experts: dict[str, CardModel],
     library_name: str = "transformers",
     pipeline_tag: str | None = None,
-    license: dict[str, str] | None = None,
+    license: dict[str, Any] | None = None,
     samples_per_task: dict[str, int],
     featcal_config: dict[str, Any],
     report: DriftReport | None,
@@ -273,8 +273,8 @@ def build_model_card(
         **(license or {}),
     )
     if parents:
-        data.base_model_relation = "merge"
-    data.featcal = {
+        data.base_model_relation = "merge"  # type: ignore[attr-defined]  # kept as extra card metadata
+    data.featcal = {  # type: ignore[attr-defined]
         "base_model": None if base is None else base.hub_id,
         "experts": {task: model.hub_id for task, model in experts.items()},
         "tasks": list(experts),

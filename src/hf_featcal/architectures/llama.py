@@ -70,6 +70,7 @@ class LlamaFamilyLayerMap(LayerMap):
     def input_weights(self, module_name: str, state: StreamBatch) -> Tensor:
         if self.weight_source(module_name) == "attended":
             return state.extras["attended_weights"]
+        assert state.weights is not None  # `enter_stack` gives every stream its weights
         return state.weights
 
     def enter_stack(
@@ -78,6 +79,7 @@ class LlamaFamilyLayerMap(LayerMap):
         state = super().enter_stack(tower, batch, stack_index, previous)
         if self.restricted_positions:
             padding = LayerMap.token_weights(self, batch, state.hidden, self.stacks(tower)[0])
+            assert state.weights is not None  # the base class's `enter_stack` sets them
             counted = (state.weights > 0).int()
             # a position is attended by a counted one when it is at or before the last counted position
             up_to_last = torch.flip(torch.cummax(torch.flip(counted, [1]), dim=1).values, [1])
@@ -88,7 +90,7 @@ class LlamaFamilyLayerMap(LayerMap):
         inner = getattr(model, "model", None)
         return inner if isinstance(inner, nn.Module) and hasattr(inner, "layers") else model
 
-    def stacks(self, tower: nn.Module) -> list[Stack]:
+    def stacks(self, tower: Any) -> list[Stack]:  # Any: submodules by the model class's attribute names
         return [Stack("decoder", tower.layers)]
 
     def model_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:

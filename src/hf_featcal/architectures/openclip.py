@@ -75,9 +75,9 @@ class OpenCLIPVisionLayerMap(LayerMap):
         return getattr(model, "visual", model)
 
     def describe(self, model: nn.Module) -> OpenCLIPVisionGeometry:
-        tower = self.tower(model)
+        tower: Any = self.tower(model)  # Any: open_clip's attributes, which nn.Module's typing cannot see
         blocks = self._blocks(tower)
-        first = blocks[0]
+        first: Any = blocks[0]
         return OpenCLIPVisionGeometry(
             width=first.attn.embed_dim,
             layers=len(blocks),
