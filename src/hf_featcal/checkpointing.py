@@ -57,7 +57,7 @@ def tensor_digest(hasher: Any, name: str, tensor: Tensor) -> None:
     data = t.reshape(-1)
     if data.device.type != "cpu":
         data = data.cpu()
-    hasher.update(memoryview(data.contiguous().view(torch.uint8).numpy()))
+    hasher.update(data.contiguous().view(torch.uint8).numpy().data)  # the array's buffer, not a copy
 
 
 def file_digest(path: str, chunk: int = 1 << 24, hasher: Any = None) -> str:

@@ -12,7 +12,7 @@ from transformers import default_data_collator
 try:  # `datasets` is a dependency, but keep the import local to what needs it
     from datasets import Dataset
 except ImportError:  # pragma: no cover
-    Dataset = None  # type: ignore[assignment,misc]
+    Dataset = None
 
 Batch = dict[str, Any]
 

@@ -546,6 +546,7 @@ def lora_module_paths(
             )
         roots = [r for r in roots if r == within or r.startswith(within + ".")] or [within]
     # (module, where its shape is looked up, the shape the adapter needs there)
+    needs: list[tuple[str, dict[str, tuple[int, ...]], tuple[int, ...]]]
     needs = [(m, weights, adapter.weight_shape(m)) for m in adapter.modules]
     needs += [(m, biases, adapter.bias_shape(m)) for m in adapter.biases]
     for root in dict.fromkeys(roots):

@@ -83,6 +83,7 @@ def restore_on_failure(
             layout[ident] = (tensor.device, tensor.dtype)
             if ident in handed_over:  # the snapshot keeps this memory; the parameter goes on in a copy
                 original = tensor.detach()
+                assert isinstance(store, _MemorySnapshot)  # only a memory snapshot takes memory over
                 store.keep(f"tensor.{index}", original)
                 tensor.data = original.clone()
             else:

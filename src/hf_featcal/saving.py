@@ -445,7 +445,7 @@ def save_model_files(
     if layer_map is not None:
         layer_map.save_model(model, output_dir)
     elif hasattr(model, "save_pretrained"):
-        model.save_pretrained(output_dir)
+        model.save_pretrained(output_dir)  # type: ignore[operator]  # a transformers model's method
     else:  # open_clip: its own format
         from .architectures import get_layer_map
 

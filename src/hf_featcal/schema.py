@@ -454,8 +454,8 @@ def render_recipe_schema(indent: int = 0, featcal_fields: bool = True) -> str:  
             for field_ in dataclasses.fields(FeatCalConfig):
                 lines.append((1, f"{field_.name}?: [{_yaml_text(field_.default)}]", ""))
         elif key.name == "calibration":
-            default, tasks = RECIPE_SECTIONS["calibration"]
-            add(1, default)
+            default_key, tasks = RECIPE_SECTIONS["calibration"]
+            add(1, default_key)
             for entry in RECIPE_SECTIONS["calibration.default"]:
                 add(2, entry, "calibration.default")
             add(1, tasks)
