@@ -89,8 +89,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "task_gram_folded_on_its_first_block_row_only": (
         "statistics.py",
-        "zip(upper_blocks(self._gram_sum_upper), upper_blocks(gram)):",
-        "list(zip(upper_blocks(self._gram_sum_upper), upper_blocks(gram)))[:1]:",
+        "zip(upper_blocks(self._gram_sum_upper), upper_blocks(gram), strict=True):",
+        "list(zip(upper_blocks(self._gram_sum_upper), upper_blocks(gram), strict=True))[:1]:",
     ),
     # allocation-lean activations (bit-identical) and the snapshot's memory handover
     "lean_quick_gelu_constant": ("activations.py", "    out = torch.mul(x, 1.702)\n", "    out = torch.mul(x, 1.7)\n"),

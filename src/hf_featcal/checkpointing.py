@@ -354,8 +354,8 @@ def _decode(obj: Any, tensors: dict[str, Tensor], batches: dict[int, StreamBatch
     if "$same_batch" in obj:
         return batches[obj["$same_batch"]]
     if "$batch" in obj:
-        fields = {k: _decode(obj[k], tensors, batches, device) for k in ("hidden", "args", "kwargs", "weights",
-                                                                         "extras")}
+        names = ("hidden", "args", "kwargs", "weights", "extras")
+        fields = {k: _decode(obj[k], tensors, batches, device) for k in names}
         batch = batches[obj["$batch"]] = StreamBatch(**fields)
         return batch
     if "$tuple" in obj:
