@@ -324,33 +324,12 @@ def main() -> None:
         return
     rows = []
     for tasks in counts:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--measure",
-            "--library",
-            args.library,
-            "--tasks",
-            str(tasks),
-            "--samples",
-            str(args.samples),
-            "--batch-size",
-            str(args.batch_size),
-            "--layers",
-            str(args.layers),
-            "--device",
-            args.device,
-            "--dtype",
-            args.dtype,
-            "--forward-dtype",
-            args.forward_dtype,
-            *([] if args.gram_fraction is None else ["--gram-fraction", repr(args.gram_fraction)]),
-            "--stream-placement",
-            args.stream_placement,
-            "--workdir",
-            args.workdir,
-            *(["--reuse-freed-cpu-memory"] if args.reuse_freed_cpu_memory else []),
-        ]
+        cmd = [sys.executable, __file__, "--measure", "--library", args.library, "--tasks", str(tasks),
+               "--samples", str(args.samples), "--batch-size", str(args.batch_size), "--layers", str(args.layers),
+               "--device", args.device, "--dtype", args.dtype, "--forward-dtype", args.forward_dtype,
+               *([] if args.gram_fraction is None else ["--gram-fraction", repr(args.gram_fraction)]),
+               "--stream-placement", args.stream_placement, "--workdir", args.workdir,
+               *(["--reuse-freed-cpu-memory"] if args.reuse_freed_cpu_memory else [])]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
             sys.stderr.write(run.stdout + run.stderr)

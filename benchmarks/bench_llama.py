@@ -235,17 +235,9 @@ def measure(args: argparse.Namespace) -> dict:
     dtypes = stage_dtypes(args.dtype, forward_dtype, low_products_in_use(device, forward_dtype))
     peaks = {name: matmul_throughput(device, getattr(torch, name)) for name in sorted(set(dtypes.values()))}
     config = calibrator.config
-    flops = flop_count(
-        GEOMETRIES[args.geometry],
-        args.tasks,
-        args.sequences,
-        args.length,
-        args.batch_size,
-        teacher_alpha=config.teacher_alpha,
-        report_drift=config.report_drift,
-        exact=forward_dtype is None,
-        syrk=syrk_in_use(device, forward_dtype),
-    )
+    flops = flop_count(GEOMETRIES[args.geometry], args.tasks, args.sequences, args.length, args.batch_size,
+                       teacher_alpha=config.teacher_alpha, report_drift=config.report_drift,
+                       exact=forward_dtype is None, syrk=syrk_in_use(device, forward_dtype))
     return {
         "geometry": args.geometry,
         "parameters_billion": sum(p.numel() for p in merged.parameters()) / 1e9,
@@ -315,18 +307,9 @@ def check_flops(args: argparse.Namespace) -> None:
     finally:
         RunContext.timed = timed
     config = calibrator.config
-    model = flop_count(
-        GEOMETRIES[args.geometry],
-        args.tasks,
-        args.sequences,
-        args.length,
-        args.batch_size,
-        teacher_alpha=config.teacher_alpha,
-        report_drift=config.report_drift,
-        causal=False,
-        products_only=True,
-        exact=config.forward_dtype is None,
-    )
+    model = flop_count(GEOMETRIES[args.geometry], args.tasks, args.sequences, args.length, args.batch_size,
+                       teacher_alpha=config.teacher_alpha, report_drift=config.report_drift, causal=False,
+                       products_only=True, exact=config.forward_dtype is None)
     print(
         f"geometry {args.geometry} · {args.tasks} tasks × {args.sequences} sequences × {args.length} tokens · batches "
         f"of {args.batch_size}"

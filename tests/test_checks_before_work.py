@@ -211,23 +211,7 @@ def test_a_key_given_twice_in_a_recipe_is_refused_naming_it_and_its_lines(world,
                                                                                "d": {"b": 3, "c": 2}}
     featcal = tmp_path / "featcal.yaml"
     featcal.write_text("lambda_ratio: 0.1\nlambda_ratio: 0.2\n")
-    assert (
-        cli.main(
-            [
-                "calibrate",
-                "--model",
-                str(world / "base"),
-                "--base",
-                str(world / "base"),
-                *_experts(world),
-                *_data(world),
-                "--featcal-config",
-                str(featcal),
-                "--output-dir",
-                str(tmp_path / "never"),
-                "--quiet",
-            ]
-        )
-        == 2
-    )
+    assert cli.main(["calibrate", "--model", str(world / "base"), "--base", str(world / "base"), *_experts(world),
+                     *_data(world), "--featcal-config", str(featcal), "--output-dir", str(tmp_path / "never"),
+                     "--quiet"]) == 2
     assert "duplicate key 'lambda_ratio' on line 2 (first given on line 1)" in capsys.readouterr().err

@@ -71,15 +71,9 @@ def test_a_failing_combination_is_reported_and_the_grid_goes_on(setting, tmp_pat
             raise RuntimeError("out of memory | try a smaller batch\nor another device")
         return evaluate(model)
 
-    result = compare_post_merging(
-        base,
-        experts,
-        data,
-        evaluate_or_fail,
-        merges=["ties", "average"],
-        post_merging=["none", "featcal"],
-        featcal_config=FeatCalConfig(num_samples_per_task=8),
-    )
+    result = compare_post_merging(base, experts, data, evaluate_or_fail, merges=["ties", "average"],
+                                  post_merging=["none", "featcal"],
+                                  featcal_config=FeatCalConfig(num_samples_per_task=8))
     assert result.errors == {"ties": "RuntimeError: out of memory | try a smaller batch\nor another device"}
     assert {"ties+featcal", "average", "average+featcal"} <= set(result.scores)
     table = result.to_markdown()

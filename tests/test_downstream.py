@@ -300,17 +300,9 @@ def clip_saved(tmp_path_factory):
     generator = torch.Generator().manual_seed(1)
     processor = clip_processor()
     torch.manual_seed(1)
-    text = dict(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        vocab_size=len(processor.tokenizer),
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
-        max_position_embeddings=16,
-    )
+    text = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                vocab_size=len(processor.tokenizer), bos_token_id=0, eos_token_id=1, pad_token_id=1,
+                max_position_embeddings=16)
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8,
                   patch_size=4)
     base = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)).eval()

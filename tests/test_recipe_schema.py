@@ -307,32 +307,10 @@ def test_merge_and_calibrate_run_the_recipe_stages_and_save_the_same_model(world
     assert stage_calls == ["check_output_dir", "merge_experts"]
 
     stage_calls.clear()
-    assert (
-        cli.main(
-            [
-                "calibrate",
-                "--model",
-                str(tmp_path / "merged"),
-                "--base",
-                str(world / "base"),
-                *experts,
-                "--data-default",
-                str(world / "data" / "{task}"),
-                "--split",
-                "train",
-                "--num-examples",
-                "16",
-                "--lambda-ratio",
-                "0.05",
-                "--batch-size",
-                "8",
-                "--quiet",
-                "--output-dir",
-                str(tmp_path / "cli"),
-            ]
-        )
-        == 0
-    )
+    assert cli.main(["calibrate", "--model", str(tmp_path / "merged"), "--base", str(world / "base"), *experts,
+                     "--data-default", str(world / "data" / "{task}"), "--split", "train", "--num-examples", "16",
+                     "--lambda-ratio", "0.05", "--batch-size", "8", "--quiet", "--output-dir",
+                     str(tmp_path / "cli")]) == 0
     assert stage_calls == ["check_output_dir", "load_calibration_data", "build_calibrator", "calibrate_merged",
                            "save_run", "push_run"]
     capsys.readouterr()

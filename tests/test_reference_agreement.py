@@ -14,11 +14,8 @@ def check_steps_from_the_merged_model(given: dict, calibrated: dict, expected: d
     the calibration, and the library's step from the given value matches the reference's step to
     `step_tol` relative; every tensor outside the blocks is exactly the given one."""
     for name, before in given.items():
-        got, want, before = (
-            calibrated[name].detach().double(),
-            expected[name].detach().double(),
-            before.detach().double(),
-        )
+        got, want, before = (calibrated[name].detach().double(), expected[name].detach().double(),
+                             before.detach().double())
         if name.startswith("encoder.layers."):
             step = float((want - before).norm())
             assert step > 1e-3 * float(before.norm()), (name, "the reference did not move it")

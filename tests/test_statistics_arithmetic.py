@@ -52,15 +52,10 @@ def _tasks(generator, d, out, n=300, tasks=3, dtype=F64, weights="random"):
             w[:] = 1.0
         elif weights == "mixed":
             w[: n // 2] = 1.0
-        result.append(
-            dict(
-                x_s=x_s.to(dtype),
-                x_e=(x_s + 0.3 * torch.randn(n, d, generator=generator, dtype=F64)).to(dtype),
-                w=w.to(dtype),
-                weight=torch.randn(out, d, generator=generator, dtype=F64).to(dtype),
-                bias=torch.randn(out, generator=generator, dtype=F64).to(dtype),
-            )
-        )
+        result.append(dict(x_s=x_s.to(dtype),
+                           x_e=(x_s + 0.3 * torch.randn(n, d, generator=generator, dtype=F64)).to(dtype), w=w.to(dtype),
+                           weight=torch.randn(out, d, generator=generator, dtype=F64).to(dtype),
+                           bias=torch.randn(out, generator=generator, dtype=F64).to(dtype)))
     return result
 
 
