@@ -32,16 +32,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported from elsewhere
 
-from bench_common import (  # noqa: E402
+from bench_common import (
+    low_products_in_use,
     matmul_throughput,
     peak_rss_gib,
     rate_report,
     stage_dtypes,
-    low_products_in_use,
     syrk_in_use,
     triangle_fraction,
 )
-from bench_common import stage_table as common_stage_table  # noqa: E402
+from bench_common import stage_table as common_stage_table
 
 VIT_B32 = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                image_size=224, patch_size=32, num_channels=3)
@@ -122,8 +122,10 @@ def prepare(workdir: str, tasks: int, layers: int, library: _Library) -> None:
     merged = {k: v.clone() for k, v in original.items()}
     for i in range(tasks):
         gen = torch.Generator().manual_seed(1000 + i)
-        expert = {k: v + 0.02 * v.std().clamp_min(1e-3) * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v
-                  for k, v in original.items()}
+        expert = {
+            k: v + 0.02 * v.std().clamp_min(1e-3) * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v
+            for k, v in original.items()
+        }
         for k, v in expert.items():
             if v.is_floating_point():
                 merged[k] += 0.3 * (v - original[k])
@@ -139,8 +141,15 @@ def prepare(workdir: str, tasks: int, layers: int, library: _Library) -> None:
 
 
 def flop_count(
-    tasks: int, samples: int, layers: int, d: int = 768, ff: int = 3072, tokens: int = 50, gram_fraction: float | None = None,
-    exact: bool = True, syrk: bool = False,
+    tasks: int,
+    samples: int,
+    layers: int,
+    d: int = 768,
+    ff: int = 3072,
+    tokens: int = 50,
+    gram_fraction: float | None = None,
+    exact: bool = True,
+    syrk: bool = False,
 ) -> dict[str, float]:
     """Arithmetic (2 × multiply-adds) of one FeatCal run with the default settings, per timed stage,
     as the library does it.
@@ -172,7 +181,8 @@ def flop_count(
     except ImportError:  # a library from before that path (`compare_revisions.py` runs old ones)
         outputs_rhs_pays = None
     # fc2 from the expert's outputs: x_sᵀ·y_e per token, the Gram times W_iᵀ per task
-    from_outputs = exact and outputs_rhs_pays is not None and outputs_rhs_pays(samples * tokens, ff, FeatCalConfig().teacher_alpha)
+    from_outputs = exact and outputs_rhs_pays is not None and outputs_rhs_pays(samples * tokens, ff,
+                                                                               FeatCalConfig().teacher_alpha)
     fc2_rhs = 2 * ff * d if from_outputs else 4 * ff * d
     stats = (layers - 1) * m * (3 * (gram_d + 2 * d * d) + gram_ff + fc2_rhs)
     stats += m * (3 * (gram_d_pooled + 2 * d * d) + gram_ff_pooled + fc2_rhs) + m * (gram_d + 2 * d * d)  # last block
@@ -198,7 +208,8 @@ def flop_count(
 def stage_table(result: dict) -> str:
     """The per-stage table (`bench_common.stage_table`) under this run's description."""
     title = (
-        f"{result['library']} · {result['tasks']} tasks × {result['samples_per_task']} samples · {result['layers']} layers · "
+        f"{result['library']} · {result['tasks']} tasks × {result['samples_per_task']} samples · {result['layers']} "
+        "layers · "
         f"{result['device']} · model {result['dtype']} · forward dtype {result['forward_dtype'] or 'none (exact)'}"
     )
     return common_stage_table(result, title)
@@ -244,7 +255,8 @@ def measure(args: argparse.Namespace) -> dict:
     dtypes = stage_dtypes(args.dtype, forward_dtype, low_products_in_use(device, forward_dtype))
     peaks = {name: matmul_throughput(device, getattr(torch, name)) for name in sorted(set(dtypes.values()))}
     syrk = syrk_in_use(device, forward_dtype)
-    flops = flop_count(args.tasks, args.samples, args.layers, gram_fraction=args.gram_fraction, exact=forward_dtype is None, syrk=syrk)
+    flops = flop_count(args.tasks, args.samples, args.layers, gram_fraction=args.gram_fraction,
+                       exact=forward_dtype is None, syrk=syrk)
     timings = calibrator.timings
     return {
         "library": args.library,
@@ -292,7 +304,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="where models are written (default: a temp folder per library)")
     parser.add_argument("--sweep", default=None, help="comma-separated numbers of experts, e.g. 1,2,4,8")
     parser.add_argument("--output", default=None, help="also write the results (a JSON list) to this file")
-    parser.add_argument("--prepare-only", action="store_true", help="write the models for these arguments to --workdir and stop")
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="write the models for these arguments to --workdir and stop")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.workdir is None:
@@ -311,9 +324,10 @@ def main() -> None:
         return
     rows = []
     for tasks in counts:
-        cmd = [sys.executable, __file__, "--measure", "--library", args.library, "--tasks", str(tasks), "--samples", str(args.samples),
-               "--batch-size", str(args.batch_size), "--layers", str(args.layers), "--device", args.device,
-               "--dtype", args.dtype, "--forward-dtype", args.forward_dtype, *([] if args.gram_fraction is None else ["--gram-fraction", repr(args.gram_fraction)]),
+        cmd = [sys.executable, __file__, "--measure", "--library", args.library, "--tasks", str(tasks),
+               "--samples", str(args.samples), "--batch-size", str(args.batch_size), "--layers", str(args.layers),
+               "--device", args.device, "--dtype", args.dtype, "--forward-dtype", args.forward_dtype,
+               *([] if args.gram_fraction is None else ["--gram-fraction", repr(args.gram_fraction)]),
                "--stream-placement", args.stream_placement, "--workdir", args.workdir,
                *(["--reuse-freed-cpu-memory"] if args.reuse_freed_cpu_memory else [])]
         run = subprocess.run(cmd, capture_output=True, text=True)

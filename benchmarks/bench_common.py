@@ -70,7 +70,8 @@ def _float32_cpu_product():
     return (lambda a, b: gemm.onednn_linear(a, b, None)) if gemm.gemm_library() == "onednn" else None
 
 
-def matmul_throughput(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] | None = None, seconds: float = 0.3) -> float:
+def matmul_throughput(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] | None = None,
+                      seconds: float = 0.3) -> float:
     """This machine's matmul throughput (FLOP/s) in `dtype`: the best of square products of a few sizes
     (larger on a GPU, where 3072² products do not fill the device), each repeated for about `seconds`.
     Float32 on the CPU: the best of torch's product and the library's own where it runs another
@@ -79,7 +80,8 @@ def matmul_throughput(device: torch.device, dtype: torch.dtype, sizes: tuple[int
         sizes = (2048, 4096, 8192) if device.type == "cuda" else (1024, 2048, 3072)
     own = _float32_cpu_product() if device.type == "cpu" and dtype == torch.float32 else None
     if own is not None:
-        return max(_throughput(device, dtype, sizes, seconds, lambda a, b: a @ b), _throughput(device, dtype, sizes, seconds, own))
+        return max(_throughput(device, dtype, sizes, seconds, lambda a, b: a @ b),
+                   _throughput(device, dtype, sizes, seconds, own))
     return _throughput(device, dtype, sizes, seconds, lambda a, b: a @ b)
 
 
@@ -156,7 +158,8 @@ def lower_triangular_fraction(dim: int) -> float:
     return sum((dim - start) * (min(start + 384, dim) - start) for start in range(0, dim, 384)) / dim**2
 
 
-def rate_report(flops: dict[str, float], timings: dict[str, float], dtypes: dict[str, str], peaks: dict[str, float]) -> dict:
+def rate_report(flops: dict[str, float], timings: dict[str, float], dtypes: dict[str, str],
+                peaks: dict[str, float]) -> dict:
     """The result keys shared by the benchmarks, from FLOPs and seconds per stage, each stage's dtype
     and the measured matmul peak (FLOP/s) per dtype: TFLOP per stage, the stages' dtypes, the peaks in
     TFLOP/s, the counted stages' overall fraction of peak and each one's own."""
@@ -196,11 +199,15 @@ def stage_table(result: dict, title: str) -> str:
         "|---|---:|---:|---:|---:|---|",
     ]
     for stage, seconds, tflop, rate, fraction, dtype in stage_rows(result):
-        lines.append(f"| {stage} | {seconds:.2f} | {fmt(tflop, '.3f')} | {fmt(rate, '.3f')} | {fmt(fraction, '.3f')} | {dtype or '-'} |")
+        lines.append(
+            f"| {stage} | {seconds:.2f} | {fmt(tflop, '.3f')} | {fmt(rate, '.3f')} | {fmt(fraction, '.3f')} | "
+            f"{dtype or '-'} |"
+        )
     device_mem = "-" if result["peak_device_gib"] is None else f"{result['peak_device_gib']:.2f} GiB"
     peaks = ", ".join(f"{k} {v:.2f}" for k, v in result["measured_matmul_tflops"].items())
     lines.append(
-        f"total {result['seconds_total']:.2f} s · {sum(result['tflop'].values()):.2f} TFLOP · fraction of peak (counted stages) "
+        f"total {result['seconds_total']:.2f} s · {sum(result['tflop'].values()):.2f} TFLOP · fraction of peak "
+        "(counted stages) "
         f"{fmt(result['block_work_fraction_of_matmul_peak'], '.3f')} · peak RSS {result['peak_rss_gib']:.2f} GiB · "
         f"peak device {device_mem} · measured matmul peak (TFLOP/s): {peaks}"
     )

@@ -8,9 +8,9 @@ RSS (this process's `VmHWM`) and peak device memory (GPU).
 
     python benchmarks/bench_llama.py --geometry 1b --sweep 1,4 --sequences 4 --length 128      # CPU memory
     python benchmarks/bench_llama.py --geometry 3b --device cuda --dtype bfloat16 --tasks 4 \\
-        --sequences 64 --length 512                                                         # GPU variant
+        --sequences 64 --length 512                                                     # GPU variant
     python benchmarks/bench_llama.py --geometry 1b --device cuda --forward-dtype bfloat16 \\
-        --restore-snapshot disk --tasks 4 --sequences 64 --length 512                       # fast mode, snapshot on disk
+        --restore-snapshot disk --tasks 4 --sequences 64 --length 512                   # fast mode, snapshot on disk
     python benchmarks/bench_llama.py --geometry tiny --tasks 2 --sequences 4 --length 64    # try the script
     python benchmarks/bench_llama.py --check-flops      # `flop_count` against torch's FlopCounterMode, per stage
 
@@ -32,14 +32,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported from elsewhere
 
-from bench_common import (  # noqa: E402
+from bench_common import (
+    low_products_in_use,
     lower_triangular_fraction,
     matmul_throughput,
     peak_rss_gib,
     rate_report,
     stage_dtypes,
     stage_table,
-    low_products_in_use,
     syrk_in_use,
     triangle_fraction,
 )
@@ -200,7 +200,8 @@ def _calibrator(args: argparse.Namespace, merged: torch.nn.Module, device: torch
     vocab = GEOMETRIES[args.geometry]["vocab_size"]
     gen = torch.Generator().manual_seed(0)
     data = {
-        task: [{"input_ids": torch.randint(0, vocab, (min(args.batch_size, args.sequences - s), args.length), generator=gen),
+        task: [{"input_ids": torch.randint(0, vocab, (min(args.batch_size, args.sequences - s), args.length),
+                                           generator=gen),
                 "attention_mask": torch.ones(min(args.batch_size, args.sequences - s), args.length, dtype=torch.long)}
                for s in range(0, args.sequences, args.batch_size)]
         for task in experts
@@ -235,8 +236,8 @@ def measure(args: argparse.Namespace) -> dict:
     peaks = {name: matmul_throughput(device, getattr(torch, name)) for name in sorted(set(dtypes.values()))}
     config = calibrator.config
     flops = flop_count(GEOMETRIES[args.geometry], args.tasks, args.sequences, args.length, args.batch_size,
-                       teacher_alpha=config.teacher_alpha, report_drift=config.report_drift, exact=forward_dtype is None,
-                       syrk=syrk_in_use(device, forward_dtype))
+                       teacher_alpha=config.teacher_alpha, report_drift=config.report_drift,
+                       exact=forward_dtype is None, syrk=syrk_in_use(device, forward_dtype))
     return {
         "geometry": args.geometry,
         "parameters_billion": sum(p.numel() for p in merged.parameters()) / 1e9,
@@ -276,7 +277,8 @@ def check_flops(args: argparse.Namespace) -> None:
     from hf_featcal.pipeline.context import RunContext
 
     prepare(args.workdir, args.geometry, args.tasks, torch.float32)
-    merged = LlamaForCausalLM.from_pretrained(os.path.join(args.workdir, f"merged-{args.tasks}"), dtype=torch.float32).eval()
+    merged = LlamaForCausalLM.from_pretrained(os.path.join(args.workdir, f"merged-{args.tasks}"),
+                                              dtype=torch.float32).eval()
     calibrator = _calibrator(args, merged, torch.device("cpu"))
     aten = torch.ops.aten
     import hf_featcal.statistics as statistics
@@ -306,9 +308,12 @@ def check_flops(args: argparse.Namespace) -> None:
         RunContext.timed = timed
     config = calibrator.config
     model = flop_count(GEOMETRIES[args.geometry], args.tasks, args.sequences, args.length, args.batch_size,
-                       teacher_alpha=config.teacher_alpha, report_drift=config.report_drift, causal=False, products_only=True,
-                       exact=config.forward_dtype is None)
-    print(f"geometry {args.geometry} · {args.tasks} tasks × {args.sequences} sequences × {args.length} tokens · batches of {args.batch_size}")
+                       teacher_alpha=config.teacher_alpha, report_drift=config.report_drift, causal=False,
+                       products_only=True, exact=config.forward_dtype is None)
+    print(
+        f"geometry {args.geometry} · {args.tasks} tasks × {args.sequences} sequences × {args.length} tokens · batches "
+        f"of {args.batch_size}"
+    )
     print("| stage | flop_count (GFLOP) | FlopCounterMode (GFLOP) | ratio |\n|---|---:|---:|---:|")
     for stage in dict.fromkeys([*model, *counted]):
         ours, torchs = model.get(stage, 0.0), counted.get(stage, 0)
@@ -376,7 +381,10 @@ def main() -> None:
             with open(args.output, "w", encoding="utf-8") as handle:
                 json.dump(rows, handle, indent=2)
     if len(rows) > 1:
-        print("\n| experts | seconds | peak RSS (GiB) | peak device (GiB) | fraction of matmul peak |\n|---:|---:|---:|---:|---:|")
+        print(
+            "\n| experts | seconds | peak RSS (GiB) | peak device (GiB) | fraction of matmul peak "
+            "|\n|---:|---:|---:|---:|---:|"
+        )
         for r in rows:
             device_mem = f"{r['peak_device_gib']:.2f}" if r["peak_device_gib"] is not None else "-"
             fraction = r["block_work_fraction_of_matmul_peak"]

@@ -18,9 +18,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported from elsewhere
 
-import hf_featcal.checkpointing as checkpointing  # noqa: E402
-from bench_common import clip_tower_run, timing_calls  # noqa: E402
-from hf_featcal import FeatCalCalibrator, FeatCalConfig  # noqa: E402
+import hf_featcal.checkpointing as checkpointing
+from bench_common import clip_tower_run, timing_calls
+from hf_featcal import FeatCalCalibrator, FeatCalConfig
 
 
 def main() -> None:
@@ -42,7 +42,14 @@ def main() -> None:
                   f"SHA-256 {hashing:.2f} s ({100 * hashing / total:.2f} %: block files {spent['block files']:.2f} s, "
                   f"streams {spent['streams']:.2f} s)")
         sizes = {name: os.path.getsize(os.path.join(folder, name)) / 2**20 for name in sorted(os.listdir(folder))}
-        print("files (MiB):", {name: round(size, 1) for name, size in sizes.items() if not name.startswith("block-") or name.endswith("1.safetensors")})
+        print(
+            "files (MiB):",
+            {
+                name: round(size, 1)
+                for name, size in sizes.items()
+                if not name.startswith("block-") or name.endswith("1.safetensors")
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -55,7 +55,9 @@ def measure(source: str, bench_args: list[str]) -> dict:
     return measure_together([(source, None)], bench_args)[0]
 
 
-def measure_together(runs: list[tuple[str, set[int] | None]], bench_args: list[str], script: str | None = None) -> list[dict]:
+def measure_together(
+    runs: list[tuple[str, set[int] | None]], bench_args: list[str], script: str | None = None
+) -> list[dict]:
     """`bench_clip.py` runs (or `script`'s: it takes `--output FILE` and writes a JSON list there)
     started at once, one per (library source, CPUs), each pinned to its CPUs (None: not pinned)
     with that many BLAS/OpenMP threads; their results (the last list entry of each), in order."""
@@ -118,7 +120,7 @@ def summary(rounds: list[tuple[dict, dict]]) -> dict:
                 "before_s": before["seconds_total"], "after_s": after["seconds_total"], "ratio": ratio,
                 "before_rss_gib": before["peak_rss_gib"], "after_rss_gib": after["peak_rss_gib"],
             }
-            for (before, after), ratio in zip(rounds, ratios)
+            for (before, after), ratio in zip(rounds, ratios, strict=True)
         ],
         "ratio_mean": sum(ratios) / len(ratios),
         "ratio_min": min(ratios),
@@ -158,22 +160,29 @@ def main() -> None:
                 before, after = measure_together([(sources["before"], first), (sources["after"], second)], bench_args)
             rounds.append((before, after))
             print(
-                f"round {index}: before ({args.before}) {before['seconds_total']:.2f} s, {before['peak_rss_gib']:.2f} GiB · "
+                f"round {index}: before ({args.before}) {before['seconds_total']:.2f} s, {before['peak_rss_gib']:.2f} "
+                "GiB · "
                 f"after ({args.after}) {after['seconds_total']:.2f} s, {after['peak_rss_gib']:.2f} GiB · "
                 f"{before['seconds_total'] / after['seconds_total']:.3f}×",
                 flush=True,
             )
     result = summary(rounds)
-    print(f"ratio before/after: mean {result['ratio_mean']:.3f}×, lowest {result['ratio_min']:.3f}×, highest {result['ratio_max']:.3f}×")
+    print(
+        f"ratio before/after: mean {result['ratio_mean']:.3f}×, lowest {result['ratio_min']:.3f}×, highest "
+        f"{result['ratio_max']:.3f}×"
+    )
     stages = sorted({stage for pair in rounds for run in pair for stage in run["seconds_per_stage"]})
     print("\n| stage | before (mean s) | after (mean s) |\n|---|---:|---:|")
     for stage in stages:
-        means = [sum(pair[side]["seconds_per_stage"].get(stage, 0.0) for pair in rounds) / len(rounds) for side in (0, 1)]
+        means = [
+            sum(pair[side]["seconds_per_stage"].get(stage, 0.0) for pair in rounds) / len(rounds) for side in (0, 1)
+        ]
         print(f"| {stage} | {means[0]:.2f} | {means[1]:.2f} |")
     if args.output:
         with open(args.output, "w", encoding="utf-8") as handle:
             json.dump(
-                {**result, "before": args.before, "after": args.after, "paired": args.paired, "bench_args": bench_args, "runs": rounds},
+                {**result, "before": args.before, "after": args.after, "paired": args.paired, "bench_args": bench_args,
+                 "runs": rounds},
                 handle, indent=2,
             )
 

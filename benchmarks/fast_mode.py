@@ -32,13 +32,15 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scenario_spread import SETTINGS, _featcal, _mean  # noqa: E402
+from scenario_spread import SETTINGS, _featcal, _mean
 
 #: |mean score of fast − exact| allowed by the issue, in points
 SCORE_BAR = 0.5
 
 
-def calibrated_parameter_differences(merged: torch.nn.Module, exact: torch.nn.Module, fast: torch.nn.Module) -> dict[str, float]:
+def calibrated_parameter_differences(
+    merged: torch.nn.Module, exact: torch.nn.Module, fast: torch.nn.Module
+) -> dict[str, float]:
     """‖P_fast − P_exact‖_F / ‖P_exact‖_F for every parameter tensor that exact-mode FeatCal changed
     (those it calibrated), in float64."""
     before = dict(merged.named_parameters())
@@ -57,7 +59,8 @@ def run_one(name: str, seed: int, forward_dtype: str, cache_dir: str | None) -> 
     setting = SETTINGS[name](seed, None if cache_dir is None else os.path.join(cache_dir, f"{name}-seed{seed}"))
     ta = setting.score(setting.merged)
     runs = {}
-    for mode, config in (("exact", setting.config), ("fast", dataclasses.replace(setting.config, forward_dtype=forward_dtype))):
+    for mode, config in (("exact", setting.config),
+                         ("fast", dataclasses.replace(setting.config, forward_dtype=forward_dtype))):
         model = copy.deepcopy(setting.merged)
         dtypes = {n: (p.dtype, p.device) for n, p in model.named_parameters()}
         start = time.perf_counter()
@@ -87,16 +90,22 @@ def run_one(name: str, seed: int, forward_dtype: str, cache_dir: str | None) -> 
 def table(rows: list[dict]) -> str:
     """The per-run markdown table, then one line per scenario averaged over seeds."""
     lines = [
-        "| scenario | seed | TA | FeatCal exact | FeatCal fast | fast − exact (pt) | rel. diff. W max | rel. diff. W mean | s exact | s fast |",
+        "| scenario | seed | TA | FeatCal exact | FeatCal fast | fast − exact (pt) | rel. diff. W max | rel. diff. W "
+        "mean | s exact | s fast |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['scenario']} | {r['seed']} | {r['ta']:.2f} | {r['exact']:.2f} | {r['fast']:.2f} | {r['fast'] - r['exact']:+.2f} | "
-            f"{r['max_relative_difference']:.2e} | {r['mean_relative_difference']:.2e} | {r['seconds_exact']:.1f} | {r['seconds_fast']:.1f} |"
+            f"| {r['scenario']} | {r['seed']} | {r['ta']:.2f} | {r['exact']:.2f} | {r['fast']:.2f} | "
+            f"{r['fast'] - r['exact']:+.2f} | "
+            f"{r['max_relative_difference']:.2e} | {r['mean_relative_difference']:.2e} | {r['seconds_exact']:.1f} | "
+            f"{r['seconds_fast']:.1f} |"
         )
     lines.append("")
-    lines.append("| scenario | seeds | TA | exact | fast | fast − exact (pt) | max \\|fast − exact\\| (pt) | within 0.5 pt | rel. diff. W max |")
+    lines.append(
+        "| scenario | seeds | TA | exact | fast | fast − exact (pt) | max \\|fast − exact\\| (pt) | within 0.5 pt | "
+        "rel. diff. W max |"
+    )
     lines.append("|---|---:|---:|---:|---:|---:|---:|---|---:|")
     for name in dict.fromkeys(r["scenario"] for r in rows):
         mine = [r for r in rows if r["scenario"] == name]
@@ -104,7 +113,8 @@ def table(rows: list[dict]) -> str:
         worst = max(abs(g) for g in gaps)
         lines.append(
             f"| {name} | {len(mine)} | {_mean(r['ta'] for r in mine):.2f} | {_mean(r['exact'] for r in mine):.2f} | "
-            f"{_mean(r['fast'] for r in mine):.2f} | {_mean(gaps):+.2f} | {worst:.2f} | {'yes' if worst <= SCORE_BAR else 'NO'} | "
+            f"{_mean(r['fast'] for r in mine):.2f} | {_mean(gaps):+.2f} | {worst:.2f} | "
+            f"{'yes' if worst <= SCORE_BAR else 'NO'} | "
             f"{max(r['max_relative_difference'] for r in mine):.2e} |"
         )
     return "\n".join(lines)

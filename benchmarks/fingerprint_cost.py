@@ -20,16 +20,19 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported from elsewhere
 
-import hf_featcal.calibrator as calibrator_module  # noqa: E402
-from bench_common import clip_tower_run, timing_calls  # noqa: E402
-from hf_featcal import FeatCalCalibrator, FeatCalConfig  # noqa: E402
+import hf_featcal.calibrator as calibrator_module
+from bench_common import clip_tower_run, timing_calls
+from hf_featcal import FeatCalCalibrator, FeatCalConfig
 
 
 def main() -> None:
     run = clip_tower_run()
     size = sum(p.numel() * p.element_size() for p in run.base.parameters())
-    print(f"tower: {sum(p.numel() for p in run.base.parameters()) / 1e6:.1f} M parameters ({size / 2**20:.0f} MiB) per model; "
-          f"{run.args.samples} images per task, {run.args.threads} threads")
+    print(
+        f"tower: {sum(p.numel() for p in run.base.parameters()) / 1e6:.1f} M parameters ({size / 2**20:.0f} MiB) per "
+        "model; "
+        f"{run.args.samples} images per task, {run.args.threads} threads"
+    )
 
     # the calibrator module's own names: the data digest at construction, and the run digest at the start
     # of `calibrate()` as a whole (reads parameters, hashes expert files); neither call holds the other
@@ -43,7 +46,8 @@ def main() -> None:
             model = copy.deepcopy(run.merged)
             with timing_calls(digests) as spent:
                 start = time.perf_counter()
-                calibrator = FeatCalCalibrator(model, run.base, sources, run.data, FeatCalConfig(num_samples_per_task=None),
+                calibrator = FeatCalCalibrator(model, run.base, sources, run.data,
+                                               FeatCalConfig(num_samples_per_task=None),
                                                show_progress=False, checkpoint_dir=f"{root}/ckpt-{label[:2]}")
                 calibrator.calibrate()
                 total = time.perf_counter() - start

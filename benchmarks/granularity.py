@@ -66,7 +66,8 @@ def _text_like(s) -> dict:
 
     row = {"ta": score(merged)}
     for granularity in GRANULARITIES:
-        calibrated, seconds = _featcal(merged, s.base, s.experts, s.calibration_batches, FeatCalConfig(granularity=granularity))
+        calibrated, seconds = _featcal(merged, s.base, s.experts, s.calibration_batches,
+                                       FeatCalConfig(granularity=granularity))
         row[granularity], row[f"{granularity}_seconds"] = score(calibrated), seconds
     return row
 
@@ -114,9 +115,13 @@ def main() -> None:
               f"{r['block_seconds']:.2f} | {r['module_seconds']:.2f} |")
     for name in args.scenarios:
         mine = [r for r in rows if r["scenario"] == name]
-        print(f"{name}: mean over seeds TA {_mean(r['ta'] for r in mine):.2f}, block {_mean(r['block'] for r in mine):.2f}, "
-              f"module {_mean(r['module'] for r in mine):.2f}; seconds block {_mean(r['block_seconds'] for r in mine):.2f}, "
-              f"module {_mean(r['module_seconds'] for r in mine):.2f}")
+        print(
+            f"{name}: mean over seeds TA {_mean(r['ta'] for r in mine):.2f}, block "
+            f"{_mean(r['block'] for r in mine):.2f}, "
+            f"module {_mean(r['module'] for r in mine):.2f}; seconds block "
+            f"{_mean(r['block_seconds'] for r in mine):.2f}, "
+            f"module {_mean(r['module_seconds'] for r in mine):.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ def main() -> None:
     parser.add_argument("--samples-per-task", type=int, default=64)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    scenario = build_minilm_scenario(seed=args.seed, cache_dir=args.cache_dir, calibration_samples=args.samples_per_task)
+    scenario = build_minilm_scenario(seed=args.seed, cache_dir=args.cache_dir,
+                                     calibration_samples=args.samples_per_task)
     merged = scenario.task_arithmetic(0.3)
     before = scenario.evaluate(merged)
     start = time.perf_counter()

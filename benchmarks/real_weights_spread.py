@@ -43,7 +43,9 @@ def one_seed(seed: int, full: bool) -> dict:
     experts = {t: 100 * v for t, v in scenario.evaluate_experts().items()}
     featcal = {t: 100 * v for t, v in scenario.evaluate(calibrated).items()}
     cls_ratio = {t: scenario.cls_distance(calibrated, t) / cls_before[t] for t in scenario.tasks}
-    drift_ratio = {t: [a / b for b, a in zip(d["before"], d["after"])] for t, d in calibrator.report.tasks.items()}
+    drift_ratio = {
+        t: [a / b for b, a in zip(d["before"], d["after"], strict=True)] for t, d in calibrator.report.tasks.items()
+    }
     return {
         "seed": seed, "experts": experts, "ta": ta, "featcal": featcal,
         "mean_experts": _mean(experts.values()), "mean_ta": _mean(ta.values()), "mean_featcal": _mean(featcal.values()),

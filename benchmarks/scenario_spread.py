@@ -71,7 +71,11 @@ def digits_setting(seed: int, cache_dir: str | None = None) -> Setting:
 
 def _text_like_setting(s) -> Setting:
     return Setting(
-        s.base, s.experts, task_arithmetic(s.base, s.experts, scaling_factor=0.3).eval(), s.calibration_batches, FeatCalConfig(),
+        s.base,
+        s.experts,
+        task_arithmetic(s.base, s.experts, scaling_factor=0.3).eval(),
+        s.calibration_batches,
+        FeatCalConfig(),
         score=lambda model: {t: v for t, v in s.evaluate(model).items() if t != "mean"},
         expert_scores=lambda: {t: s.evaluate(e)[t] for t, e in s.experts.items()},
     )
@@ -146,7 +150,10 @@ def main() -> None:
         gains = [r["means"]["featcal"] - r["means"]["ta"] for r in mine]
         gaps = [r["means"]["experts"] - r["means"]["ta"] for r in mine]
         ratios = [a / b for r in mine for b, a in r["drift"].values()]
-        print(f"  FeatCal − TA (mean) {min(gains):+.2f} – {max(gains):+.2f};  experts − TA {min(gaps):.2f} – {max(gaps):.2f}")
+        print(
+            f"  FeatCal − TA (mean) {min(gains):+.2f} – {max(gains):+.2f};  experts − TA {min(gaps):.2f} – "
+            f"{max(gaps):.2f}"
+        )
         print(f"  last-block drift after/before: max {max(ratios):.3f}")
 
 

@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_clip import _Library, prepare  # noqa: E402
+from bench_clip import _Library, prepare
 
 MIB = 2**20
 
@@ -96,7 +96,9 @@ def measure(args: argparse.Namespace) -> dict:
     merged = library.load(os.path.join(args.workdir, f"merged-{args.tasks}"), torch.float32)
     experts = {f"task{i}": os.path.join(args.workdir, f"expert-{i}") for i in range(args.tasks)}
     data = {
-        task: [{"pixel_values": torch.randn(min(16, args.samples - s), 3, 224, 224)} for s in range(0, args.samples, 16)]
+        task: [
+            {"pixel_values": torch.randn(min(16, args.samples - s), 3, 224, 224)} for s in range(0, args.samples, 16)
+        ]
         for task in experts
     }
     after_load = _status_mib()
@@ -162,14 +164,17 @@ def main() -> None:
     rows = []
     for _ in range(args.repeats):
         for snapshot in ("memory", "disk"):
-            cmd = [sys.executable, __file__, "--snapshot", snapshot, "--tasks", str(args.tasks), "--samples", str(args.samples),
-                   "--sample-interval", str(args.sample_interval),
+            cmd = [sys.executable, __file__, "--snapshot", snapshot, "--tasks", str(args.tasks), "--samples",
+                   str(args.samples), "--sample-interval", str(args.sample_interval),
                    "--layers", str(args.layers), "--workdir", args.workdir, *(["--no-base"] if args.no_base else [])]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
             rows.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{args.tasks} tasks, {args.samples} samples/task, {args.layers} blocks, base: {not args.no_base}")
-    print("| snapshot | seconds | snapshot s | peak RSS (MiB) | anon at peak | file at peak | RSS after load | snapshot adds |")
+    print(
+        "| snapshot | seconds | snapshot s | peak RSS (MiB) | anon at peak | file at peak | RSS after load | snapshot "
+        "adds |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         at = r["sampled_at_peak_mib"]

@@ -43,7 +43,8 @@ def main() -> None:
     merged = task_arithmetic(base, experts, scaling_factor=0.3)  # a CLIPModel; only its vision tower changes
 
     def zero_shot(model):  # top-1 on each task's test split, heads from the base text encoder
-        return evaluate_clip_zeroshot(model, base, (tokenizer, processor), args.tasks, max_samples=args.eval_max_samples)
+        return evaluate_clip_zeroshot(model, base, (tokenizer, processor), args.tasks,
+                                      max_samples=args.eval_max_samples)
 
     print("Task Arithmetic\n" + zero_shot(merged).to_markdown())
 

@@ -86,7 +86,8 @@ def main() -> None:
         task: calibration_batches(tokenizer, data_specs[task], args.samples_per_task, args.max_length, 8, seed=42)
         for task in args.tasks
     }
-    calibrator = FeatCalCalibrator(merged, BASE, experts, calibration, FeatCalConfig(num_samples_per_task=args.samples_per_task))
+    calibrator = FeatCalCalibrator(merged, BASE, experts, calibration,
+                                   FeatCalConfig(num_samples_per_task=args.samples_per_task))
     calibrator.calibrate()
     print(calibrator.report.summary_markdown())
     calibrator.save_model(args.output)

@@ -63,7 +63,7 @@ def main() -> None:
 
     print("\nFeature drift ‖h_merged − h_expert‖ per token, per block (before → after)\n")
     for task, stages in calibrator.report.tasks.items():
-        cells = ", ".join(f"{b:.3f} → {a:.3f}" for b, a in zip(stages["before"], stages["after"]))
+        cells = ", ".join(f"{b:.3f} → {a:.3f}" for b, a in zip(stages["before"], stages["after"], strict=True))
         print(f"  {task:<9} {cells}")
 
     if ridge_set:

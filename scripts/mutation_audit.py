@@ -38,10 +38,14 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.norm_eps)\n",
     ),
     "drift_against_the_first_expert_batch": (
-        "pipeline/drift.py", "        e_hidden = ctx.fetch(e).hidden\n", "        e_hidden = ctx.fetch(expert[0]).hidden\n",
+        "pipeline/drift.py",
+        "        e_hidden = ctx.fetch(e).hidden\n",
+        "        e_hidden = ctx.fetch(expert[0]).hidden\n",
     ),
     "drift_before_is_after": (
-        "pipeline/drift.py", "[streams.given[task], streams.student[task]]", "[streams.student[task], streams.student[task]]",
+        "pipeline/drift.py",
+        "[streams.given[task], streams.student[task]]",
+        "[streams.student[task], streams.student[task]]",
     ),
     "rms_centred": (
         "statistics.py",
@@ -51,11 +55,25 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "alpha_is_1": ("pipeline/accumulate.py", "    alpha = ctx.config.teacher_alpha\n", "    alpha = 1.0\n"),
     "alpha_is_0": ("pipeline/accumulate.py", "    alpha = ctx.config.teacher_alpha\n", "    alpha = 0.0\n"),
-    "task_scale_1": ("statistics.py", "        s_i = task_scale(upper_gram_norm(gram) / total, self.epsilon)\n", "        s_i = 1.0\n"),
-    "task_sums_not_divided_by_their_weight": ("statistics.py", "        scale = s_i / total\n", "        scale = s_i\n"),
-    "later_tasks_cross_fold_dropped": ("statistics.py", "                self.rhs_sum[name].addmm_(cross, w_i.T)\n", "                pass\n"),
+    "task_scale_1": (
+        "statistics.py",
+        "        s_i = task_scale(upper_gram_norm(gram) / total, self.epsilon)\n",
+        "        s_i = 1.0\n",
+    ),
+    "task_sums_not_divided_by_their_weight": (
+        "statistics.py",
+        "        scale = s_i / total\n",
+        "        scale = s_i\n",
+    ),
+    "later_tasks_cross_fold_dropped": (
+        "statistics.py",
+        "                self.rhs_sum[name].addmm_(cross, w_i.T)\n",
+        "                pass\n",
+    ),
     "later_tasks_direct_rhs_unscaled": (
-        "statistics.py", "self.rhs_sum[name].add_(moments[index], alpha=scale)", "self.rhs_sum[name].add_(moments[index], alpha=s_i)",
+        "statistics.py",
+        "self.rhs_sum[name].add_(moments[index], alpha=scale)",
+        "self.rhs_sum[name].add_(moments[index], alpha=s_i)",
     ),
     # exact-mode arithmetic (blocked Gram triangle, cross moment from the expert's inputs, blocked Cholesky)
     "gram_lower_blocks_not_mirrored": (
@@ -63,12 +81,14 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     # buffers reused instead of reallocated (the Gram per task, the solve's work matrix, mapped checkpoint tensors)
     "gram_buffer_not_zeroed_between_tasks": (
-        "statistics.py", "            for block in upper_blocks(self._gram):\n                block.zero_()\n",
+        "statistics.py",
+        "            for block in upper_blocks(self._gram):\n                block.zero_()\n",
         "            for block in upper_blocks(self._gram):\n                pass\n",
     ),
     "task_gram_folded_on_its_first_block_row_only": (
-        "statistics.py", "zip(upper_blocks(self._gram_sum_upper), upper_blocks(gram)):",
-        "list(zip(upper_blocks(self._gram_sum_upper), upper_blocks(gram)))[:1]:",
+        "statistics.py",
+        "zip(upper_blocks(self._gram_sum_upper), upper_blocks(gram), strict=True):",
+        "list(zip(upper_blocks(self._gram_sum_upper), upper_blocks(gram), strict=True))[:1]:",
     ),
     # allocation-lean activations (bit-identical) and the snapshot's memory handover
     "lean_quick_gelu_constant": (
@@ -83,21 +103,30 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        return lean(x)\n",
     ),
     "handover_of_a_parameter_sharing_memory": (
-        "restore.py", " and owners.get(p.untyped_storage().data_ptr()) == 1", "",
+        "restore.py",
+        " and owners.get(p.untyped_storage().data_ptr()) == 1",
+        "",
     ),
-    "handover_snapshot_is_the_live_parameter": ("restore.py", "                tensor.data = original.clone()\n", "                pass\n"),
+    "handover_snapshot_is_the_live_parameter": (
+        "restore.py",
+        "                tensor.data = original.clone()\n",
+        "                pass\n",
+    ),
     "gram_sum_not_remirrored_after_a_task": ("statistics.py", "        self._gram_sum = None\n", "        pass\n"),
     "solve_factors_the_gram_in_place": (
-        "solver.py", "    system = shifted(lhs, shift, work)\n    factor, info = cholesky(system, out=system)\n    if info == 0:",
+        "solver.py",
+        "    system = shifted(lhs, shift, work)\n    factor, info = cholesky(system, out=system)\n    if info == 0:",
         "    system = shifted(lhs, shift, lhs)\n    factor, info = cholesky(system, out=system)\n    if info == 0:",
     ),
     "damped_retry_from_the_failed_work_matrix": (
-        "solver.py", "        system = shifted(lhs, shift, work)\n        system.diagonal().add_(damping)\n",
+        "solver.py",
+        "        system = shifted(lhs, shift, work)\n        system.diagonal().add_(damping)\n",
         "        system = work if work is not None else shifted(lhs, shift)\n        system.diagonal().add_(damping)\n",
     ),
     "checkpoint_block_keeps_the_merged_tensors": (
         "experts.py",
-        "                    memo[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value\n",
+        "                    memo[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if isinstance(tensor, "
+        "nn.Parameter) else value\n",
         "                    pass\n",
     ),
     "gram_norm_of_upper_only": (
@@ -105,24 +134,35 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            total += float(rows.dot(rows))\n",
     ),
     "cross_moment_without_student_part": (
-        "statistics.py", "                    cross.lerp_(moments[0], alpha)\n",
+        "statistics.py",
+        "                    cross.lerp_(moments[0], alpha)\n",
         "                    cross = moments[0]\n",
     ),
     "teacher_mean_is_student_mean": (
-        "statistics.py", "        mu_t = torch.lerp(mu_s, mu_e, alpha)\n", "        mu_t = mu_s\n",
+        "statistics.py",
+        "        mu_t = torch.lerp(mu_s, mu_e, alpha)\n",
+        "        mu_t = mu_s\n",
     ),
     "cholesky_without_trailing_update": (
-        "solver.py", "            work[row0:row1, stop:row1].addmm_(rows, panel[: row1 - stop].T, alpha=-1.0)\n",
+        "solver.py",
+        "            work[row0:row1, stop:row1].addmm_(rows, panel[: row1 - stop].T, alpha=-1.0)\n",
         "            pass\n",
     ),
     "objective_decrease_from_diagonal_blocks_only": (
-        "solver.py", "        torch.mm(a[:, start:], lower[start:, start:stop], out=out[:, start:stop])\n",
+        "solver.py",
+        "        torch.mm(a[:, start:], lower[start:, start:stop], out=out[:, start:stop])\n",
         "        torch.mm(a[:, start:stop], lower[start:stop, start:stop], out=out[:, start:stop])\n",
     ),
-    "anchor_is_merged": ("pipeline/solve.py", "        return anchor(merged, base, rho)\n",
-                         "        return anchor(merged, None, rho)\n"),
-    "pooled_weights_off": ("pipeline/accumulate.py", "    if not weighted:\n        return weights\n",
-                           "    if True:\n        return weights\n"),
+    "anchor_is_merged": (
+        "pipeline/solve.py",
+        "        return anchor(merged, base, rho)\n",
+        "        return anchor(merged, None, rho)\n",
+    ),
+    "pooled_weights_off": (
+        "pipeline/accumulate.py",
+        "    if not weighted:\n        return weights\n",
+        "    if True:\n        return weights\n",
+    ),
     "pooled_weights_on_key_value": (
         "pipeline/plan.py",
         "        weighted = pooled is not None and spec.name not in lm.key_value_modules\n",
@@ -153,7 +193,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "rhs = symmetric_upper_product(self._gram, w_i.T).mul_(1.0 - alpha)",
         "rhs = symmetric_upper_product(self._gram, w_i.T).mul_(alpha)",
     ),
-    "outputs_captured_are_inputs": ("hooks.py", "                store[_name] = output", "                store[_name] = args[0]"),
+    "outputs_captured_are_inputs": (
+        "hooks.py",
+        "                store[_name] = output",
+        "                store[_name] = args[0]",
+    ),
     "syrk_diagonal_blocks_not_mirrored": (
         "statistics.py",
         "        mirror_diagonal_blocks_(self._gram)  # (syrk left their lower halves out)\n",
@@ -170,7 +214,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    return float(torch.linalg.matrix_norm(symmetric_from_upper(upper)))\n",
     ),
     "cpu_memory_not_wired": (
-        "calibrator.py", 'reuse_freed_memory(self.config.reuse_freed_cpu_memory and self.device.type == "cpu")',
+        "calibrator.py",
+        'reuse_freed_memory(self.config.reuse_freed_cpu_memory and self.device.type == "cpu")',
         "reuse_freed_memory(False)",
     ),
     "cpu_memory_run_thresholds_unset": (

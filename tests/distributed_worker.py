@@ -9,9 +9,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from testing_utils import as_float64, build_clip_setting  # noqa: E402
-
-from hf_featcal import FeatCalCalibrator, FeatCalConfig  # noqa: E402
+from hf_featcal import FeatCalCalibrator, FeatCalConfig
+from testing_utils import as_float64, build_clip_setting
 
 
 def main(output: str, family: str = "clip") -> None:
@@ -24,7 +23,8 @@ def main(output: str, family: str = "clip") -> None:
     else:
         base, experts, merged, data = build_clip_setting(torch.Generator().manual_seed(0), (4, 3, 5, 2, 4))
     base, experts, merged, data = as_float64(base, experts, merged, data)
-    calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(compute_dtype="float64"), show_progress=False)
+    calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(compute_dtype="float64"),
+                                   show_progress=False)
     calibrator.calibrate()
     calibrator.save_model(output)  # writes on the main process only
     # the rank files go beside the finished save (into a folder holding anything but an earlier save, a

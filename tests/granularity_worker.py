@@ -9,9 +9,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from testing_utils import as_float64, build_clip_setting  # noqa: E402
-
-from hf_featcal import FeatCalCalibrator, FeatCalConfig  # noqa: E402
+from hf_featcal import FeatCalCalibrator, FeatCalConfig
+from testing_utils import as_float64, build_clip_setting
 
 
 def main(output: str) -> None:

@@ -21,7 +21,7 @@ its working directory (`finetuned/<task>`, open_clip folders: the stand-in base 
 task vector), since such experts are the user's own rather than hub ids.
 
 To add an id the docs use, add it to `MODELS` / `DATASETS` below.
-"""
+"""  # noqa: E501 - the table's rows stay one line each
 
 from __future__ import annotations
 
@@ -171,7 +171,11 @@ def _flan_t5(hf_home: str) -> None:
         expert.save_pretrained(_snapshot(hf_home, "model", f"tanganke/flan-t5-base_glue-{task}"))
         rows = 12
         columns = {c: [f"the cat sat {i}" for i in range(rows)] for c in GLUE_INPUT_COLUMNS[task]}
-        labels = [float(i % 5) for i in range(rows)] if task == "stsb" else [i % len(GLUE_LABEL_WORDS[task]) for i in range(rows)]
+        labels = (
+            [float(i % 5) for i in range(rows)]
+            if task == "stsb"
+            else [i % len(GLUE_LABEL_WORDS[task]) for i in range(rows)]
+        )
         splits = {split: Dataset.from_dict({**columns, "label": labels, "idx": list(range(rows))})
                   for split in ("train", GLUE_DEFAULT_SPLITS[task])}
         _prepared_dataset(hf_home, "nyu-mll/glue", task, splits)

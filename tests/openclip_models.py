@@ -6,8 +6,8 @@ from __future__ import annotations
 import copy
 import json
 
-import torch
 import open_clip
+import torch
 from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
 from open_clip.transformer import QuickGELU, VisionTransformer
 
@@ -39,8 +39,13 @@ def open_clip_setting(generator, build=tiny_clip, tasks=("cars", "dtd"), batch_s
     merged = copy.deepcopy(base)
     with torch.no_grad():
         for name, p in merged.named_parameters():
-            p.copy_(base.get_parameter(name) + 0.3 * sum(e.get_parameter(name) - base.get_parameter(name) for e in experts.values()))
-    data = {t: [{"pixel_values": torch.randn(n, 3, IMAGE, IMAGE, generator=generator)} for n in batch_sizes] for t in tasks}
+            p.copy_(
+                base.get_parameter(name)
+                + 0.3 * sum(e.get_parameter(name) - base.get_parameter(name) for e in experts.values())
+            )
+    data = {
+        t: [{"pixel_values": torch.randn(n, 3, IMAGE, IMAGE, generator=generator)} for n in batch_sizes] for t in tasks
+    }
     return base, experts, merged, data
 
 

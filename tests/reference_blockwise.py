@@ -61,7 +61,9 @@ def calibrated_modules(block: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def _capture(model: nn.Module, spec: FamilySpec, position: int, batches: list[dict]) -> dict[str, tuple[Tensor, Tensor]]:
+def _capture(
+    model: nn.Module, spec: FamilySpec, position: int, batches: list[dict]
+) -> dict[str, tuple[Tensor, Tensor]]:
     """Inputs of every calibrated module of block `position` over all `batches`, as (rows × d, weights)."""
     block = spec.blocks(model)[position]
     modules = calibrated_modules(block)
@@ -70,7 +72,7 @@ def _capture(model: nn.Module, spec: FamilySpec, position: int, batches: list[di
     for batch in batches:
         seen: dict[str, Tensor] = {}
 
-        def hook(mod, args, _name=None):
+        def hook(mod, args, _name=None, seen=seen):
             assert _name not in seen, f"{_name} called twice in one forward"
             seen[_name] = args[0].detach().double()
 
@@ -115,14 +117,14 @@ def reference_featcal(
             expert_side = {t: _capture(experts[t], spec, position, data[t]) for t in tasks}
             updates: dict[str, dict[str, Tensor]] = {}
             for name, module in calibrated_modules(block).items():
-                def anchor(attr: str) -> Tensor:
+                def anchor(attr: str, module: nn.Module = module, name: str = name, position: int = position) -> Tensor:
                     value = getattr(module, attr)
                     if base is None:
                         return value.clone()
                     b = getattr(spec.blocks(base)[position].get_submodule(name), attr)
                     return b + rho * (value - b)
 
-                def expert_module(t: str) -> nn.Module:
+                def expert_module(t: str, name: str = name, position: int = position) -> nn.Module:
                     return spec.blocks(experts[t])[position].get_submodule(name)
 
                 if isinstance(module, nn.Linear):
@@ -157,7 +159,9 @@ def reference_featcal(
                     r = torch.zeros(d, 2, dtype=torch.float64)
                     for t in tasks:
                         x_s, w = student[t][name]
-                        z = (x_s - x_s.mean(-1, keepdim=True)) / torch.sqrt(x_s.var(-1, unbiased=False, keepdim=True) + module.eps)
+                        z = (x_s - x_s.mean(-1, keepdim=True)) / torch.sqrt(
+                            x_s.var(-1, unbiased=False, keepdim=True) + module.eps
+                        )
                         wn = w / w.sum()
                         m_i, e_i = wn @ z, wn @ z.square()
                         e_mod = expert_module(t)

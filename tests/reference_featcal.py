@@ -65,7 +65,7 @@ def reference_featcal(merged, base, experts, data, *, lam=0.05, rho=2.2, alpha=0
                     continue
                 weighted = last and name not in ("self_attn.k_proj", "self_attn.v_proj")
 
-                def anchor_of(attr):
+                def anchor_of(attr, module=module, idx=idx, name=name):
                     m = getattr(module, attr)
                     if base is None:
                         return m.clone()
@@ -96,7 +96,8 @@ def reference_featcal(merged, base, experts, data, *, lam=0.05, rho=2.2, alpha=0
                         s_sum += s
                         per_task.append((s, wn @ x_s, wn @ x_t, e_mod))
                     a_w = anchor_of("weight")
-                    weight = torch.linalg.solve(lhs + (lam + eps) * torch.eye(d, dtype=torch.float64), rhs + lam * a_w.T).T
+                    weight = torch.linalg.solve(lhs + (lam + eps) * torch.eye(d, dtype=torch.float64),
+                                                rhs + lam * a_w.T).T
                     for s, mu_s, mu_t, e_mod in per_task:
                         bias_num += s * (e_mod.bias + e_mod.weight @ mu_t - weight @ mu_s)
                     bias = (bias_num + lam * anchor_of("bias")) / (s_sum + lam)

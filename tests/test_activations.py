@@ -114,7 +114,8 @@ def test_whole_blocks_forward_bit_identically(clip_setting):
     clip_block = _encoder_blocks(merged)[0]
     t5_block = _encoder_blocks(T5EncoderModel(t5_config()).eval())[1]
     gen = torch.Generator().manual_seed(4)
-    for block, x in [(clip_block, torch.randn(3, 5, 16, generator=gen)), (t5_block, torch.randn(3, 7, 16, generator=gen))]:
+    for block, x in [(clip_block, torch.randn(3, 5, 16, generator=gen)),
+                     (t5_block, torch.randn(3, 7, 16, generator=gen))]:
         assert any(type(m) in (QuickGELUActivation, NewGELUActivation) for m in block.modules())
         with torch.no_grad():
             expected = block(x)[0] if type(block).__name__ == "T5Block" else block(x, None)

@@ -12,11 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BertConfig, BertModel
 
-from testing_utils import perturbed, task_arithmetic as reference_task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.experts import load_model
 from hf_featcal.merging import task_arithmetic, ties_merging
 from test_llm import llm_config, lm_batch
+from testing_utils import perturbed
+from testing_utils import task_arithmetic as reference_task_arithmetic
 
 VOCAB = 50
 
@@ -30,7 +31,8 @@ def _never_touched(calibrator: FeatCalCalibrator, monkeypatch) -> None:
 def test_a_bad_shape_in_a_later_batch_is_refused_at_construction(clip_setting, generator):
     base, experts, merged, data = clip_setting
     bad = [*data["cars"][:2], {"pixel_values": torch.randn(2, 3, 4, 4, generator=generator)}]
-    with pytest.raises(ValueError, match=r"calibration_data\['cars'\]: the merged model cannot take its batches \(batch 2"):
+    with pytest.raises(ValueError,
+                       match=r"calibration_data\['cars'\]: the merged model cannot take its batches \(batch 2"):
         FeatCalCalibrator(merged, base, experts, {**data, "cars": bad})
     bad = [*data["cars"][:1], {"pixel_values": torch.zeros(2, 3, 8, 8, dtype=torch.long)}]
     with pytest.raises(ValueError, match=r"calibration_data\['cars'\] batch 1: 'pixel_values' must be floating point"):
@@ -55,12 +57,17 @@ def bert_setting(generator):
 @pytest.mark.parametrize(
     "edit,match",
     [
-        (lambda b: b["input_ids"].__setitem__((3, 2), VOCAB + 7), rf"'input_ids' holds the token id {VOCAB + 7}, outside the model's vocabulary of {VOCAB}"),
+        (lambda b: b["input_ids"].__setitem__((3, 2), VOCAB + 7),
+         rf"'input_ids' holds the token id {VOCAB + 7}, outside the model's vocabulary of {VOCAB}"),
         (lambda b: b["input_ids"].__setitem__((2, 0), -3), r"'input_ids' holds the negative token id -3"),
-        (lambda b: b.__setitem__("input_ids", b["input_ids"].float()), r"'input_ids' must hold integer token ids, got dtype torch.float32"),
-        (lambda b: b.__setitem__("attention_mask", b["attention_mask"][:, :4]), r"'attention_mask' has shape \(4, 4\), expected 'input_ids''s \(4, 6\)"),
-        (lambda b: b.__setitem__("token_type_ids", b["input_ids"][:3] * 0), r"'token_type_ids' has shape \(3, 6\), but 'input_ids' holds 4 examples"),
-        (lambda b: b.__setitem__("attention_mask", b["attention_mask"].numpy()), r"'attention_mask' is a numpy.ndarray, expected a torch.Tensor"),
+        (lambda b: b.__setitem__("input_ids", b["input_ids"].float()),
+         r"'input_ids' must hold integer token ids, got dtype torch.float32"),
+        (lambda b: b.__setitem__("attention_mask", b["attention_mask"][:, :4]),
+         r"'attention_mask' has shape \(4, 4\), expected 'input_ids''s \(4, 6\)"),
+        (lambda b: b.__setitem__("token_type_ids", b["input_ids"][:3] * 0),
+         r"'token_type_ids' has shape \(3, 6\), but 'input_ids' holds 4 examples"),
+        (lambda b: b.__setitem__("attention_mask", b["attention_mask"].numpy()),
+         r"'attention_mask' is a numpy.ndarray, expected a torch.Tensor"),
     ],
 )
 def test_token_batches_are_checked_row_by_row_up_front(bert_setting, edit, match):
@@ -138,7 +145,8 @@ def test_a_valid_config_edit_after_construction_is_honoured(clip_setting):
     config.lambda_ratio = 0.2
     calibrator.calibrate()
     fresh = copy.deepcopy(merged)
-    FeatCalCalibrator(fresh, base, experts, data, FeatCalConfig(layers_to_transform=[1], lambda_ratio=0.2), show_progress=False).calibrate()
+    FeatCalCalibrator(fresh, base, experts, data, FeatCalConfig(layers_to_transform=[1], lambda_ratio=0.2),
+                      show_progress=False).calibrate()
     for key, value in fresh.state_dict().items():
         assert torch.equal(edited.state_dict()[key], value), key
     assert torch.equal(edited.encoder.layers[0].mlp.fc1.weight, merged.encoder.layers[0].mlp.fc1.weight)
@@ -152,15 +160,21 @@ def test_merging_refuses_non_finite_experts_and_base(clip_setting, tmp_path, bad
     with torch.no_grad():
         broken.encoder.layers[1].mlp.fc2.weight[3, 4] = bad
     for merge in (task_arithmetic, ties_merging):
-        with pytest.raises(ValueError, match=r"expert 'dtd' has non-finite values \(NaN/Inf\) in 'encoder.layers.1.mlp.fc2.weight'"):
+        with pytest.raises(
+            ValueError, match=r"expert 'dtd' has non-finite values \(NaN/Inf\) in 'encoder.layers.1.mlp.fc2.weight'"
+        ):
             merge(base, {**experts, "dtd": broken})
     broken.save_pretrained(tmp_path / "dtd")
-    with pytest.raises(ValueError, match=r"expert 'dtd' has non-finite values \(NaN/Inf\) in '(vision_model\.)?encoder.layers.1.mlp.fc2.weight'"):
+    with pytest.raises(
+        ValueError,
+        match=r"expert 'dtd' has non-finite values \(NaN/Inf\) in '(vision_model\.)?encoder.layers.1.mlp.fc2.weight'",
+    ):
         task_arithmetic(base, {**experts, "dtd": str(tmp_path / "dtd")})
     broken_base = copy.deepcopy(base)
     with torch.no_grad():
         broken_base.embeddings.patch_embedding.weight[0, 0, 0, 0] = bad
-    with pytest.raises(ValueError, match=r"`base_model` has non-finite values \(NaN/Inf\) in 'embeddings.patch_embedding.weight'"):
+    with pytest.raises(ValueError,
+                       match=r"`base_model` has non-finite values \(NaN/Inf\) in 'embeddings.patch_embedding.weight'"):
         task_arithmetic(broken_base, experts)
 
 
@@ -176,7 +190,11 @@ def _bounded(items, limit=20000):
 def test_unbounded_iterables_are_refused(clip_setting, generator):
     base, experts, merged, data = clip_setting
     endless = _bounded(itertools.repeat(data["cars"][0]))
-    with pytest.raises(ValueError, match=r"calibration_data\['cars'\] is a generator without a length, and FeatCalConfig.num_samples_per_task is None"):
+    with pytest.raises(
+        ValueError,
+        match=r"calibration_data\['cars'\] is a generator without a length, and FeatCalConfig.num_samples_per_task is "
+              r"None",
+    ):
         FeatCalCalibrator(merged, base, experts, {**data, "cars": endless}, FeatCalConfig(num_samples_per_task=None))
     empty = _bounded(itertools.repeat({"pixel_values": torch.empty(0, 3, 8, 8)}))
     with pytest.raises(ValueError, match=r"calibration_data\['cars'\] yielded 1000 empty batches in a row"):
@@ -191,7 +209,11 @@ def test_unbounded_iterables_are_refused(clip_setting, generator):
 def test_a_numpy_array_is_named_as_such(clip_setting, generator):
     base, experts, merged, data = clip_setting
     arrays = [{"pixel_values": np.zeros((2, 3, 8, 8), dtype=np.float32)}]
-    with pytest.raises(ValueError, match=r"calibration_data\['cars'\] item 0: the batch's 'pixel_values' is a numpy.ndarray, expected a torch.Tensor"):
+    with pytest.raises(
+        ValueError,
+        match=r"calibration_data\['cars'\] item 0: the batch's 'pixel_values' is a numpy.ndarray, expected a "
+              r"torch.Tensor",
+    ):
         FeatCalCalibrator(merged, base, experts, {**data, "cars": arrays})
 
 
@@ -212,7 +234,8 @@ def test_a_shard_index_naming_missing_files_is_reported(clip_setting, tmp_path):
     experts["cars"].save_pretrained(tmp_path / "cars", max_shard_size="10KB")
     shard = sorted(n for n in os.listdir(tmp_path / "cars") if n.startswith("model-0"))[0]
     os.remove(tmp_path / "cars" / shard)
-    with pytest.raises(ValueError, match=rf"`experts\['cars'\]`: the shard index .* lists files that do not exist: \[.*{shard}"):
+    with pytest.raises(ValueError,
+                       match=rf"`experts\['cars'\]`: the shard index .* lists files that do not exist: \[.*{shard}"):
         FeatCalCalibrator(merged, base, {**experts, "cars": str(tmp_path / "cars")}, data)
 
 
@@ -221,7 +244,8 @@ def test_a_malformed_featcal_config_names_its_path(tmp_path):
     with pytest.raises(ValueError, match=rf"{tmp_path / 'featcal_config.json'}: not a valid JSON FeatCal config"):
         FeatCalConfig.from_pretrained(tmp_path)
     (tmp_path / "featcal_config.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match=r"featcal_config.json: a FeatCal config must be a JSON object of fields, got list"):
+    with pytest.raises(ValueError,
+                       match=r"featcal_config.json: a FeatCal config must be a JSON object of fields, got list"):
         FeatCalConfig.from_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"nowhere.*: no FeatCal config there"):
         FeatCalConfig.from_pretrained(tmp_path / "nowhere")
@@ -235,7 +259,9 @@ def test_a_missing_local_path_is_named_as_a_missing_folder(clip_setting, missing
         FeatCalCalibrator(merged, base, {**experts, "cars": missing}, data)
     with pytest.raises(ValueError, match=match):
         task_arithmetic(base, {**experts, "cars": missing})
-    with pytest.raises(ValueError, match=rf"`base_model`: cannot load a model config from '{missing}': no such local folder"):
+    with pytest.raises(ValueError,
+                       match=rf"`base_model`: cannot load a model config from '{missing}': no such local folder"):
         task_arithmetic(missing, experts)
-    with pytest.raises(ValueError, match=rf"`base_model`: cannot load a model config from '{missing}': no such local folder"):
+    with pytest.raises(ValueError,
+                       match=rf"`base_model`: cannot load a model config from '{missing}': no such local folder"):
         load_model(missing, "base_model")

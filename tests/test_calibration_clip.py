@@ -9,8 +9,15 @@ import pytest
 import torch
 from transformers import CLIPModel, CLIPVisionModel, CLIPVisionModelWithProjection
 
-from testing_utils import assert_same_up_to_rounding, perturbed, pixel_batches, randomise_norms, tiny_clip_config, tiny_vision_config
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalWarning
+from testing_utils import (
+    assert_same_up_to_rounding,
+    perturbed,
+    pixel_batches,
+    randomise_norms,
+    tiny_clip_config,
+    tiny_vision_config,
+)
 
 
 def _hidden_states(model, pixels):
@@ -64,12 +71,13 @@ def test_exact_recovery_when_only_fc2_differs(generator, dtype, compute_dtype, e
     config = FeatCalConfig(teacher_alpha=1.0, lambda_ratio=0.0, compute_dtype=compute_dtype, epsilon=epsilon)
     probe = torch.randn(6, 3, 8, 8, generator=generator).to(dtype)
     with torch.no_grad():
-        assert _relative_error(merged(pixel_values=probe).last_hidden_state, expert(pixel_values=probe).last_hidden_state) > 0.05
+        assert _relative_error(merged(pixel_values=probe).last_hidden_state,
+                               expert(pixel_values=probe).last_hidden_state) > 0.05
     FeatCalCalibrator(merged, None, {"task": expert}, data, config, show_progress=False).calibrate()
     with torch.no_grad():
         got, want = merged(pixel_values=probe).last_hidden_state, expert(pixel_values=probe).last_hidden_state
     assert _relative_error(got, want) <= output_tol
-    for ml, el in zip(merged.encoder.layers, expert.encoder.layers):
+    for ml, el in zip(merged.encoder.layers, expert.encoder.layers, strict=True):
         assert _relative_error(ml.mlp.fc2.weight, el.mlp.fc2.weight) <= weight_tol
         assert _relative_error(ml.mlp.fc2.bias, el.mlp.fc2.bias) <= weight_tol
         # every other module sees the expert's inputs too, so keeps the expert's values
@@ -77,7 +85,7 @@ def test_exact_recovery_when_only_fc2_differs(generator, dtype, compute_dtype, e
         assert _relative_error(ml.layer_norm2.bias, el.layer_norm2.bias) <= weight_tol
     with torch.no_grad():
         states = expert(pixel_values=probe, output_hidden_states=True).hidden_states
-        for i, (ml, el) in enumerate(zip(merged.encoder.layers, expert.encoder.layers)):
+        for i, (ml, el) in enumerate(zip(merged.encoder.layers, expert.encoder.layers, strict=True)):
             x = el.layer_norm1(states[i])
             for name in ("q_proj", "k_proj", "v_proj"):
                 assert _relative_error(getattr(ml.self_attn, name)(x), getattr(el.self_attn, name)(x)) <= output_tol
@@ -152,7 +160,9 @@ def _weight_objective(given, calibrated, base, experts, data, layer, module):
         w = torch.cat(weights)
         w = w / w.sum()
         scale = 1.0 / max(float(torch.linalg.norm((x_s * w[:, None]).T @ x_s)), EPSILON)
-        target = (ALPHA * x_e + (1 - ALPHA) * x_s) @ expert.encoder.layers[layer].get_submodule(module).weight.detach().double().T
+        target = (ALPHA * x_e + (1 - ALPHA) * x_s) @ expert.encoder.layers[layer].get_submodule(
+            module
+        ).weight.detach().double().T
         terms.append((scale, w, x_s, target))
     base_w = base.encoder.layers[layer].get_submodule(module).weight.detach().double()
     anchor = base_w + RHO * (given.encoder.layers[layer].get_submodule(module).weight.detach().double() - base_w)
@@ -261,7 +271,8 @@ def test_warns_on_singular_gram_after_zero_bias_layer_norm(generator):
     assert not [w for w in caught if "numerically singular" in str(w.message)]
     # without a ridge only ε and round-off set it
     with pytest.warns(FeatCalWarning, match=r"self_attn\.q_proj.*numerically singular.*raise lambda_ratio"):
-        FeatCalCalibrator(copy.deepcopy(base), None, experts, data, FeatCalConfig(lambda_ratio=0.0), show_progress=False).calibrate()
+        FeatCalCalibrator(copy.deepcopy(base), None, experts, data, FeatCalConfig(lambda_ratio=0.0),
+                          show_progress=False).calibrate()
 
 
 def test_training_flag_and_device_are_restored(clip_setting):
@@ -287,7 +298,7 @@ def test_expert_checkpoint_with_transformers4_key_prefix(clip_setting, tmp_path)
     reference = copy.deepcopy(merged)
     FeatCalCalibrator(reference, base, experts, data, show_progress=False).calibrate()
     FeatCalCalibrator(merged, base, {**experts, "dtd": str(folder)}, data, show_progress=False).calibrate()
-    for (name, p), q in zip(merged.named_parameters(), reference.parameters()):
+    for (name, p), q in zip(merged.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(p, q), name
 
 

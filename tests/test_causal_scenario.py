@@ -99,14 +99,14 @@ def test_calibration_batches_from_train_split():
     train_ids = {tuple(p + a) for p, a in encode_causal(tokenizer, train)}
     for batch in batches:
         assert set(batch) == {"input_ids", "attention_mask", "labels"}
-        for row, mask, labels in zip(batch["input_ids"], batch["attention_mask"], batch["labels"]):
+        for row, mask, labels in zip(batch["input_ids"], batch["attention_mask"], batch["labels"], strict=True):
             assert tuple(row[mask.bool()].tolist()) in train_ids
             counted = torch.nonzero(labels != -100).flatten()
             assert bool(mask[counted].all())  # never a padding position
             assert row[counted[0]] == tokenizer.convert_tokens_to_ids(SEPARATOR)
             assert labels[counted[-1]] == tokenizer.eos_token_id
     again = build_causal_calibration_batches(tokenizer, train, num_samples=64, batch_size=16, seed=0)
-    assert all(torch.equal(a[k], b[k]) for a, b in zip(batches, again) for k in a)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(batches, again, strict=True) for k in a)
     with pytest.raises(ValueError):
         build_causal_calibration_batches(tokenizer, train[:10], num_samples=64)
 
@@ -130,7 +130,8 @@ def test_exact_match_reads_up_to_the_first_eos():
     test = {task: generate_task_examples(task, 0, 30, seed=5)[1] for task in ("sort", "count")}
     digit = tokenizer.convert_tokens_to_ids("7")
     oracle = _Oracle(tokenizer, [e for examples in test.values() for e in examples], junk=[digit, digit])
-    assert evaluate_causal_exact_match(oracle, tokenizer, test, batch_size=7) == {"sort": 100.0, "count": 100.0, "mean": 100.0}
+    assert evaluate_causal_exact_match(oracle, tokenizer, test, batch_size=7) == {"sort": 100.0, "count": 100.0,
+                                                                                  "mean": 100.0}
     # without the eos the junk is part of the answer
     oracle.answers = {k: v[:-1] for k, v in oracle.answers.items()}
     assert evaluate_causal_exact_match(oracle, tokenizer, test)["mean"] == 0.0
@@ -153,7 +154,11 @@ def test_mini_scenario_is_deterministic_and_caches(tmp_path):
     assert all(same(first.experts[t], second.experts[t]) for t in TASKS)
     assert not same(first.base, first.experts["sort"])
     for task in TASKS:
-        assert all(torch.equal(a[k], b[k]) for a, b in zip(first.calibration_batches[task], second.calibration_batches[task]) for k in a)
+        assert all(
+            torch.equal(a[k], b[k])
+            for a, b in zip(first.calibration_batches[task], second.calibration_batches[task], strict=True)
+            for k in a
+        )
     # reloaded from the cache: same weights, same generations
     cached = build_causal_scenario(seed=1, cache_dir=tmp_path, config=MINI)
     assert (tmp_path / "causal-scenario" / "scenario.json").is_file()

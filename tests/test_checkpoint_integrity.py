@@ -50,7 +50,9 @@ def _flip_last_bit(path) -> None:
 def _writes_recorded(calibrator, monkeypatch) -> list[str]:
     written = []
     original = calibrator.parameters.write
-    monkeypatch.setattr(calibrator.parameters, "write", lambda name, value: written.append(name) or original(name, value))
+    monkeypatch.setattr(
+        calibrator.parameters, "write", lambda name, value: written.append(name) or original(name, value)
+    )
     return written
 
 
@@ -59,10 +61,12 @@ def test_state_records_the_sha256_of_every_block_file(clip_setting, tmp_path):
     _finished_checkpoint(clip_setting, folder)
     state = json.load(open(folder / STATE_NAME))
     assert state["finished_blocks"] == 2
-    assert state["block_sha256"] == {name: _sha256(folder / name) for name in ("block-00001.safetensors", "block-00002.safetensors")}
+    assert state["block_sha256"] == {name: _sha256(folder / name) for name in ("block-00001.safetensors",
+                                                                               "block-00002.safetensors")}
 
 
-def test_a_block_file_changed_since_its_commit_is_refused_before_anything_is_written(clip_setting, tmp_path, monkeypatch):
+def test_a_block_file_changed_since_its_commit_is_refused_before_anything_is_written(clip_setting, tmp_path,
+                                                                                     monkeypatch):
     folder = tmp_path / "ckpt"
     _finished_checkpoint(clip_setting, folder)
     block = folder / "block-00002.safetensors"

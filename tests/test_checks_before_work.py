@@ -57,7 +57,10 @@ def test_a_recipe_fast_mode_dtype_is_refused_before_merging(world, tmp_path, cap
     path = _write(world / "fast16.yaml", recipe)
     assert cli.main(["run", path, "--quiet"]) == 2
     line = _one_error_line(capsys, "run")
-    assert "featcal.forward_dtype: FeatCalConfig.forward_dtype='bfloat16' cannot run `base`, whose weights are float16" in line
+    assert (
+        "featcal.forward_dtype: FeatCalConfig.forward_dtype='bfloat16' cannot run `base`, whose weights are float16"
+        in line
+    )
     assert "Merging" not in capsys.readouterr().err
     assert not out.exists()
     # calibrate: found before the calibration data are loaded (a dataset that cannot load is not reached)
@@ -100,8 +103,8 @@ def test_demo_refuses_an_output_dir_that_is_a_file_before_building(tmp_path, cap
 
 
 def test_evaluate_output_json_creates_its_folder_and_refuses_a_folder_up_front(world, tmp_path, capsys):
-    args = ["evaluate", "--model", str(world / "base"), "--task", "zorbs", "--data", f"zorbs={world / 'data' / 'zorbs'}",
-            "--class-names", "zorbs=zorb,blip,quax", "--batch-size", "8"]
+    args = ["evaluate", "--model", str(world / "base"), "--task", "zorbs", "--data",
+            f"zorbs={world / 'data' / 'zorbs'}", "--class-names", "zorbs=zorb,blip,quax", "--batch-size", "8"]
     scores = tmp_path / "new" / "deeper" / "scores.json"
     assert cli.main([*args, "--output-json", str(scores)]) == 0
     printed = capsys.readouterr().out
@@ -140,7 +143,7 @@ def test_an_image_column_of_file_paths_calibrates_as_the_images_do(world, tmp_pa
     spec = recipes.DatasetSpec(dataset=folder, split="train", num_examples=None, is_local=True)
     prepared = recipes.prepare_calibration("clip", "zorbs", spec, None, seed=0)
     decoded = [np.asarray(image) for image in prepared["image"]]
-    assert len(decoded) == len(pixels) and all(np.array_equal(a, b) for a, b in zip(decoded, pixels))
+    assert len(decoded) == len(pixels) and all(np.array_equal(a, b) for a, b in zip(decoded, pixels, strict=True))
 
     outs = {}
     for name, zorbs in (("images", world / "data" / "zorbs"), ("paths", folder)):
@@ -197,15 +200,18 @@ def test_a_key_given_twice_in_a_recipe_is_refused_naming_it_and_its_lines(world,
     lines.insert(at + 1, "  scaling_factor: 0.9")
     path = world / "twice.yaml"
     path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(RecipeError, match=rf"duplicate key 'scaling_factor' on line {at + 2} \(first given on line {at + 1}\)"):
+    with pytest.raises(RecipeError,
+                       match=rf"duplicate key 'scaling_factor' on line {at + 2} \(first given on line {at + 1}\)"):
         load_recipe(path)
     assert cli.main(["run", str(path), "--check"]) == 2
     assert "duplicate key 'scaling_factor'" in capsys.readouterr().err
     assert not (tmp_path / "never").exists()
     # YAML merge keys (`<<: *anchor`) may still be overridden, as in yaml.safe_load
-    assert recipes.load_yaml("a: &x {b: 1, c: 2}\nd:\n  <<: *x\n  b: 3\n") == {"a": {"b": 1, "c": 2}, "d": {"b": 3, "c": 2}}
+    assert recipes.load_yaml("a: &x {b: 1, c: 2}\nd:\n  <<: *x\n  b: 3\n") == {"a": {"b": 1, "c": 2},
+                                                                               "d": {"b": 3, "c": 2}}
     featcal = tmp_path / "featcal.yaml"
     featcal.write_text("lambda_ratio: 0.1\nlambda_ratio: 0.2\n")
     assert cli.main(["calibrate", "--model", str(world / "base"), "--base", str(world / "base"), *_experts(world),
-                     *_data(world), "--featcal-config", str(featcal), "--output-dir", str(tmp_path / "never"), "--quiet"]) == 2
+                     *_data(world), "--featcal-config", str(featcal), "--output-dir", str(tmp_path / "never"),
+                     "--quiet"]) == 2
     assert "duplicate key 'lambda_ratio' on line 2 (first given on line 1)" in capsys.readouterr().err

@@ -164,7 +164,8 @@ def test_run_recipe_end_to_end(world, capsys):
     saved = load_recipe(out_dir / "featcal_recipe.yaml")
     original = load_recipe(path)
     assert saved.calibration == original.calibration and saved.evaluation == original.evaluation
-    assert (saved.base, saved.experts, saved.merge, saved.featcal) == (original.base, original.experts, original.merge, original.featcal)
+    assert (saved.base, saved.experts, saved.merge, saved.featcal) == (original.base, original.experts, original.merge,
+                                                                       original.featcal)
     drift = json.loads((out_dir / "featcal_drift_report.json").read_text())["tasks"]
     assert all(sum(d["after"]) < sum(d["before"]) for d in drift.values())
 
@@ -178,7 +179,8 @@ def test_run_recipe_end_to_end(world, capsys):
 
     # the saved model evaluates with `hf-featcal evaluate` (custom task: local data + class names)
     scores = world / "scores.json"
-    assert cli.main(["evaluate", "--model", str(out_dir), "--task", "zorbs", "--data", f"zorbs={world / 'data' / 'zorbs'}",
+    assert cli.main(["evaluate", "--model", str(out_dir), "--task", "zorbs", "--data",
+                     f"zorbs={world / 'data' / 'zorbs'}",
                      "--class-names", "zorbs=zorb,blip,quax", "--batch-size", "8", "--output-json", str(scores)]) == 0
     assert json.loads(scores.read_text())["scores"]["zorbs"] == pytest.approx(evaluation["after"]["zorbs"])
     assert "| zorbs | mean |" in capsys.readouterr().out
@@ -259,7 +261,11 @@ def test_an_output_folder_the_run_reads_is_refused_before_any_work(world, capsys
     path = _write(world / "into-data.yaml", _recipe(world, output_dir=str(world / "data")))
     assert cli.main(["run", path, "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "output_dir: " in err and "contains the folder of `calibration.tasks.zorbs.dataset`" in err and "Loading" not in err
+    assert (
+        "output_dir: " in err
+        and "contains the folder of `calibration.tasks.zorbs.dataset`" in err
+        and "Loading" not in err
+    )
     with pytest.raises(RecipeError, match="contains the folder of"):
         recipes.run_recipe(load_recipe(path), log=lambda message: None)
     assert sorted(os.listdir(world / "base")) == before
@@ -277,7 +283,9 @@ def test_merge_then_calibrate_commands(world, capsys):
     merged = CLIPModel.from_pretrained(merged_dir)
     assert merged.config.hf_featcal_merge["method"] == "ties"
     assert merged.config.hf_featcal_merge["density"] == 0.5
-    assert os.path.isfile(merged_dir / "processor_config.json") or os.path.isfile(merged_dir / "preprocessor_config.json")
+    assert os.path.isfile(merged_dir / "processor_config.json") or os.path.isfile(
+        merged_dir / "preprocessor_config.json"
+    )
 
     data = [arg for task in TASKS for arg in ("--data", f"{task}={world / 'data' / task}")]
     out = world / "calibrated"
@@ -291,8 +299,8 @@ def test_merge_then_calibrate_commands(world, capsys):
     assert "last block before" in capsys.readouterr().out
 
     # option errors name the option and stop before loading anything
-    code = cli.main(["merge", "--base", str(world / "base"), *experts, "--method", "task_arithmetic", "--density", "0.5",
-                     "--output-dir", str(world / "never")])
+    code = cli.main(["merge", "--base", str(world / "base"), *experts, "--method", "task_arithmetic", "--density",
+                     "0.5", "--output-dir", str(world / "never")])
     assert code == 2 and "--density" in capsys.readouterr().err
     assert not os.path.exists(world / "never")
 
@@ -306,9 +314,12 @@ def test_run_flan_t5_recipe_end_to_end(tmp_path, capsys):
     from hf_featcal.evaluation.glue import GLUE_LABEL_WORDS, GLUE_PROMPT_TEMPLATES
 
     rows = {
-        "cola": {"sentence": ["the cat sat", "cat the sat", "a dog runs", "runs dog a", "the sun is warm", "warm is sun"]},
-        "rte": {"sentence1": ["the cat sat", "a dog runs", "the sun is warm", "a man eats", "the cat sat", "a dog runs"],
-                "sentence2": ["a cat sat", "the dog sleeps", "the sun is hot", "a man is hungry", "a dog runs", "a cat sat"]},
+        "cola": {"sentence": ["the cat sat", "cat the sat", "a dog runs", "runs dog a", "the sun is warm",
+                              "warm is sun"]},
+        "rte": {"sentence1": ["the cat sat", "a dog runs", "the sun is warm", "a man eats", "the cat sat",
+                              "a dog runs"],
+                "sentence2": ["a cat sat", "the dog sleeps", "the sun is hot", "a man is hungry", "a dog runs",
+                              "a cat sat"]},
     }
     pre = pre_tokenizers.Whitespace()
     texts = [GLUE_PROMPT_TEMPLATES[t] for t in rows] + [w for t in rows for w in GLUE_LABEL_WORDS[t]]
@@ -319,7 +330,8 @@ def test_run_flan_t5_recipe_end_to_end(tmp_path, capsys):
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre
     backend.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>",
+                                        unk_token="<unk>")
 
     torch.manual_seed(0)
     config = T5Config(vocab_size=len(vocab), d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=1,
@@ -382,7 +394,8 @@ BAD = [
     ("evaluation.class_names.zorbs", {"evaluation": {"tasks": ["zorbs"]}}),
     ("evaluation.templates.zorbs[0]", {"evaluation": {"class_names": {"zorbs": ["a", "b", "c"], "glyphs": ["x", "y"]},
                                                       "templates": {"zorbs": ["a photo of {}"]}}}),
-    ("evaluation.split", {"evaluation": {"split": "train", "class_names": {"zorbs": ["a", "b", "c"], "glyphs": ["x", "y"]}}}),
+    ("evaluation.split",
+     {"evaluation": {"split": "train", "class_names": {"zorbs": ["a", "b", "c"], "glyphs": ["x", "y"]}}}),
     ("push_to_hub", {"push_to_hub": "not a repo"}),
     ("private", {"private": "yes"}),
     ("overwrite", {"overwrite": 1}),

@@ -30,7 +30,8 @@ def _data(world, **overrides):
     return [a for t in TASKS for a in ("--data", f"{t}={overrides.get(t, world / 'data' / t)}")]
 
 
-@pytest.mark.parametrize("device", ["meta", "not-a-device", "cuda:97"] + ([] if torch.cuda.is_available() else ["cuda"]))
+@pytest.mark.parametrize("device",
+                         ["meta", "not-a-device", "cuda:97"] + ([] if torch.cuda.is_available() else ["cuda"]))
 def test_an_unusable_device_is_one_line_and_nothing_runs(world, capsys, tmp_path, device):
     out = tmp_path / "out"
     code = cli.main(["calibrate", "--model", str(world / "base"), "--base", str(world / "base"), *_experts(world),
@@ -47,7 +48,9 @@ def test_an_unusable_device_is_one_line_and_nothing_runs(world, capsys, tmp_path
 
 def test_a_local_split_with_no_rows(world, capsys, tmp_path):
     train = datasets.load_from_disk(str(world / "data" / "zorbs"))["train"]
-    datasets.DatasetDict({"train": train.select([]), "test": train.select(range(4))}).save_to_disk(str(tmp_path / "empty-split"))
+    datasets.DatasetDict({"train": train.select([]), "test": train.select(range(4))}).save_to_disk(
+        str(tmp_path / "empty-split")
+    )
     datasets.DatasetDict({"train": train.select(range(4))}).save_to_disk(str(tmp_path / "ok"))
     for folder in ("empty-split",):
         code = cli.main(["calibrate", "--model", str(world / "base"), "--base", str(world / "base"), *_experts(world),

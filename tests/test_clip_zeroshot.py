@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
-import pytest
-import torch
-
 # core dependencies (install_requires / the test extra): a broken install fails here, it is never skipped
 import datasets
+import numpy as np
 import PIL.Image as PIL_Image
-
-from transformers import (  # noqa: E402
+import pytest
+import torch
+from transformers import (
     CLIPConfig,
     CLIPImageProcessor,
     CLIPModel,
@@ -27,7 +25,7 @@ from transformers import (  # noqa: E402
     PreTrainedTokenizerFast,
 )
 
-from hf_featcal.evaluation import (  # noqa: E402
+from hf_featcal.evaluation import (
     CLIP_CLASS_NAMES,
     CLIP_DATASETS,
     CLIP_EXPERT_IDS,
@@ -42,7 +40,7 @@ from hf_featcal.evaluation import (  # noqa: E402
     resolve_clip_task,
     vision_tower_into_clip,
 )
-from hf_featcal.evaluation import clip_templates as T  # noqa: E402
+from hf_featcal.evaluation import clip_templates as T
 
 torch.set_num_threads(1)
 
@@ -377,7 +375,7 @@ def test_builtin_task_with_local_dataset_path_and_datasetdict(clip, tokenizer, p
 
     emb = _reference_class_embeddings(clip, tokenizer, CLIP_CLASS_NAMES["mnist"], CLIP_TEMPLATES["mnist"])
     pred = _reference_logits(clip, processor, images, emb).argmax(dim=-1).tolist()
-    expected = sum(p == lab for p, lab in zip(pred, labels)) / len(labels)
+    expected = sum(p == lab for p, lab in zip(pred, labels, strict=True)) / len(labels)
 
     res = evaluate_clip_zeroshot(clip, clip, processor, "mnist", datasets={"mnist": str(path)}, batch_size=4)
     assert res.tasks == ["mnist"] and res.predictions["mnist"] == pred

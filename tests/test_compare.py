@@ -13,10 +13,10 @@ import torch
 from datasets import Dataset
 
 import hf_featcal.merging as merging
-from testing_utils import build_clip_setting
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.compare import compare_post_merging, post_merging_steps
 from hf_featcal.regmean import regmean_merging
+from testing_utils import build_clip_setting
 
 
 @pytest.fixture
@@ -45,14 +45,17 @@ def test_rows_are_the_scores_of_the_models_they_name(setting, monkeypatch):
     assert list(result.scores) == ["experts", "task_arithmetic", "task_arithmetic+featcal", "ties", "ties+featcal",
                                    "regmean", "regmean+featcal"]
     assert result.scores["experts"]["mean"] == 0.0  # each expert is its own target
-    for method, params in (("task_arithmetic", {"scaling_factor": 0.3}), ("ties", {"scaling_factor": 0.3, "density": 0.2})):
+    for method, params in (("task_arithmetic", {"scaling_factor": 0.3}),
+                           ("ties", {"scaling_factor": 0.3, "density": 0.2})):
         merged = original(base, experts, method, **params)
         direct = evaluate(merged)
         assert result.scores[method] == pytest.approx({**direct, "mean": sum(direct.values()) / 2}, rel=1e-6)
         calibrator = FeatCalCalibrator(copy.deepcopy(merged), base, experts, data, config, show_progress=False)
         after = evaluate(calibrator.calibrate())
         assert result.scores[f"{method}+featcal"] == pytest.approx({**after, "mean": sum(after.values()) / 2}, rel=1e-6)
-        assert result.drift[f"{method}+featcal"] == pytest.approx({t: d["after"][-1] for t, d in calibrator.report.tasks.items()})
+        assert result.drift[f"{method}+featcal"] == pytest.approx(
+            {t: d["after"][-1] for t, d in calibrator.report.tasks.items()}
+        )
         assert result.drift[method] == pytest.approx({t: d["before"][-1] for t, d in calibrator.report.tasks.items()})
     direct = evaluate(regmean_merging(base, experts, data, num_samples_per_task=8))
     assert result.scores["regmean"] == pytest.approx({**direct, "mean": sum(direct.values()) / 2}, rel=1e-6)
@@ -64,12 +67,13 @@ def test_a_failing_combination_is_reported_and_the_grid_goes_on(setting, tmp_pat
     ties = merging.merge_models(base, experts, "ties", scaling_factor=0.3, density=0.2)
 
     def evaluate_or_fail(model):  # the caller's evaluation fails on the TIES merge only, with a multi-line message
-        if all(torch.equal(p, q) for p, q in zip(model.state_dict().values(), ties.state_dict().values())):
+        if all(torch.equal(p, q) for p, q in zip(model.state_dict().values(), ties.state_dict().values(), strict=True)):
             raise RuntimeError("out of memory | try a smaller batch\nor another device")
         return evaluate(model)
 
     result = compare_post_merging(base, experts, data, evaluate_or_fail, merges=["ties", "average"],
-                                  post_merging=["none", "featcal"], featcal_config=FeatCalConfig(num_samples_per_task=8))
+                                  post_merging=["none", "featcal"],
+                                  featcal_config=FeatCalConfig(num_samples_per_task=8))
     assert result.errors == {"ties": "RuntimeError: out of memory | try a smaller batch\nor another device"}
     assert {"ties+featcal", "average", "average+featcal"} <= set(result.scores)
     table = result.to_markdown()
@@ -110,7 +114,8 @@ def test_bad_merge_parameters_are_refused_before_any_work(setting, merges, match
 def test_missing_or_empty_calibration_data_is_refused_before_any_merge(setting):
     base, experts, data, evaluate = setting
     calls, counted = _evaluations(evaluate)
-    with pytest.raises(ValueError, match=r"tasks \['dtd'\] have an expert in `experts` but no entry in `calibration_data`"):
+    with pytest.raises(ValueError,
+                       match=r"tasks \['dtd'\] have an expert in `experts` but no entry in `calibration_data`"):
         compare_post_merging(base, experts, {"cars": data["cars"]}, counted, merges=["average"])
     for empty in ([], Dataset.from_dict({"pixel_values": []})):
         with pytest.raises(ValueError, match=r"calibration_data\['dtd'\] is empty"):

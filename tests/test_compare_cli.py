@@ -33,7 +33,10 @@ def test_compare_demo_prints_the_table_of_the_models_it_names(tmp_path, capsys):
     assert list(saved["scores"]) == ["experts", "task_arithmetic", "task_arithmetic+featcal", "ties", "ties+featcal"]
     assert saved["errors"] == {}
     for row, scores in saved["scores"].items():  # the printed table is the saved one
-        assert f"| {row} | " + " | ".join(f"{scores[t]:.1f}" for t in saved["tasks"]) + f" | {scores['mean']:.1f} |" in text
+        assert (
+            f"| {row} | " + " | ".join(f"{scores[t]:.1f}" for t in saved["tasks"]) + f" | {scores['mean']:.1f} |"
+            in text
+        )
     assert (out / "comparison.md").read_text() in text
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -77,7 +80,8 @@ def test_compare_recipe_rows(world, capsys):  # noqa: F811
     text = capsys.readouterr().out
     saved = json.loads((out / "comparison.json").read_text())
     assert saved["tasks"] == list(TASKS)
-    assert list(saved["scores"]) == ["experts", "task_arithmetic", "task_arithmetic+featcal", "average", "average+featcal",
+    assert list(saved["scores"]) == ["experts", "task_arithmetic", "task_arithmetic+featcal", "average",
+                                     "average+featcal",
                                    "regmean", "regmean+featcal"]
     assert saved["errors"] == {}
     assert "| average+featcal | " in text and "zero-shot" in text.lower()
@@ -89,10 +93,13 @@ def test_compare_recipe_rows(world, capsys):  # noqa: F811
     base = CLIPModel.from_pretrained(world / "base")
     processing = get_family("clip").load_processing(str(world / "base"))
     experts = {t: str(world / "experts" / t) for t in TASKS}
-    merged = merge_models(str(world / "base"), experts, "task_arithmetic", scaling_factor=0.5)  # the compare section's λ
+    merged = merge_models(str(world / "base"), experts, "task_arithmetic",
+                          scaling_factor=0.5)  # the compare section's λ
     direct, _ = recipes.evaluate_model("clip", merged, recipe.evaluation, processing=processing, clip_model=base,
                                        device="cpu")
-    assert {t: saved["scores"]["task_arithmetic"][t] for t in TASKS} == pytest.approx({t: 100 * v for t, v in direct.items()})
+    assert {t: saved["scores"]["task_arithmetic"][t] for t in TASKS} == pytest.approx(
+        {t: 100 * v for t, v in direct.items()}
+    )
     from transformers import CLIPVisionModel
 
     for task in TASKS:
@@ -157,7 +164,8 @@ def test_compare_section_defaults_and_round_trip(world):  # noqa: F811
 
     path = _write(world / "grid.yaml", _recipe(world, compare={"merges": {"ties": {"density": 0.5}, "regmean": None}}))
     recipe = load_recipe(path)
-    assert recipe.compare.merges == {"ties": {**DEFAULT_MERGES["ties"], "density": 0.5}, "regmean": DEFAULT_MERGES["regmean"]}
+    assert recipe.compare.merges == {"ties": {**DEFAULT_MERGES["ties"], "density": 0.5},
+                                     "regmean": DEFAULT_MERGES["regmean"]}
     assert recipe.compare.post_merging is None
     saved = _write(world / "grid-resolved.yaml", recipe.to_dict())
     assert load_recipe(saved).compare == recipe.compare

@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("compare_revisions", os.path.join(ROOT, "benchmarks", "compare_revisions.py"))
+    spec = importlib.util.spec_from_file_location("compare_revisions",
+                                                  os.path.join(ROOT, "benchmarks", "compare_revisions.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -21,7 +22,8 @@ def _load():
 
 compare_revisions = _load()
 needs_git = pytest.mark.skipif(
-    subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode != 0, reason="not a git checkout"
+    subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode != 0,
+    reason="not a git checkout",
 )
 
 
@@ -47,7 +49,8 @@ def test_working_tree_is_this_checkouts_src(tmp_path):
 def test_a_revision_is_exported_with_its_own_library(tmp_path):
     source = compare_revisions.library_source("HEAD", str(tmp_path))
     assert source.startswith(str(tmp_path))
-    committed = subprocess.run(["git", "-C", ROOT, "show", "HEAD:src/hf_featcal/solver.py"], capture_output=True, text=True, check=True)
+    committed = subprocess.run(["git", "-C", ROOT, "show", "HEAD:src/hf_featcal/solver.py"], capture_output=True,
+                               text=True, check=True)
     with open(os.path.join(source, "hf_featcal", "solver.py"), encoding="utf-8") as handle:
         assert handle.read() == committed.stdout
 

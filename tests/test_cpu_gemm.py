@@ -9,11 +9,11 @@ import copy
 
 import pytest
 import torch
-from testing_utils import assert_same_up_to_rounding
 
-from hf_featcal._kernels import gemm
 from hf_featcal import FeatCalCalibrator
+from hf_featcal._kernels import gemm
 from hf_featcal._kernels.gemm import GEMM_LIBRARY_VARIABLE, gemm_library, linear_product, onednn_linear, onednn_linears
+from testing_utils import assert_same_up_to_rounding
 
 needs_onednn = pytest.mark.skipif(not gemm.onednn_available(), reason="this torch has no oneDNN inner product")
 
@@ -81,7 +81,9 @@ def test_the_vendor_is_read_from_cpuinfo():
 @pytest.mark.parametrize("transposed_weight", [False, True])
 def test_onednn_linear_is_a_float32_product(generator, shape, with_bias, transposed_weight):
     x = torch.randn(*shape, generator=generator)
-    weight = torch.randn(24, 40, generator=generator).T if transposed_weight else torch.randn(40, 24, generator=generator)
+    weight = (
+        torch.randn(24, 40, generator=generator).T if transposed_weight else torch.randn(40, 24, generator=generator)
+    )
     bias = torch.randn(40, generator=generator) if with_bias else None
     got = onednn_linear(x, weight, bias)
     want = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
@@ -118,11 +120,13 @@ def test_linears_run_on_onednn_only_where_they_may(generator, monkeypatch, count
             strided = torch.randn(12, 4, generator=generator).T  # oneDNN is slow on strided operands: Linear's own
             assert torch.equal(plain(strided), torch.nn.functional.linear(strided, plain.weight, plain.bias))
             x64 = x.double()  # float64: Linear's own forward, bit for bit
-            assert "forward" in wide.__dict__ and torch.equal(wide(x64), torch.nn.functional.linear(x64, wide.weight, wide.bias))
+            assert "forward" in wide.__dict__ and torch.equal(wide(x64),
+                                                              torch.nn.functional.linear(x64, wide.weight, wide.bias))
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 assert plain(x).dtype == torch.bfloat16  # autocast's own path
         with_grad = plain(x)  # gradients on: Linear's own forward, and backward works
-        assert with_grad.requires_grad and torch.equal(with_grad, torch.nn.functional.linear(x, plain.weight, plain.bias))
+        assert with_grad.requires_grad and torch.equal(with_grad,
+                                                       torch.nn.functional.linear(x, plain.weight, plain.bias))
         with_grad.sum().backward()
         assert plain.weight.grad is not None
         assert counted == [(4, 12)]

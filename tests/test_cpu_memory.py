@@ -119,8 +119,10 @@ def test_results_are_the_same_bit_for_bit(clip_setting):
     weights = []
     for reuse in (True, False):
         model = copy.deepcopy(merged)
-        calibrator = FeatCalCalibrator(model, base, experts, data, FeatCalConfig(reuse_freed_cpu_memory=reuse), device="cpu")
+        calibrator = FeatCalCalibrator(model, base, experts, data, FeatCalConfig(reuse_freed_cpu_memory=reuse),
+                                       device="cpu")
         weights.append({k: v.clone() for k, v in calibrator.calibrate().state_dict().items()})
-    assert not torch.equal(weights[0]["encoder.layers.0.mlp.fc1.weight"], merged.state_dict()["encoder.layers.0.mlp.fc1.weight"])
+    assert not torch.equal(weights[0]["encoder.layers.0.mlp.fc1.weight"],
+                           merged.state_dict()["encoder.layers.0.mlp.fc1.weight"])
     for name, value in weights[0].items():
         assert torch.equal(value, weights[1][name]), name

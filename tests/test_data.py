@@ -105,7 +105,7 @@ def test_extra_batch_keys_are_ignored_by_the_model(clip_setting, generator):
     cut = calibrator.batches["cars"][1]
     assert torch.equal(cut["pixel_values"], data["cars"][1]["pixel_values"][:3]) and cut["labels"].shape == (3,)
     calibrator.calibrate()
-    for (name, p), q in zip(merged.named_parameters(), plain.parameters()):
+    for (name, p), q in zip(merged.named_parameters(), plain.parameters(), strict=True):
         assert torch.equal(p, q), name
     assert calibrator.report.to_dict() == plain_calibrator.report.to_dict()
 

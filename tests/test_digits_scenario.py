@@ -10,6 +10,7 @@ import json
 import os
 
 import pytest
+import sklearn  # noqa: F401  - the digits data come from scikit-learn (test extra): missing must fail, not skip
 import torch
 from transformers import CLIPVisionModel
 
@@ -22,8 +23,6 @@ from hf_featcal.scenarios.digits import (
     evaluate_tasks,
     load_digits_tasks,
 )
-
-import sklearn  # noqa: E402,F401  - the digits data come from scikit-learn (test extra): missing must fail, not skip
 
 # A small, fast variant for determinism checks (not an efficacy setting).
 SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -156,7 +155,8 @@ def test_experts_specialise(scenario, accuracies):
         own = accuracies["experts"][task]
         for other in scenario.tasks:
             if other != task:
-                assert accuracy(scenario.experts[other], scenario.heads[task], d.test_images, d.test_labels) < own - 0.05
+                assert accuracy(scenario.experts[other], scenario.heads[task], d.test_images,
+                                d.test_labels) < own - 0.05
 
 
 @pytest.mark.slow  # uses the module-scoped full scenario (built once, ~15-20 s)

@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from testing_utils import as_float64, build_clip_setting
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
+from testing_utils import as_float64, build_clip_setting
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 
@@ -81,8 +81,10 @@ def test_two_processes_match_one_open_clip(tmp_path):
     out = tmp_path / "dist"
     _run_two_processes(out, "open_clip")
     torch.manual_seed(0)
-    base, experts, merged, data = as_float64(*open_clip_setting(torch.Generator().manual_seed(0), batch_sizes=(4, 3, 5, 2, 4)))
-    FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(compute_dtype="float64"), show_progress=False).calibrate()
+    base, experts, merged, data = as_float64(*open_clip_setting(torch.Generator().manual_seed(0),
+                                                                batch_sizes=(4, 3, 5, 2, 4)))
+    FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(compute_dtype="float64"),
+                      show_progress=False).calibrate()
     states = _rank_states(out)
     _assert_same_model(states, merged.state_dict())
     assert any(not torch.equal(states[0][k], base.state_dict()[k]) for k in base.state_dict())

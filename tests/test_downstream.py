@@ -37,9 +37,9 @@ from transformers import (
     pipeline,
 )
 
-from testing_utils import perturbed, randomise_norms
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.merging import merge_models
+from testing_utils import perturbed, randomise_norms
 
 REQUIRE_OPTIONAL = os.environ.get("HF_FEATCAL_REQUIRE_OPTIONAL") == "1"
 
@@ -119,11 +119,14 @@ def llama_saved(tmp_path_factory):
     recorded["_name_or_path"] = "featcal-tests/tiny-llama-base"
     with open(os.path.join(folders["base"], "config.json"), "w") as handle:
         json.dump(recorded, handle)
-    ModelCard("---\nlicense: mit\nlibrary_name: transformers\n---\n# tiny base\n").save(os.path.join(folders["base"], "README.md"))
+    ModelCard("---\nlicense: mit\nlibrary_name: transformers\n---\n# tiny base\n").save(
+        os.path.join(folders["base"], "README.md")
+    )
     for task in ("add", "sort"):
         perturbed(base, generator, 0.03).save_pretrained(folders[task])
 
-    merged = merge_models(folders["base"], {t: folders[t] for t in ("add", "sort")}, "task_arithmetic", scaling_factor=0.5)
+    merged = merge_models(folders["base"], {t: folders[t] for t in ("add", "sort")}, "task_arithmetic",
+                          scaling_factor=0.5)
     uncalibrated = copy.deepcopy(merged).eval()
     rng = np.random.default_rng(0)
     calibration = {
@@ -239,15 +242,19 @@ def test_lm_eval_harness_scores_the_saved_folder(llama_saved, tmp_path):
     samples = sorted(results["samples"]["featcal_tiny_mc"], key=lambda s: s["doc_id"])
     assert len(samples) == len(MC_DOCS)
     acc, acc_norm, largest_change, largest_gap = [], [], 0.0, 0.0
-    for sample, doc in zip(samples, MC_DOCS):
+    for sample, doc in zip(samples, MC_DOCS, strict=True):
         harness = [float(resp[0][0]) for resp in sample["resps"]]
         direct = [_continuation_loglikelihood(model, tokenizer, doc["question"], " " + c) for c in doc["choices"]]
-        before = [_continuation_loglikelihood(uncalibrated, tokenizer, doc["question"], " " + c) for c in doc["choices"]]
+        before = [
+            _continuation_loglikelihood(uncalibrated, tokenizer, doc["question"], " " + c) for c in doc["choices"]
+        ]
         np.testing.assert_allclose(harness, direct, rtol=0, atol=1e-4)
-        largest_gap = max(largest_gap, max(abs(a - b) for a, b in zip(harness, direct)))
-        largest_change = max(largest_change, max(abs(a - b) for a, b in zip(direct, before)))
+        largest_gap = max(largest_gap, max(abs(a - b) for a, b in zip(harness, direct, strict=True)))
+        largest_change = max(largest_change, max(abs(a - b) for a, b in zip(direct, before, strict=True)))
         acc.append(float(np.argmax(direct) == doc["answer"]))
-        acc_norm.append(float(np.argmax([ll / len(c) for ll, c in zip(direct, doc["choices"])]) == doc["answer"]))
+        acc_norm.append(
+            float(np.argmax([ll / len(c) for ll, c in zip(direct, doc["choices"], strict=True)]) == doc["answer"])
+        )
     assert largest_change > 1e-3
     scores = results["results"]["featcal_tiny_mc"]
     assert scores["acc,none"] == pytest.approx(np.mean(acc))
@@ -255,7 +262,7 @@ def test_lm_eval_harness_scores_the_saved_folder(llama_saved, tmp_path):
     print(f"\nlm-eval acc {scores['acc,none']:.3f} acc_norm {scores['acc_norm,none']:.3f}; "
           f"direct acc {np.mean(acc):.3f} acc_norm {np.mean(acc_norm):.3f}; max |harness - direct| log-likelihood "
           f"{largest_gap:.2e}; max change by calibration {largest_change:.3f}")
-    for sample, doc in zip(samples, MC_DOCS):
+    for sample, doc in zip(samples, MC_DOCS, strict=True):
         direct = [_continuation_loglikelihood(model, tokenizer, doc["question"], " " + c) for c in doc["choices"]]
         print(doc["question"], [round(float(r[0][0]), 5) for r in sample["resps"]], [round(d, 5) for d in direct])
 
@@ -271,9 +278,10 @@ def clip_processor() -> CLIPProcessor:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.normalizer = normalizers.Lowercase()
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.post_processor = processors.TemplateProcessing(single="<bos> $A <eos>", special_tokens=[("<bos>", 0), ("<eos>", 1)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<eos>",
-                                        unk_token="<unk>", model_max_length=16)
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A <eos>",
+                                                           special_tokens=[("<bos>", 0), ("<eos>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
+                                        pad_token="<eos>", unk_token="<unk>", model_max_length=16)
     image_processor = CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
     return CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer)
 
@@ -293,8 +301,10 @@ def clip_saved(tmp_path_factory):
     processor = clip_processor()
     torch.manual_seed(1)
     text = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                vocab_size=len(processor.tokenizer), bos_token_id=0, eos_token_id=1, pad_token_id=1, max_position_embeddings=16)
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=4)
+                vocab_size=len(processor.tokenizer), bos_token_id=0, eos_token_id=1, pad_token_id=1,
+                max_position_embeddings=16)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8,
+                  patch_size=4)
     base = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)).eval()
     randomise_norms(base, generator)
     base.config._name_or_path = "featcal-tests/tiny-clip"
@@ -312,7 +322,9 @@ def clip_saved(tmp_path_factory):
 
 def test_clip_folder_runs_zero_shot_pipeline(clip_saved):
     out, model, processor = clip_saved["out"], clip_saved["model"], clip_saved["processor"]
-    assert {"config.json", "model.safetensors", "processor_config.json", "tokenizer.json", "README.md"} <= set(_files(out))
+    assert {"config.json", "model.safetensors", "processor_config.json", "tokenizer.json", "README.md"} <= set(
+        _files(out)
+    )
     reloaded = CLIPModel.from_pretrained(out).eval()
     reloaded_processor = CLIPProcessor.from_pretrained(out)
     labels = ["red square", "green circle", "blue square"]
@@ -393,17 +405,24 @@ def test_t5_folder_generates_with_auto_classes(t5_saved):
     """transformers 5 removed the `text2text-generation` pipeline (`transformers.pipelines.REMOVED_TASKS`):
     what it did — AutoTokenizer + AutoModelForSeq2SeqLM + generate — runs on the folder as it is."""
     out, model, tokenizer = t5_saved["out"], t5_saved["model"], t5_saved["tokenizer"]
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md"} <= set(_files(out))
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md"} <= set(
+        _files(out)
+    )
     reloaded_tokenizer = AutoTokenizer.from_pretrained(out)
     reloaded = AutoModelForSeq2SeqLM.from_pretrained(out).eval()
     inputs = reloaded_tokenizer(["cola sentence : the movie was good"], return_tensors="pt")
-    assert inputs["input_ids"].tolist() == tokenizer(["cola sentence : the movie was good"], return_tensors="pt")["input_ids"].tolist()
+    assert (
+        inputs["input_ids"].tolist()
+        == tokenizer(["cola sentence : the movie was good"], return_tensors="pt")["input_ids"].tolist()
+    )
     with torch.no_grad():
         produced = reloaded.generate(**inputs, max_new_tokens=5, do_sample=False)
         direct = model.generate(**inputs, max_new_tokens=5, do_sample=False)
     assert produced.tolist() == direct.tolist()
     meta = _check_card(out)
-    assert meta["pipeline_tag"] == "text2text-generation"  # transformers' own task mapping for T5ForConditionalGeneration
+    assert (
+        meta["pipeline_tag"] == "text2text-generation"
+    )  # transformers' own task mapping for T5ForConditionalGeneration
     assert meta["base_model"] == ["featcal-tests/tiny-flan-t5"]  # in-memory experts have no hub id: text only
     assert meta["featcal"]["experts"] == {"cola": None, "sst2": None}
     assert meta["license"] == "apache-2.0"  # from the base's card in the local hub cache
@@ -420,7 +439,8 @@ def test_open_clip_folder_records_its_preprocess(tmp_path):
     from hf_featcal.architectures.openclip import CONFIG_NAME, load_open_clip, load_open_clip_processing
 
     cfg = {"embed_dim": 8, "quick_gelu": True,
-           "vision_cfg": {"image_size": 8, "layers": 2, "width": 16, "head_width": 8, "mlp_ratio": 2.0, "patch_size": 4},
+           "vision_cfg": {"image_size": 8, "layers": 2, "width": 16, "head_width": 8, "mlp_ratio": 2.0,
+                          "patch_size": 4},
            "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 16, "heads": 2, "layers": 1}}
     (tmp_path / "featcal-downstream-vit.json").write_text(json.dumps(cfg))
     open_clip.add_model_config(tmp_path / "featcal-downstream-vit.json")
@@ -463,7 +483,8 @@ def test_vision_tower_folder_runs_image_feature_extraction(clip_setting, tmp_pat
     from hf_featcal.report import pipeline_tag_of
 
     base, experts, merged, data = clip_setting
-    calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(num_samples_per_task=10), show_progress=False)
+    calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(num_samples_per_task=10),
+                                   show_progress=False)
     calibrator.calibrate()
     image_processor = CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
     out = tmp_path / "tower"
@@ -476,5 +497,6 @@ def test_vision_tower_folder_runs_image_feature_extraction(clip_setting, tmp_pat
     with torch.no_grad():
         direct = calibrator.model(**image_processor(image, return_tensors="pt")).last_hidden_state
     torch.testing.assert_close(torch.as_tensor(features).reshape(direct.shape), direct)
-    tiny_llama = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    tiny_llama = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                             num_attention_heads=2)
     assert pipeline_tag_of(LlamaModel(tiny_llama)) == "feature-extraction"

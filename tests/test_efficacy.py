@@ -45,6 +45,7 @@ def test_featcal_raises_accuracy_and_lowers_last_block_drift(scenario):
     for task in scenario.tasks:
         images = scenario.data[task].test_images
         target = class_token(scenario.experts[task], images)
-        distance = lambda model: float((class_token(model, images) - target).norm(dim=-1).mean())  # noqa: E731
+        distance = lambda model, images=images, target=target: float(  # noqa: E731
+            (class_token(model, images) - target).norm(dim=-1).mean())
         ratios.append(distance(calibrated) / distance(given))
     assert sum(ratios) / len(ratios) <= 0.95, ratios

@@ -15,8 +15,8 @@ from transformers import (
     ViTForImageClassification,
 )
 
-from testing_utils import perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
+from testing_utils import perturbed, task_arithmetic
 
 
 def _randomise_layer_norms(model, generator):
@@ -41,7 +41,8 @@ def _image(generator, n=4):
 FAMILIES = {
     "bert": (lambda: BertForSequenceClassification(BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2,
               num_attention_heads=2, intermediate_size=32, num_labels=3)), _text),
-    "roberta": (lambda: RobertaForSequenceClassification(RobertaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2,
+    "roberta": (lambda: RobertaForSequenceClassification(RobertaConfig(vocab_size=40, hidden_size=16,
+                                                                       num_hidden_layers=2,
                  num_attention_heads=2, intermediate_size=32, num_labels=3, pad_token_id=1)), _text),
     "vit": (lambda: ViTForImageClassification(ViTConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
              intermediate_size=32, image_size=8, patch_size=4, num_labels=3)), _image),
@@ -87,8 +88,12 @@ def test_drift_and_recovery(family, generator):
     for task, expert in experts.items():
         sums, count = torch.zeros(2, dtype=torch.float64), 0.0
         for batch in data[task]:
-            w = batch["attention_mask"].double() if "attention_mask" in batch else torch.ones(batch["pixel_values"].shape[0], 5, dtype=torch.float64)
-            for i, (hm, he) in enumerate(zip(_block_outputs(given, batch), _block_outputs(expert, batch))):
+            w = (
+                batch["attention_mask"].double()
+                if "attention_mask" in batch
+                else torch.ones(batch["pixel_values"].shape[0], 5, dtype=torch.float64)
+            )
+            for i, (hm, he) in enumerate(zip(_block_outputs(given, batch), _block_outputs(expert, batch), strict=True)):
                 sums[i] += ((hm.double() - he.double()).norm(dim=-1) * w).sum()
             count += float(w.sum())
         assert calibrator.report.tasks[task]["before"] == pytest.approx((sums / count).tolist(), rel=1e-5)
@@ -101,11 +106,15 @@ def test_drift_and_recovery(family, generator):
     perturbed_model = copy.deepcopy(expert)
     with torch.no_grad():
         for layer in _blocks(perturbed_model):
-            _ffn_out(layer).weight.add_(0.3 * torch.randn(_ffn_out(layer).weight.shape, generator=generator, dtype=torch.float64))
-    batches = [{k: (v.double() if v.is_floating_point() else v) for k, v in make_batch(generator, n=16).items()} for _ in range(3)]
+            _ffn_out(layer).weight.add_(0.3 * torch.randn(_ffn_out(layer).weight.shape, generator=generator,
+                                                          dtype=torch.float64))
+    batches = [
+        {k: (v.double() if v.is_floating_point() else v) for k, v in make_batch(generator, n=16).items()}
+        for _ in range(3)
+    ]
     config = FeatCalConfig(teacher_alpha=1.0, lambda_ratio=0.0, compute_dtype="float64", epsilon=1e-15)
     FeatCalCalibrator(perturbed_model, None, {"t": expert}, {"t": batches}, config, show_progress=False).calibrate()
-    for lp, le in zip(_blocks(perturbed_model), _blocks(expert)):
+    for lp, le in zip(_blocks(perturbed_model), _blocks(expert), strict=True):
         assert float((_ffn_out(lp).weight - _ffn_out(le).weight).norm() / _ffn_out(le).weight.norm()) <= 1e-8
     probe = {k: (v.double() if v.is_floating_point() else v) for k, v in make_batch(generator, n=3).items()}
     with torch.no_grad():

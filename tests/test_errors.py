@@ -10,8 +10,8 @@ import torch
 from datasets import Dataset
 from transformers import BertConfig, BertModel, CLIPVisionModel, GPT2Config, GPT2Model
 
-from testing_utils import tiny_vision_config
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalError
+from testing_utils import tiny_vision_config
 
 
 def _state(model):
@@ -28,7 +28,11 @@ def _assert_unchanged(model, state):
 def test_unsupported_architecture_names_the_supported_ones(clip_setting):
     _, experts, _, data = clip_setting
     gpt2 = GPT2Model(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50))
-    with pytest.raises(ValueError, match=r"`model` has unsupported architecture GPT2Model.*supported model types: bert, clip, clip_vision_model, llama"):
+    with pytest.raises(
+        ValueError,
+        match=r"`model` has unsupported architecture GPT2Model.*supported model types: bert, clip, clip_vision_model, "
+              r"llama",
+    ):
         FeatCalCalibrator(gpt2, None, experts, data)
 
 
@@ -50,8 +54,10 @@ def test_mismatched_expert_config(clip_setting, overrides, match):
 
 def test_mismatched_architecture_and_base(clip_setting):
     base, experts, merged, data = clip_setting
-    bert = BertModel(BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50))
-    with pytest.raises(ValueError, match=r"`base_model` has model_type 'bert', which does not match the merged CLIPVisionModel"):
+    bert = BertModel(BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                vocab_size=50))
+    with pytest.raises(ValueError,
+                       match=r"`base_model` has model_type 'bert', which does not match the merged CLIPVisionModel"):
         FeatCalCalibrator(merged, bert, experts, data)
     gpt2 = GPT2Model(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match=r"`base_model` has unsupported architecture"):
@@ -70,7 +76,8 @@ def test_mismatched_parameter_shapes(clip_setting):
 
 def test_task_without_data_or_expert(clip_setting):
     base, experts, merged, data = clip_setting
-    with pytest.raises(ValueError, match=r"tasks \['dtd'\] have an expert in `experts` but no entry in `calibration_data`"):
+    with pytest.raises(ValueError,
+                       match=r"tasks \['dtd'\] have an expert in `experts` but no entry in `calibration_data`"):
         FeatCalCalibrator(merged, base, experts, {"cars": data["cars"]})
     with pytest.raises(ValueError, match=r"tasks \['svhn'\] have data in `calibration_data` but no expert"):
         FeatCalCalibrator(merged, base, experts, {**data, "svhn": data["cars"]})
@@ -155,7 +162,11 @@ def test_non_finite_features_are_reported_with_block_and_module(clip_setting):
     bad = copy.deepcopy(data["dtd"])
     bad[1]["pixel_values"][0, 0, 0, 0] = float("nan")
     calibrator = FeatCalCalibrator(merged, base, experts, {**data, "dtd": bad}, show_progress=False)
-    with pytest.raises(FeatCalError, match=r"non-finite values in the features entering block 0 of vision_encoder, module self_attn\.k_proj, self_attn\.v_proj, self_attn\.q_proj"):
+    with pytest.raises(
+        FeatCalError,
+        match=r"non-finite values in the features entering block 0 of vision_encoder, module self_attn\.k_proj, "
+              r"self_attn\.v_proj, self_attn\.q_proj",
+    ):
         calibrator.calibrate()
     _assert_unchanged(merged, state)
     assert calibrator.report is None
@@ -171,7 +182,8 @@ def test_non_finite_expert_or_base_weights_are_named_before_any_solve(clip_setti
     broken = copy.deepcopy(experts["dtd"])
     with torch.no_grad():
         broken.encoder.layers[1].mlp.fc1.weight[0, 0] = bad  # block 0 is solved and written first
-    named = r"`experts\['dtd'\]`.* has non-finite values \(NaN/Inf\) in '(vision_model\.)?encoder\.layers\.1\.mlp\.fc1\.weight'"
+    named = (r"`experts\['dtd'\]`.* has non-finite values \(NaN/Inf\) in "
+             r"'(vision_model\.)?encoder\.layers\.1\.mlp\.fc1\.weight'")
     with pytest.raises(ValueError, match=named):
         FeatCalCalibrator(merged, base, {**experts, "dtd": broken}, data, show_progress=False)
     broken.save_pretrained(tmp_path / "dtd")
@@ -182,7 +194,9 @@ def test_non_finite_expert_or_base_weights_are_named_before_any_solve(clip_setti
     broken_base = copy.deepcopy(base)
     with torch.no_grad():
         broken_base.encoder.layers[1].layer_norm2.bias[3] = bad  # only the anchor
-    with pytest.raises(ValueError, match=r"`base_model` has non-finite values \(NaN/Inf\) in 'encoder\.layers\.1\.layer_norm2\.bias'"):
+    with pytest.raises(
+        ValueError, match=r"`base_model` has non-finite values \(NaN/Inf\) in 'encoder\.layers\.1\.layer_norm2\.bias'"
+    ):
         FeatCalCalibrator(merged, broken_base, experts, data, show_progress=False)
     _assert_unchanged(merged, state)
 

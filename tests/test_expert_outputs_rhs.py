@@ -11,11 +11,11 @@ import warnings
 import pytest
 import torch
 
-from testing_utils import build_clip_setting
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal._kernels.gram import gram_blocks, symmetric_upper_product
 from hf_featcal.statistics import LinearGroupStatistics, LinearTargets
 from test_statistics_arithmetic import _brute_force, _tasks
+from testing_utils import build_clip_setting
 
 F64 = torch.float64
 
@@ -56,7 +56,8 @@ def test_a_linear_without_bias(generator):
     for t in tasks:
         t["bias"] = torch.zeros_like(t["bias"])
     _, rhs, _, _ = _brute_force(tasks, 0.25, 1e-8)
-    torch.testing.assert_close(_run(tasks, 0.25, from_outputs=True, bias=False).rhs_sum["m"], rhs, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(_run(tasks, 0.25, from_outputs=True, bias=False).rhs_sum["m"], rhs, rtol=1e-10,
+                               atol=1e-12)
 
 
 def test_float32_paths_agree_to_float_precision(generator):
@@ -87,7 +88,7 @@ def test_processes_may_choose_differently(generator):
         for rows in rows_a:
             y = {"m": _outputs(t)[rows, None]}
             proc_a.accumulate_mixture(t["x_s"][rows, None], t["x_e"][rows, None], 0.25, t["w"][rows, None], target, y)
-        proc_a.finish_task(target, lambda ts: [x + y for x, y in zip(ts, captured[-1])])
+        proc_a.finish_task(target, lambda ts: [x + y for x, y in zip(ts, captured[-1], strict=True)])
     torch.testing.assert_close(proc_a.rhs_sum["m"], whole.rhs_sum["m"], rtol=1e-11, atol=1e-13)
     torch.testing.assert_close(proc_a.gram_sum, whole.gram_sum, rtol=1e-11, atol=1e-13)
 
@@ -96,12 +97,14 @@ def test_one_task_takes_one_path(generator):
     t = _tasks(generator, d=6, out=4, n=20, tasks=1)[0]
     target = {"m": LinearTargets(t["weight"], t["bias"])}
     stats = LinearGroupStatistics(("m",), 6, dtype=F64, device=torch.device("cpu"), epsilon=1e-8, direct_rhs=True)
-    stats.accumulate_mixture(t["x_s"][:10, None], t["x_e"][:10, None], 0.25, t["w"][:10, None], target, {"m": _outputs(t)[:10, None]})
+    stats.accumulate_mixture(t["x_s"][:10, None], t["x_e"][:10, None], 0.25, t["w"][:10, None], target,
+                             {"m": _outputs(t)[:10, None]})
     with pytest.raises(ValueError, match="bring the expert's outputs, or none"):
         stats.accumulate_mixture(t["x_s"][10:, None], t["x_e"][10:, None], 0.25, t["w"][10:, None], target)
     crossed = LinearGroupStatistics(("m",), 6, dtype=F64, device=torch.device("cpu"), epsilon=1e-8)
     with pytest.raises(ValueError, match="direct right-hand sides only"):
-        crossed.accumulate_mixture(t["x_s"][:, None], t["x_e"][:, None], 0.25, t["w"][:, None], target, {"m": _outputs(t)[:, None]})
+        crossed.accumulate_mixture(t["x_s"][:, None], t["x_e"][:, None], 0.25, t["w"][:, None], target,
+                                   {"m": _outputs(t)[:, None]})
 
 
 def test_when_the_outputs_pay():
@@ -159,7 +162,8 @@ def test_a_calibration_takes_the_outputs_with_the_same_result(generator, monkeyp
     projected = _calibrate(merged, base, experts, data, compute_dtype="float64")
     assert not any(from_outputs for _, from_outputs in seen)
     changed = 0
-    for (name, p), (_, q), (_, m) in zip(taken.named_parameters(), projected.named_parameters(), merged.named_parameters()):
+    for (name, p), (_, q), (_, m) in zip(taken.named_parameters(), projected.named_parameters(),
+                                         merged.named_parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
         changed += not torch.equal(p, m)
     assert changed >= 10

@@ -86,7 +86,8 @@ _POINTS = {
 
 def _calibrator(model, setting, checkpoint_dir=None, config=None) -> FeatCalCalibrator:
     base, experts, _, data = setting
-    return FeatCalCalibrator(model, base, experts, data, config or FeatCalConfig(), show_progress=False, checkpoint_dir=checkpoint_dir)
+    return FeatCalCalibrator(model, base, experts, data, config or FeatCalConfig(), show_progress=False,
+                             checkpoint_dir=checkpoint_dir)
 
 
 def _count_calls(setting, point: str, tmp_path) -> int:
@@ -157,7 +158,9 @@ def test_interrupt_between_the_new_files_and_the_state_commit_keeps_the_last_blo
     resumed = _calibrator(model, clip_setting, folder)
     blocks = []
     original_block = resumed._calibrate_block
-    monkeypatch.setattr(resumed, "_calibrate_block", lambda plan, *a: blocks.append(plan.block_index) or original_block(plan, *a))
+    monkeypatch.setattr(
+        resumed, "_calibrate_block", lambda plan, *a: blocks.append(plan.block_index) or original_block(plan, *a)
+    )
     resumed.calibrate()
     assert blocks == [1]  # block 1 was kept, only block 2 (index 1) was redone
     _assert_same_result(model, resumed, expected_model, expected)
@@ -249,7 +252,8 @@ def test_resume_refuses_an_expert_with_two_entries_swapped(clip_setting, tmp_pat
     swapped = {**experts, "cars": copy.deepcopy(experts["cars"])}
     _swap_two_entries(swapped["cars"].encoder.layers[1].mlp.fc1.weight)
     with pytest.raises(ValueError, match=r"`checkpoint_dir` .* holds a checkpoint of a different run"):
-        FeatCalCalibrator(copy.deepcopy(merged), base, swapped, data, show_progress=False, checkpoint_dir=folder).calibrate()
+        FeatCalCalibrator(copy.deepcopy(merged), base, swapped, data, show_progress=False,
+                          checkpoint_dir=folder).calibrate()
 
     # the same for an expert read from a folder, with the file's size and modification time kept
     from safetensors.torch import load_file, save_file
@@ -268,7 +272,8 @@ def test_resume_refuses_an_expert_with_two_entries_swapped(clip_setting, tmp_pat
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert os.stat(path).st_size == stat.st_size
     with pytest.raises(ValueError, match=r"holds a checkpoint of a different run"):
-        FeatCalCalibrator(copy.deepcopy(merged), base, on_disk, data, show_progress=False, checkpoint_dir=folder).calibrate()
+        FeatCalCalibrator(copy.deepcopy(merged), base, on_disk, data, show_progress=False,
+                          checkpoint_dir=folder).calibrate()
 
 
 def test_fingerprint_hashes_every_byte():
@@ -306,7 +311,7 @@ def test_a_failed_move_to_the_compute_device_restores_values_and_placement(clip_
     before = _model_state(model)
     calibrator = FeatCalCalibrator(model, base, experts, data, show_progress=False)
     calibrator.device = torch.device("meta")  # a device that takes the model but cannot run it
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - whichever error torch raises for kernels on meta
         calibrator.calibrate()
     _assert_bit_identical(model, before)  # also the parameters outside the blocks, which went to meta too
 
@@ -353,10 +358,10 @@ def _folder_with_stale_index(tmp_path, name, expert_a, expert_b, keep_shards: bo
 
 @pytest.mark.parametrize("keep_shards", [False, True])
 def test_a_stale_shard_index_loses_to_the_single_file_as_in_transformers(clip_setting, tmp_path, keep_shards):
-    from testing_utils import assert_same_up_to_rounding
-    from testing_utils import task_arithmetic as reference_task_arithmetic
     from hf_featcal.experts import safetensors_files
     from hf_featcal.merging import task_arithmetic
+    from testing_utils import assert_same_up_to_rounding
+    from testing_utils import task_arithmetic as reference_task_arithmetic
 
     base, experts, merged, data = clip_setting
     expert_b = copy.deepcopy(experts["dtd"])
@@ -383,6 +388,7 @@ def test_a_stale_shard_index_loses_to_the_single_file_as_in_transformers(clip_se
 def test_config_transformers_weights_decides_first(clip_setting, tmp_path):
     """transformers reads the file config.json names in `transformers_weights` before any other."""
     from transformers import CLIPVisionModel
+
     from hf_featcal.experts import safetensors_files
 
     base, experts, merged, data = clip_setting
@@ -390,5 +396,6 @@ def test_config_transformers_weights_decides_first(clip_setting, tmp_path):
     config = json.load(open(folder / "config.json"))
     json.dump({**config, "transformers_weights": "model.safetensors.index.json"}, open(folder / "config.json", "w"))
     loaded = CLIPVisionModel.from_pretrained(folder)
-    assert torch.equal(loaded.state_dict()["encoder.layers.0.mlp.fc1.weight"], experts["dtd"].state_dict()["encoder.layers.0.mlp.fc1.weight"])
+    assert torch.equal(loaded.state_dict()["encoder.layers.0.mlp.fc1.weight"],
+                       experts["dtd"].state_dict()["encoder.layers.0.mlp.fc1.weight"])
     assert str(folder / "model.safetensors") not in set(safetensors_files(str(folder)).values())

@@ -10,9 +10,9 @@ import sys
 import pytest
 from transformers import BertConfig, BertModel, CLIPVisionModel, T5Config, T5ForConditionalGeneration
 
-from testing_utils import tiny_vision_config
 from hf_featcal import cli
 from hf_featcal.families import detect_family, family_names, get_family, image_family_names
+from testing_utils import tiny_vision_config
 
 _HEAVY = ("torch", "transformers", "datasets", "hf_featcal.calibrator", "hf_featcal.recipes", "hf_featcal.evaluation")
 
@@ -43,7 +43,8 @@ def test_families_detect_their_models():
     from openclip_models import tiny_clip, tiny_tower
 
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2))
-    bert = BertModel(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16))
+    bert = BertModel(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=16))
     assert open_clip is not None
     found = {name: detect_family(model) for name, model in [
         ("clip", CLIPVisionModel(tiny_vision_config())), ("t5", t5), ("open_clip CLIP", tiny_clip()),
@@ -61,7 +62,8 @@ def test_families_detect_their_models():
 
 def test_cli_names_the_supported_families_for_a_model_of_none(tmp_path, capsys):
     """`hf-featcal evaluate` on a model no family claims: exit 2 and a message listing the families."""
-    model = BertModel(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16))
+    model = BertModel(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=16))
     model.save_pretrained(tmp_path / "bert")
     assert cli.main(["evaluate", "--model", str(tmp_path / "bert"), "--task", "cola"]) == 2
     err = capsys.readouterr().err

@@ -11,12 +11,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, T5ForConditionalGeneration
 
-from testing_utils import build_clip_setting, perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal import statistics as statistics_module
 from hf_featcal._kernels import gram
 from test_llm import llm_config, lm_batch, randomise_rms_norms
 from test_t5 import randomise_t5_norms, seq2seq_batch, t5_config
+from testing_utils import build_clip_setting, perturbed, task_arithmetic
 
 # ‖P_fast − P_exact‖_F / ‖P_exact‖_F over the calibrated parameter tensors, measured on these tiny
 # models (this CPU, bfloat16, float32 products from MKL's mixed GEMM): max 8.0e-3 (CLIP, last fc2
@@ -97,7 +97,7 @@ def test_bfloat16_close_to_exact_mode(family, generator):
     exact = _calibrated(merged, base, experts, data)
     fast = _calibrated(merged, base, experts, data, forward_dtype="bfloat16")
     # the calibrated model keeps the merged model's dtypes and device
-    for (name, p), (_, q) in zip(fast.named_parameters(), merged.named_parameters()):
+    for (name, p), (_, q) in zip(fast.named_parameters(), merged.named_parameters(), strict=True):
         assert (p.dtype, p.device) == (q.dtype, q.device) == (torch.float32, torch.device("cpu")), name
     differences = _relative_differences(fast, exact, merged)
     assert len(differences) >= 10  # every block's Linears and norms were calibrated
@@ -132,11 +132,13 @@ def _linear_output_dtypes(model, run):
     return seen
 
 
-@pytest.mark.parametrize("forward_dtype,expected", [(None, torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+@pytest.mark.parametrize("forward_dtype,expected",
+                         [(None, torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)])
 def test_block_forwards_run_in_the_forward_dtype(generator, forward_dtype, expected):
     base, experts, merged, data = build_clip_setting(generator)
     model = copy.deepcopy(merged)
-    calibrator = FeatCalCalibrator(model, base, experts, data, FeatCalConfig(forward_dtype=forward_dtype), show_progress=False)
+    calibrator = FeatCalCalibrator(model, base, experts, data, FeatCalConfig(forward_dtype=forward_dtype),
+                                   show_progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         seen = _linear_output_dtypes(model, calibrator.calibrate)
@@ -174,7 +176,11 @@ def test_exact_mode_unaffected_by_a_fast_run(generator):
     after = _calibrated(merged, base, experts, data, forward_dtype=None)
     changed = 0
     for (name, p), (_, q), (_, m), (_, f) in zip(
-        after.named_parameters(), before.named_parameters(), merged.named_parameters(), fast.named_parameters()
+        after.named_parameters(),
+        before.named_parameters(),
+        merged.named_parameters(),
+        fast.named_parameters(),
+        strict=True,
     ):
         assert torch.equal(p, q), name
         changed += not torch.equal(p, m)
@@ -221,6 +227,8 @@ def test_gram_products_take_the_forward_dtype(generator, forward_dtype, low_pays
         warnings.simplefilter("ignore")
         FeatCalCalibrator(copy.deepcopy(merged), base, experts, data, FeatCalConfig(forward_dtype=forward_dtype),
                           show_progress=False).calibrate()
-    statistics = {dtypes for dtypes, shape, inner in recorder.products if shape[0] == shape[1] in widths and inner == 25}
+    statistics = {
+        dtypes for dtypes, shape, inner in recorder.products if shape[0] == shape[1] in widths and inner == 25
+    }
     expected = torch.bfloat16 if forward_dtype is not None and low_pays else torch.float32
     assert statistics == {(expected, expected)}

@@ -6,19 +6,17 @@ import json
 import math
 import warnings
 
-import numpy as np
-import pytest
-import torch
-from scipy.stats import pearsonr, spearmanr
-from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
-
 # core dependencies (install_requires / the test extra): a broken install fails here, it is never skipped
 import datasets
 import evaluate
+import numpy as np
+import pytest
+import torch
 import transformers
+from scipy.stats import pearsonr, spearmanr
+from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
-from hf_featcal.evaluation import glue as G  # noqa: E402
-from hf_featcal.evaluation import (  # noqa: E402
+from hf_featcal.evaluation import (
     GLUE_TASKS,
     GlueResults,
     compute_glue_scores,
@@ -30,6 +28,7 @@ from hf_featcal.evaluation import (  # noqa: E402
     parse_answer,
     preprocess_glue_dataset,
 )
+from hf_featcal.evaluation import glue as G
 
 # --------------------------------------------------------------------- fixtures
 
@@ -69,7 +68,7 @@ ROWS: dict[str, dict[str, list]] = {
 }
 
 
-def glue_dataset(task: str) -> "datasets.Dataset":
+def glue_dataset(task: str) -> datasets.Dataset:
     return datasets.Dataset.from_dict(ROWS[task])
 
 
@@ -98,7 +97,7 @@ def tokenizer():
     return fast
 
 
-def tiny_t5(vocab_size: int, seed: int = 0) -> "transformers.T5ForConditionalGeneration":
+def tiny_t5(vocab_size: int, seed: int = 0) -> transformers.T5ForConditionalGeneration:
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(seed)
@@ -109,7 +108,7 @@ def tiny_t5(vocab_size: int, seed: int = 0) -> "transformers.T5ForConditionalGen
     return T5ForConditionalGeneration(config).eval()
 
 
-def forced_t5(vocab_size: int, answer_id: int) -> "transformers.T5ForConditionalGeneration":
+def forced_t5(vocab_size: int, answer_id: int) -> transformers.T5ForConditionalGeneration:
     """A tiny T5 that always generates ``answer_id`` then ``</s>`` (id 1).
 
     The decoder blocks add nothing to the residual stream, so the final hidden state is the
@@ -215,7 +214,7 @@ def test_format_glue_example_exact(task):
 )
 def test_label_words_and_stsb_target(task, labels, targets):
     cols = EXPECTED_PROMPTS[task][0]
-    for label, target in zip(labels, targets):
+    for label, target in zip(labels, targets, strict=True):
         assert format_glue_example(task, {**cols, "label": label})[1] == target
 
 
@@ -244,7 +243,7 @@ def test_preprocess_tokenised(tokenizer):
     # all targets are one word + </s>; batch-padded so lengths match; no pad ids left
     assert all(len(row) == len(labels[0]) for row in labels)
     assert all(tokenizer.pad_token_id not in row for row in labels)
-    for row, target in zip(labels, ds["target_text"]):
+    for row, target in zip(labels, ds["target_text"], strict=True):
         ids = [t for t in row if t != -100]
         assert tokenizer.decode(ids, skip_special_tokens=True) == target
     ids = ds[0]["input_ids"]

@@ -18,15 +18,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, CLIPVisionModel
 
-from testing_utils import as_float64, build_clip_setting, pixel_batches, randomise_norms, tiny_vision_config
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from test_llm import llm_config, lm_batch, randomise_rms_norms
+from testing_utils import as_float64, build_clip_setting, pixel_batches, randomise_norms, tiny_vision_config
 
 WORKER = os.path.join(os.path.dirname(__file__), "granularity_worker.py")
 EXACT = dict(teacher_alpha=1.0, lambda_ratio=1e-10, epsilon=1e-15, compute_dtype="float64")
 
 
-def _perturb_blocks(expert: torch.nn.Module, prefix: str, generator: torch.Generator, scale: float = 0.05) -> torch.nn.Module:
+def _perturb_blocks(
+    expert: torch.nn.Module, prefix: str, generator: torch.Generator, scale: float = 0.05
+) -> torch.nn.Module:
     """A copy of `expert` with every parameter inside the blocks (every Linear and norm) moved."""
     merged = copy.deepcopy(expert)
     moved = 0
@@ -47,7 +49,8 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _calibrated(merged, experts, data, granularity, **config):
     model = copy.deepcopy(merged)
-    FeatCalCalibrator(model, None, experts, data, FeatCalConfig(granularity=granularity, **config), show_progress=False).calibrate()
+    FeatCalCalibrator(model, None, experts, data, FeatCalConfig(granularity=granularity, **config),
+                      show_progress=False).calibrate()
     return model
 
 
@@ -87,21 +90,21 @@ def test_module_granularity_recovers_an_expert_differing_in_every_module(generat
     build, outputs = {"clip": (_clip_setting, _clip_outputs), "llama": (_llama_setting, _llama_outputs)}[family]
     expert, merged, data, probe = build(generator)
     want = outputs(expert, probe)
-    before = max(_relative(a, b) for a, b in zip(outputs(merged, probe), want))
+    before = max(_relative(a, b) for a, b in zip(outputs(merged, probe), want, strict=True))
     assert before > 1e-2  # the merged model really is far from the expert
 
     module = _calibrated(merged, {"task": expert}, data, "module", **EXACT)
-    errors = [_relative(a, b) for a, b in zip(outputs(module, probe), want)]
+    errors = [_relative(a, b) for a, b in zip(outputs(module, probe), want, strict=True)]
     assert max(errors) <= 1e-6, errors  # every block's output and the final output: the expert's
     if family == "clip":
         # and with it the expert's parameters (every Gram is non-singular; the last block's down-weighted
         # tokens make some ill-conditioned, so the tiny ridge shows at ~1e-6). Not for Llama: with
         # grouped key/value heads the o_proj input Gram is too ill-conditioned for its weights to be pinned.
-        for (name, p), q in zip(module.named_parameters(), expert.parameters()):
+        for (name, p), q in zip(module.named_parameters(), expert.parameters(), strict=True):
             assert _relative(p, q) <= 1e-5, name
 
     block = _calibrated(merged, {"task": expert}, data, "block", **EXACT)
-    block_error = max(_relative(a, b) for a, b in zip(outputs(block, probe), want))
+    block_error = max(_relative(a, b) for a, b in zip(outputs(block, probe), want, strict=True))
     assert block_error > 1e3 * max(max(errors), 1e-12), (block_error, errors)
     assert block_error > 1e-2
 
@@ -112,11 +115,12 @@ def test_block_is_the_default_and_unchanged(generator):
     default = copy.deepcopy(merged)
     FeatCalCalibrator(default, base, experts, data, FeatCalConfig(), show_progress=False).calibrate()
     explicit = copy.deepcopy(merged)
-    FeatCalCalibrator(explicit, base, experts, data, FeatCalConfig(granularity="block"), show_progress=False).calibrate()
+    FeatCalCalibrator(explicit, base, experts, data, FeatCalConfig(granularity="block"),
+                      show_progress=False).calibrate()
     module = copy.deepcopy(merged)
     FeatCalCalibrator(module, base, experts, data, FeatCalConfig(granularity="module"), show_progress=False).calibrate()
     moved = False
-    for (name, p), q, r in zip(default.named_parameters(), explicit.parameters(), module.parameters()):
+    for (name, p), q, r in zip(default.named_parameters(), explicit.parameters(), module.parameters(), strict=True):
         assert torch.equal(p, q), name
         moved |= not torch.allclose(p, r, rtol=1e-4, atol=1e-6)
     assert moved  # the option does change the result: the two runs are not the same computation
@@ -166,7 +170,7 @@ def test_module_granularity_resumes_from_a_checkpoint(generator, tmp_path, monke
         run(interrupt_at=2)
     resumed, calibrator, calls = run()
     assert calls == [1]  # block 0 was not redone
-    for (name, p), q in zip(resumed.named_parameters(), expected.parameters()):
+    for (name, p), q in zip(resumed.named_parameters(), expected.parameters(), strict=True):
         assert torch.equal(p, q), name
     assert calibrator.report.to_dict() == reference.report.to_dict()
     assert len(calibrator.solve_log) == len(reference.solve_log)

@@ -10,8 +10,8 @@ import torch
 from datasets import Dataset
 
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
-from hf_featcal.scenarios.digits import accuracy, build_digits_scenario
 from hf_featcal.hparam_search import DEFAULT_GRID, TuningResult, train_holdout_split, tune_featcal
+from hf_featcal.scenarios.digits import accuracy, build_digits_scenario
 
 torch.set_num_threads(1)
 # tiny models with 32 examples per task: ridge-set directions are expected and warned about
@@ -39,7 +39,8 @@ def held_out_accuracy(scenario):
         scores = []
         for task in scenario.tasks:
             data = scenario.data[task]
-            scores.append(accuracy(model, scenario.heads[task], data.train_images[HELD_OUT], data.train_labels[HELD_OUT]))
+            scores.append(accuracy(model, scenario.heads[task], data.train_images[HELD_OUT],
+                                   data.train_labels[HELD_OUT]))
         return sum(scores) / len(scores)
 
     return validation_fn
@@ -50,7 +51,8 @@ def test_tune_returns_argmax_and_reproduces(scenario):
     snapshot = copy.deepcopy(merged.state_dict())
     validation_fn = held_out_accuracy(scenario)
     lines: list[str] = []
-    result = tune_featcal(merged, scenario.base, scenario.experts, scenario.calibration, validation_fn, GRID, log=lines.append)
+    result = tune_featcal(merged, scenario.base, scenario.experts, scenario.calibration, validation_fn, GRID,
+                          log=lines.append)
 
     assert isinstance(result, TuningResult)
     assert len(result.table) == len(GRID) == len(lines)
@@ -127,8 +129,10 @@ def test_sources_and_batches_are_prepared_once_for_the_grid(scenario, tmp_path, 
     for task, expert in scenario.experts.items():
         expert.save_pretrained(tmp_path / task)
         folders[task] = str(tmp_path / task)
-    data = {t: Dataset.from_dict({"pixel_values": scenario.data[t].train_images[:CALIBRATION].numpy()}).with_format("torch")
-            for t in scenario.tasks}
+    data = {
+        t: Dataset.from_dict({"pixel_values": scenario.data[t].train_images[:CALIBRATION].numpy()}).with_format("torch")
+        for t in scenario.tasks
+    }
     resolved, batched = [], []
     original_resolve, original_prepare = experts_module.resolve_checkpoint, search_module.prepare_batches
     monkeypatch.setattr(experts_module, "resolve_checkpoint", lambda name, *a, **k: resolved.append(name) or original_resolve(name, *a, **k))

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import OPTConfig, OPTForCausalLM
 
-from testing_utils import perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
+from testing_utils import perturbed, task_arithmetic
 
 
 def _opt():
@@ -36,7 +36,11 @@ def test_inferred_layer_map_finds_blocks_and_calibrates(generator):
     merged = task_arithmetic(base, experts)
     data = {t: [_batch(generator), _batch(generator)] for t in experts}
     given = copy.deepcopy(merged)
-    with pytest.warns(UserWarning, match=r"inferred blocks \['model.decoder.layers'\] \(2 blocks\).*fc2 \(linear\).*final_layer_norm \(layer_norm\)"):
+    with pytest.warns(
+        UserWarning,
+        match=r"inferred blocks \['model.decoder.layers'\] \(2 blocks\).*fc2 \(linear\).*final_layer_norm "
+              r"\(layer_norm\)",
+    ):
         calibrator = FeatCalCalibrator(merged, base, experts, data, show_progress=False, allow_inferred_layer_map=True)
     calibrator.calibrate()
     for task, expert in experts.items():
@@ -45,8 +49,12 @@ def test_inferred_layer_map_finds_blocks_and_calibrates(generator):
             outs = {}
             for key, model in (("m", given), ("e", expert)):
                 store = []
-                handles = [layer.register_forward_hook(lambda mod, a, o: store.append(o[0] if isinstance(o, tuple) else o))
-                           for layer in model.model.decoder.layers]
+                handles = [
+                    layer.register_forward_hook(
+                        lambda mod, a, o, store=store: store.append(o[0] if isinstance(o, tuple) else o)
+                    )
+                    for layer in model.model.decoder.layers
+                ]
                 with torch.no_grad():
                     model(**batch)
                 for h in handles:
@@ -68,7 +76,7 @@ def test_inferred_layer_map_finds_blocks_and_calibrates(generator):
     with pytest.warns(UserWarning, match="inferred blocks"):
         FeatCalCalibrator(model, None, {"t": expert}, {"t": [_batch(generator, 16) for _ in range(2)]}, config,
                           show_progress=False, allow_inferred_layer_map=True).calibrate()
-    for lm_, le in zip(model.model.decoder.layers, expert.model.decoder.layers):
+    for lm_, le in zip(model.model.decoder.layers, expert.model.decoder.layers, strict=True):
         assert float((lm_.fc2.weight - le.fc2.weight).norm() / le.fc2.weight.norm()) <= 1e-8
 
 

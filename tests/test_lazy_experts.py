@@ -6,12 +6,12 @@ import copy
 
 import pytest
 import torch
+from transformers import T5ForConditionalGeneration
 
-from testing_utils import assert_same_up_to_rounding, perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator
 from hf_featcal.experts import CheckpointSource, InMemorySource, make_source
 from test_t5 import randomise_t5_norms, seq2seq_batch, t5_config
-from transformers import T5ForConditionalGeneration
+from testing_utils import assert_same_up_to_rounding, perturbed, task_arithmetic
 
 
 def _calibrate(merged, base, experts, data):
@@ -100,7 +100,9 @@ def test_folder_with_missing_block_tensors_is_refused(clip_setting, tmp_path):
         FeatCalCalibrator(merged, base, {**experts, "cars": str(folder)}, data)
 
 
-def test_a_block_read_from_a_folder_holds_the_checkpoints_tensors_and_leaves_the_merged_block_alone(clip_setting, tmp_path):
+def test_a_block_read_from_a_folder_holds_the_checkpoints_tensors_and_leaves_the_merged_block_alone(
+    clip_setting, tmp_path
+):
     """`CheckpointSource.block` gives the expert's block (its tensors taken from the checkpoint
     without a copy of the merged block's), in eval mode, converted to the merged model's dtype;
     the merged model's own block keeps its values and shares no memory with it."""
@@ -117,7 +119,7 @@ def test_a_block_read_from_a_folder_holds_the_checkpoints_tensors_and_leaves_the
     expert_block = layer_map.stacks(layer_map.tower(expert))[0].blocks[1]
     assert not block.training and block is not merged_block
     merged_pointers = {p.data_ptr() for p in merged_block.parameters()}
-    for (name, got), (_, want) in zip(block.named_parameters(), expert_block.named_parameters()):
+    for (name, got), (_, want) in zip(block.named_parameters(), expert_block.named_parameters(), strict=True):
         assert isinstance(got, torch.nn.Parameter) and got.dtype == torch.float32, name
         assert got.data_ptr() not in merged_pointers, name
         assert torch.equal(got, want), name

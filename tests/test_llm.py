@@ -14,8 +14,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from testing_utils import assert_same_up_to_rounding, perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
+from testing_utils import assert_same_up_to_rounding, perturbed, task_arithmetic
 
 VOCAB = 48
 CONFIGS = {
@@ -76,7 +76,9 @@ def _independent_drift(merged, expert, batches, weights_of=lambda b: b["attentio
         outs = []
         for model in (merged, expert):
             store = []
-            handle = model.model.layers[-1].register_forward_hook(lambda m, a, o: store.append(o[0] if isinstance(o, tuple) else o))
+            handle = model.model.layers[-1].register_forward_hook(
+                lambda m, a, o, store=store: store.append(o[0] if isinstance(o, tuple) else o)
+            )
             with torch.no_grad():
                 model(**batch)
             handle.remove()
@@ -106,7 +108,8 @@ def test_exact_recovery_when_only_down_proj_differs(generator, family):
     merged = copy.deepcopy(expert)
     with torch.no_grad():
         for layer in merged.model.layers:
-            layer.mlp.down_proj.weight.add_(0.3 * torch.randn(layer.mlp.down_proj.weight.shape, generator=generator, dtype=torch.float64))
+            layer.mlp.down_proj.weight.add_(0.3 * torch.randn(layer.mlp.down_proj.weight.shape, generator=generator,
+                                                              dtype=torch.float64))
     data = {"task": [lm_batch(generator, n=16) for _ in range(3)]}  # ≥ 48 (= intermediate) tokens
     probe = lm_batch(generator, n=3, pad=False)
     logits = lambda m: m(**probe).logits  # noqa: E731
@@ -116,7 +119,7 @@ def test_exact_recovery_when_only_down_proj_differs(generator, family):
     FeatCalCalibrator(merged, None, {"task": expert}, data, config, show_progress=False).calibrate()
     with torch.no_grad():
         assert float((logits(merged) - logits(expert)).norm() / logits(expert).norm()) <= 1e-8
-    for ml, el in zip(merged.model.layers, expert.model.layers):
+    for ml, el in zip(merged.model.layers, expert.model.layers, strict=True):
         w, want = ml.mlp.down_proj.weight, el.mlp.down_proj.weight
         assert float((w - want).norm() / want.norm()) <= 1e-8
 
@@ -135,8 +138,9 @@ def test_only_selected_positions_count(generator):
     other["input_ids"][:, 5:] = torch.randint(1, VOCAB, (6, 3), generator=generator)
     one, two = copy.deepcopy(merged), copy.deepcopy(merged)
     FeatCalCalibrator(one, base, experts, {"a": [{**batch, "labels": labels}]}, show_progress=False).calibrate()
-    FeatCalCalibrator(two, base, experts, {"a": [{**other, "loss_mask": (labels != -100).long()}]}, show_progress=False).calibrate()
-    for (name, p), q in zip(one.named_parameters(), two.parameters()):
+    FeatCalCalibrator(two, base, experts, {"a": [{**other, "loss_mask": (labels != -100).long()}]},
+                      show_progress=False).calibrate()
+    for (name, p), q in zip(one.named_parameters(), two.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
     changed = copy.deepcopy(merged)
     FeatCalCalibrator(changed, base, experts, {"a": [other]}, show_progress=False).calibrate()

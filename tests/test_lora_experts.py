@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import CLIPVisionModel
 
 from hf_featcal import FeatCalCalibrator
-from transformers import CLIPVisionModel
 from hf_featcal.experts import LoraSource
 
 
@@ -43,7 +43,7 @@ def test_lora_adapter_experts_equal_their_merged_models(clip_setting, tmp_path, 
     assert all(isinstance(s, LoraSource) for s in calibrator.experts.values())
     base_state = copy.deepcopy(base.state_dict())
     calibrator.calibrate()
-    for (name, p), q in zip(merged.named_parameters(), reference.parameters()):
+    for (name, p), q in zip(merged.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
     for name, value in base.state_dict().items():  # the base the deltas are added to is untouched
         assert torch.equal(value, base_state[name]), name
@@ -52,7 +52,9 @@ def test_lora_adapter_experts_equal_their_merged_models(clip_setting, tmp_path, 
 def test_lora_adapter_needs_a_base(clip_setting, tmp_path):
     base, experts, merged, data = clip_setting
     _adapter(base, tmp_path / "a", 0, r=2, target_modules=["q_proj"])
-    with pytest.raises(ValueError, match=r"`experts\['cars'\]` is a LoRA adapter: pass the model it was trained on as `base_model`"):
+    with pytest.raises(
+        ValueError, match=r"`experts\['cars'\]` is a LoRA adapter: pass the model it was trained on as `base_model`"
+    ):
         FeatCalCalibrator(merged, None, {**experts, "cars": str(tmp_path / "a")}, data)
 
 
@@ -78,15 +80,15 @@ def test_merging_lora_adapters_equals_merging_their_full_models(clip_setting, tm
     full = {task: _adapter(base, tmp_path / task, seed, **cfg) for seed, (task, cfg) in enumerate(configs.items())}
     from_full = merge_models(base, full, method, **params)
     from_adapters = merge_models(base, {t: str(tmp_path / t) for t in configs}, method, **params)
-    for (name, p), q in zip(from_adapters.state_dict().items(), from_full.state_dict().values()):
+    for (name, p), q in zip(from_adapters.state_dict().items(), from_full.state_dict().values(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_merging_lora_adapters_trained_on_the_vision_tower_into_a_clip_model(tmp_path, generator):
     from transformers import CLIPModel
 
-    from testing_utils import tiny_clip_config
     from hf_featcal.merging import task_arithmetic
+    from testing_utils import tiny_clip_config
 
     clip = CLIPModel(tiny_clip_config()).eval()
     vision_base = CLIPVisionModel(clip.config.vision_config).eval()
@@ -110,7 +112,7 @@ def test_load_model_materialises_an_adapter_for_evaluation(clip_setting, tmp_pat
     on_disk = Vision.from_pretrained(tmp_path / "base")  # records its folder as name_or_path
     full = _adapter(on_disk, tmp_path / "a", 0, r=2, target_modules=["q_proj", "fc1"])
     for model in (load_model(str(tmp_path / "a"), "model"), load_model(str(tmp_path / "a"), "model", base=base)):
-        for (name, p), q in zip(model.state_dict().items(), full.state_dict().values()):
+        for (name, p), q in zip(model.state_dict().items(), full.state_dict().values(), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
     state = copy.deepcopy(base.state_dict())
     load_model(str(tmp_path / "a"), "model", base=base)
@@ -136,13 +138,15 @@ def _adapter_with_trained_biases(base, folder, seed, bias):
 def test_trained_lora_biases_are_applied_as_peft_does(clip_setting, tmp_path, bias):
     """Issue 29 item 4: the adapter's trained biases (and, with `bias="all"`, the pre-LayerNorm's outside
     the blocks) reach merging and FeatCal's expert reading exactly as PEFT's `merge_and_unload` applies them."""
-    from hf_featcal.experts import InMemorySource
     from hf_featcal.architectures import get_layer_map
+    from hf_featcal.experts import InMemorySource
     from hf_featcal.merging import task_arithmetic
 
     base = clip_setting[0]
     full = _adapter_with_trained_biases(base, tmp_path / "a", 0, bias)
-    moved = [k for k, v in base.state_dict().items() if k.endswith(".bias") and not torch.equal(v, full.state_dict()[k])]
+    moved = [
+        k for k, v in base.state_dict().items() if k.endswith(".bias") and not torch.equal(v, full.state_dict()[k])
+    ]
     assert len(moved) == (18 if bias == "all" else 4)  # the adapter does carry trained biases
     # merging: lambda = 1 gives the expert itself
     merged = task_arithmetic(base, {"a": str(tmp_path / "a")}, scaling_factor=1.0)
@@ -154,7 +158,7 @@ def test_trained_lora_biases_are_applied_as_peft_does(clip_setting, tmp_path, bi
     want_blocks = layer_map.stacks(layer_map.tower(full))[0].blocks
     for index, want in enumerate(want_blocks):
         got = source.block(layer_map, base, 0, index, torch.device("cpu"))
-        for (key, value), expected in zip(got.state_dict().items(), want.state_dict().values()):
+        for (key, value), expected in zip(got.state_dict().items(), want.state_dict().values(), strict=True):
             torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=f"block {index} {key}")
     before = copy.deepcopy(base.state_dict())
     with source.entry_tower(layer_map, base) as tower:
@@ -170,11 +174,13 @@ def test_non_finite_adapter_is_named_when_opened(clip_setting, tmp_path):
     from hf_featcal.merging import task_arithmetic
 
     base, experts, merged, data = clip_setting
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    peft_model = get_peft_model(copy.deepcopy(base),
+                                LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
     with torch.no_grad():
         peft_model.base_model.model.encoder.layers[1].self_attn.q_proj.lora_B["default"].weight[0, 0] = float("nan")
     peft_model.save_pretrained(tmp_path / "a")
-    named = r"`experts\['cars'\]`: the LoRA adapter .* has non-finite values \(NaN/Inf\) in 'base_model\.model\.encoder\.layers\.1\.self_attn\.q_proj\.lora_B\.weight'"
+    named = (r"`experts\['cars'\]`: the LoRA adapter .* has non-finite values \(NaN/Inf\) in "
+             r"'base_model\.model\.encoder\.layers\.1\.self_attn\.q_proj\.lora_B\.weight'")
     with pytest.raises(ValueError, match=named):
         FeatCalCalibrator(merged, base, {**experts, "cars": str(tmp_path / "a")}, data)
     with pytest.raises(ValueError, match=named):
@@ -188,7 +194,8 @@ def test_adapter_tensors_that_are_not_read_are_refused_not_dropped(clip_setting,
 
     base, experts, merged, data = clip_setting
     _adapter(base, tmp_path / "a", 0, r=2, target_modules=["q_proj", "position_embedding"])
-    named = r"`experts\['cars'\]`: the LoRA adapter .* holds tensors other than LoRA A/B weights and biases.*lora_embedding_"
+    named = (r"`experts\['cars'\]`: the LoRA adapter .* holds tensors other than LoRA A/B weights and biases"
+             r".*lora_embedding_")
     with pytest.raises(ValueError, match=named):
         task_arithmetic(base, {**experts, "cars": str(tmp_path / "a")})
     with pytest.raises(ValueError, match=named):

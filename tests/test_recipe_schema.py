@@ -161,7 +161,8 @@ def test_the_declared_range_and_default_are_the_ones_enforced(monkeypatch, capsy
     monkeypatch.setitem(RECIPE_SECTIONS, f"calibration.tasks.{TASK}", changed)
     recipe = copy.deepcopy(_CLIP)
     recipe["calibration"]["default"]["num_examples"] = 5
-    with pytest.raises(RecipeError, match=re.escape("calibration.default.num_examples: must be an integer ≥ 10 or null, got 5")):
+    with pytest.raises(RecipeError,
+                       match=re.escape("calibration.default.num_examples: must be an integer ≥ 10 or null, got 5")):
         parse_recipe(recipe)
     assert {s.max_input_length for s in parse_recipe(copy.deepcopy(_T5)).calibration.values()} == {100}
     argv = ["calibrate", "--model", "org/merged", "--expert", "a=org/expert-a", "--data", "a=org/data",
@@ -202,7 +203,7 @@ def test_run_help_lists_every_declared_key_with_its_default(monkeypatch):
         assert any(_normalised(key.help) in _normalised(line) for line in found), (section, name)
     for field in dataclasses.fields(__import__("hf_featcal.config", fromlist=["FeatCalConfig"]).FeatCalConfig):
         assert any(line.strip().startswith(f"{field.name}?: [") for line in lines), field.name
-    for method, parameters in schema.MERGE_PARAMETER_DECLARATIONS.items():
+    for parameters in schema.MERGE_PARAMETER_DECLARATIONS.values():
         for parameter in parameters:
             assert any(line.strip().startswith(f"{parameter.name}?: {parameter.describe_range()} [") for line in lines)
 
@@ -219,7 +220,8 @@ def test_the_recipes_docstring_and_docs_show_the_rendered_schema():
 _FLAGS = [
     *(("calibrate", "calibration.default", name) for name in recipe_keys("calibration.default")),
     ("calibrate", "", "output_dir"), ("calibrate", "", "push_to_hub"),
-    ("evaluate", "evaluation", "split"), ("evaluate", "evaluation", "max_samples"), ("evaluate", "evaluation", "batch_size"),
+    ("evaluate", "evaluation", "split"), ("evaluate", "evaluation", "max_samples"), ("evaluate", "evaluation",
+                                                                                     "batch_size"),
     ("run", "", "output_dir"), ("run", "", "push_to_hub"),
 ]
 
@@ -288,8 +290,16 @@ def test_merge_and_calibrate_run_the_recipe_stages_and_save_the_same_model(world
     recipe = _recipe(world, evaluation=False, output_dir=str(tmp_path / "run"),
                      featcal={"lambda_ratio": 0.05, "batch_size": 8})
     assert cli.main(["run", _write(world / "stages.yaml", recipe), "--quiet"]) == 0  # paths relative to the world
-    assert stage_calls == ["check_output_dir", "check_output_dir", "load_calibration_data", "merge_experts",
-                           "build_calibrator", "calibrate_merged", "save_run", "push_run"]  # the CLI's check, then run_recipe
+    assert stage_calls == [
+        "check_output_dir",
+        "check_output_dir",
+        "load_calibration_data",
+        "merge_experts",
+        "build_calibrator",
+        "calibrate_merged",
+        "save_run",
+        "push_run",
+    ]  # the CLI's check, then run_recipe
 
     stage_calls.clear()
     experts = [a for t in TASKS for a in ("--expert", f"{t}={world / 'experts' / t}")]
@@ -300,7 +310,8 @@ def test_merge_and_calibrate_run_the_recipe_stages_and_save_the_same_model(world
     stage_calls.clear()
     assert cli.main(["calibrate", "--model", str(tmp_path / "merged"), "--base", str(world / "base"), *experts,
                      "--data-default", str(world / "data" / "{task}"), "--split", "train", "--num-examples", "16",
-                     "--lambda-ratio", "0.05", "--batch-size", "8", "--quiet", "--output-dir", str(tmp_path / "cli")]) == 0
+                     "--lambda-ratio", "0.05", "--batch-size", "8", "--quiet", "--output-dir",
+                     str(tmp_path / "cli")]) == 0
     assert stage_calls == ["check_output_dir", "load_calibration_data", "build_calibrator", "calibrate_merged",
                            "save_run", "push_run"]
     capsys.readouterr()
@@ -315,16 +326,20 @@ def test_merge_and_calibrate_run_the_recipe_stages_and_save_the_same_model(world
     assert not torch.equal(from_cli[fc2], merged[fc2])  # calibration did change the merge
     drift = [json.loads((tmp_path / d / "featcal_drift_report.json").read_text())["tasks"] for d in ("run", "cli")]
     assert drift[0] == drift[1]
-    assert (tmp_path / "run" / "featcal_recipe.yaml").is_file() and not (tmp_path / "cli" / "featcal_recipe.yaml").exists()
+    assert (tmp_path / "run" / "featcal_recipe.yaml").is_file() and not (
+        tmp_path / "cli" / "featcal_recipe.yaml"
+    ).exists()
 
 
 def test_a_flag_for_another_family_names_the_flag_and_writes_nothing(world, tmp_path, capsys):
     experts = [a for t in TASKS for a in ("--expert", f"{t}={world / 'experts' / t}")]
     out = tmp_path / "out"
-    assert cli.main(["calibrate", "--model", str(world / "base"), *experts, "--data-default", str(world / "data" / "{task}"),
-                     "--glue-task", "cola", "--output-dir", str(out), "--quiet"]) == 2
+    assert cli.main(["calibrate", "--model", str(world / "base"), *experts, "--data-default",
+                     str(world / "data" / "{task}"), "--glue-task", "cola", "--output-dir", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("hf-featcal calibrate: error: calibration data: calibration.default.glue_task: only for model_family 'flan_t5'")
+    assert err.startswith(
+        "hf-featcal calibrate: error: calibration data: calibration.default.glue_task: only for model_family 'flan_t5'"
+    )
     assert err.endswith("(given by --glue-task)")
     assert not out.exists()
 

@@ -14,7 +14,8 @@ def check_steps_from_the_merged_model(given: dict, calibrated: dict, expected: d
     the calibration, and the library's step from the given value matches the reference's step to
     `step_tol` relative; every tensor outside the blocks is exactly the given one."""
     for name, before in given.items():
-        got, want, before = calibrated[name].detach().double(), expected[name].detach().double(), before.detach().double()
+        got, want, before = (calibrated[name].detach().double(), expected[name].detach().double(),
+                             before.detach().double())
         if name.startswith("encoder.layers."):
             step = float((want - before).norm())
             assert step > 1e-3 * float(before.norm()), (name, "the reference did not move it")
@@ -56,7 +57,8 @@ def test_default_settings_match_the_specification(clip_setting, with_base):
 
 def test_float64_statistics_match_tighter(clip_setting):
     base, experts, merged, data = clip_setting
-    expected, _ = reference_featcal(merged, base, experts, {t: [b["pixel_values"] for b in bs] for t, bs in data.items()})
+    expected, _ = reference_featcal(merged, base, experts,
+                                    {t: [b["pixel_values"] for b in bs] for t, bs in data.items()})
     merged64 = merged.double()
     data64 = {t: [{"pixel_values": b["pixel_values"].double()} for b in bs] for t, bs in data.items()}
     FeatCalCalibrator(
@@ -69,7 +71,8 @@ def test_float64_statistics_match_tighter(clip_setting):
 def test_non_default_hyperparameters_match(clip_setting):
     base, experts, merged, data = clip_setting
     kw = dict(lam=0.3, rho=1.0, alpha=0.7, last_weight=0.2)
-    expected, _ = reference_featcal(merged, base, experts, {t: [b["pixel_values"] for b in bs] for t, bs in data.items()}, **kw)
+    expected, _ = reference_featcal(merged, base, experts,
+                                    {t: [b["pixel_values"] for b in bs] for t, bs in data.items()}, **kw)
     config = FeatCalConfig(lambda_ratio=0.3, anchor_rho=1.0, teacher_alpha=0.7, final_block_token_weight=0.2)
     given = {k: v.clone() for k, v in merged.state_dict().items()}
     FeatCalCalibrator(merged, base, experts, data, config, show_progress=False).calibrate()

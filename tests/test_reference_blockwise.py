@@ -19,11 +19,11 @@ from transformers import (
     ViTForImageClassification,
 )
 
-from testing_utils import perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from reference_blockwise import causal_lm_spec, pooled_encoder_spec, reference_featcal, t5_spec
 from test_llm import llm_config, lm_batch
 from test_t5 import seq2seq_batch, t5_config
+from testing_utils import perturbed, task_arithmetic
 
 TASKS = ("alpha", "beta", "gamma")
 
@@ -108,7 +108,8 @@ def test_pooled_encoders_equal_the_float64_reference(family, generator):
     the key/value projections weighs the other tokens 0.01."""
     if family == "bert":
         build = lambda: BertForSequenceClassification(BertConfig(  # noqa: E731
-            vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, num_labels=3))
+            vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+            num_labels=3))
         batch, prefixes = _text_batch, ("bert.encoder.layer.",)
         blocks, key_value, mask_key = (lambda m: list(m.bert.encoder.layer)), (
             "attention.self.key", "attention.self.value"), "attention_mask"

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from testing_utils import as_float64, build_clip_setting, perturbed
 from hf_featcal.regmean import regmean_merging
 from test_llm import llm_config, lm_batch
+from testing_utils import as_float64, build_clip_setting, perturbed
 
 
 def _linear_inputs(model, blocks, batches, weights_of):
@@ -18,8 +18,12 @@ def _linear_inputs(model, blocks, batches, weights_of):
     rows: dict = {}
     for batch in batches:
         seen = {}
-        handles = [m.register_forward_pre_hook(lambda mod, args, _k=(i, n): seen.__setitem__(_k, args[0]))
-                   for i, block in enumerate(blocks(model)) for n, m in block.named_modules() if isinstance(m, nn.Linear)]
+        handles = [
+            m.register_forward_pre_hook(lambda mod, args, _k=(i, n), seen=seen: seen.__setitem__(_k, args[0]))
+            for i, block in enumerate(blocks(model))
+            for n, m in block.named_modules()
+            if isinstance(m, nn.Linear)
+        ]
         with torch.no_grad():
             model(**batch)
         for h in handles:
@@ -89,7 +93,7 @@ def test_llama_padding_weighs_nothing(generator):
     junk = {t: [{**b, "input_ids": torch.where(b["attention_mask"].bool(), b["input_ids"], 7)} for b in bs]
             for t, bs in data.items()}
     again = regmean_merging(base, experts, junk)
-    for (p, q) in zip(merged.parameters(), again.parameters()):
+    for (p, q) in zip(merged.parameters(), again.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
 
 
@@ -99,26 +103,30 @@ def test_bad_arguments_are_named(generator):
         regmean_merging(base, experts, data, reduction=1.5)
     with pytest.raises(TypeError, match=r"experts\['cars'\] must be an in-memory model"):
         regmean_merging(base, {**experts, "cars": "some/folder"}, data)
-    with pytest.raises(ValueError, match=r"tasks \['dtd'\] have an expert in `experts` but no entry in `calibration_data`"):
+    with pytest.raises(ValueError,
+                       match=r"tasks \['dtd'\] have an expert in `experts` but no entry in `calibration_data`"):
         regmean_merging(base, experts, {"cars": data["cars"]})
 
 
 def test_bad_inputs_get_the_calibrators_checks(generator):
     """Issue 29 item 11: an empty task, a fewer-layer expert, NaN features and zero samples used to give a
     bare KeyError, a torch INTERNAL ASSERT or reshape errors; now the calibrator's checks name them."""
-    from testing_utils import tiny_vision_config
     from transformers import CLIPVisionModel
+
+    from testing_utils import tiny_vision_config
 
     base, experts, _, data = build_clip_setting(generator)
     with pytest.raises(ValueError, match=r"calibration_data\['dtd'\] is empty"):
         regmean_merging(base, experts, {**data, "dtd": []})
     shallow = CLIPVisionModel(tiny_vision_config(num_hidden_layers=1))
-    with pytest.raises(ValueError, match=r"`experts\['dtd'\]` has a different configuration .*num_hidden_layers: merged 2 vs 1"):
+    with pytest.raises(ValueError,
+                       match=r"`experts\['dtd'\]` has a different configuration .*num_hidden_layers: merged 2 vs 1"):
         regmean_merging(base, {**experts, "dtd": shallow}, data)
     poisoned = [dict(batch) for batch in data["dtd"]]
     poisoned[1] = {"pixel_values": poisoned[1]["pixel_values"].clone()}
     poisoned[1]["pixel_values"][0, 0, 0, 0] = float("nan")
-    with pytest.raises(ValueError, match=r"non-finite values in the features of calibration_data\['dtd'\] entering block 0"):
+    with pytest.raises(ValueError,
+                       match=r"non-finite values in the features of calibration_data\['dtd'\] entering block 0"):
         regmean_merging(base, experts, {**data, "dtd": poisoned})
     with pytest.raises(ValueError, match=r"num_samples_per_task must be a positive integer or None, got 0"):
         regmean_merging(base, experts, data, num_samples_per_task=0)

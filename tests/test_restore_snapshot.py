@@ -12,11 +12,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-import hf_featcal.restore as restore
 import hf_featcal.pipeline.solve as solve_stage
+import hf_featcal.restore as restore
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalError
-from hf_featcal.restore import restore_on_failure
 from hf_featcal.parameters import ModelParameters
+from hf_featcal.restore import restore_on_failure
 from test_failsafe import _assert_bit_identical, _assert_same_result, _Fault, _model_state, damage_outside_the_blocks
 from test_offload import _dispatched, base_failing_in_block_2
 
@@ -79,7 +79,8 @@ def test_a_failure_mid_run_with_the_disk_snapshot_restores_the_model_and_removes
     assert os.listdir(snapshot_tmpdir) == []  # the folder is removed after the failure
 
 
-def test_a_successful_run_removes_the_folder_and_equals_the_memory_snapshot_bit_for_bit(clip_setting, snapshot_tmpdir, monkeypatch):
+def test_a_successful_run_removes_the_folder_and_equals_the_memory_snapshot_bit_for_bit(clip_setting, snapshot_tmpdir,
+                                                                                        monkeypatch):
     expected_model = copy.deepcopy(clip_setting[2])
     expected = _calibrator(expected_model, clip_setting, "memory")
     watch_memory = _FolderWatch(snapshot_tmpdir)
@@ -97,12 +98,15 @@ def test_a_successful_run_removes_the_folder_and_equals_the_memory_snapshot_bit_
     assert os.listdir(snapshot_tmpdir) == []
     _assert_same_result(model, calibrator, expected_model, expected)
     assert not torch.equal(model.encoder.layers[0].mlp.fc1.weight, clip_setting[2].encoder.layers[0].mlp.fc1.weight)
-    assert [e["objective_decrease"] for e in calibrator.solve_log] == [e["objective_decrease"] for e in expected.solve_log]
+    assert [e["objective_decrease"] for e in calibrator.solve_log] == [
+        e["objective_decrease"] for e in expected.solve_log
+    ]
 
 
-def test_a_late_failure_after_a_dtype_change_restores_from_disk_in_small_files(clip_setting, snapshot_tmpdir, monkeypatch):
-    """One file per tensor (a 1-byte file size): the snapshot spans many files; the body casts the model to half and zeroes
-    tensors outside the blocks, so restoring replaces tensor data from the files."""
+def test_a_late_failure_after_a_dtype_change_restores_from_disk_in_small_files(clip_setting, snapshot_tmpdir,
+                                                                               monkeypatch):
+    """One file per tensor (a 1-byte file size): the snapshot spans many files; the body casts the model to half
+    and zeroes tensors outside the blocks, so restoring replaces tensor data from the files."""
     monkeypatch.setattr(restore, "SNAPSHOT_FILE_BYTES", 1)
     base, experts, merged, data = clip_setting
     model = copy.deepcopy(merged)
@@ -171,13 +175,15 @@ def test_an_unknown_snapshot_place_is_refused(snapshot_tmpdir):
     assert os.listdir(snapshot_tmpdir) == []
 
 
-def test_a_failure_restores_offloaded_weights_from_the_disk_snapshot(clip_setting, tmp_path, snapshot_tmpdir, monkeypatch):
+def test_a_failure_restores_offloaded_weights_from_the_disk_snapshot(clip_setting, tmp_path, snapshot_tmpdir,
+                                                                     monkeypatch):
     base, experts, merged, data = clip_setting
     model = _dispatched(merged, "disk", tmp_path)
     params = ModelParameters(model)
     state = {name: params.read(name).clone() for name, _ in model.named_parameters()}
     broken = base_failing_in_block_2(base)
-    calibrator = FeatCalCalibrator(model, broken, experts, data, FeatCalConfig(restore_snapshot="disk"), show_progress=False)
+    calibrator = FeatCalCalibrator(model, broken, experts, data, FeatCalConfig(restore_snapshot="disk"),
+                                   show_progress=False)
     watch = _FolderWatch(snapshot_tmpdir)
     watch.wrap(monkeypatch, calibrator.layer_map, "run_block")
     with pytest.raises(FeatCalError):
@@ -188,7 +194,8 @@ def test_a_failure_restores_offloaded_weights_from_the_disk_snapshot(clip_settin
     assert os.listdir(snapshot_tmpdir) == []
 
 
-def test_a_snapshot_that_cannot_be_written_fails_before_any_work_and_leaves_nothing(clip_setting, snapshot_tmpdir, monkeypatch):
+def test_a_snapshot_that_cannot_be_written_fails_before_any_work_and_leaves_nothing(clip_setting, snapshot_tmpdir,
+                                                                                    monkeypatch):
     import errno
 
     import safetensors.torch
@@ -203,7 +210,8 @@ def test_a_snapshot_that_cannot_be_written_fails_before_any_work_and_leaves_noth
     calibrator = _calibrator(model, clip_setting, "disk")
     blocks = []
     monkeypatch.setattr(calibrator, "_calibrate_block", lambda *a: blocks.append(a))
-    with pytest.raises(OSError, match=r"restore_snapshot='disk': cannot write the restore snapshot in .*No space left.*TMPDIR"):
+    with pytest.raises(OSError,
+                       match=r"restore_snapshot='disk': cannot write the restore snapshot in .*No space left.*TMPDIR"):
         calibrator.calibrate()
     assert blocks == []  # refused before the first block
     _assert_bit_identical(model, before)

@@ -7,16 +7,17 @@ import copy
 
 import pytest
 import torch
+from transformers import T5ForConditionalGeneration
 
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from test_t5 import randomise_t5_norms, seq2seq_batch, t5_config
 from testing_utils import perturbed, task_arithmetic
-from transformers import T5ForConditionalGeneration
 
 
 def _run(merged, base, experts, data, checkpoint_dir=None, config=None, interrupt_at=None, monkeypatch=None):
     model = copy.deepcopy(merged)
-    calibrator = FeatCalCalibrator(model, base, experts, data, config or FeatCalConfig(), show_progress=False, checkpoint_dir=checkpoint_dir)
+    calibrator = FeatCalCalibrator(model, base, experts, data, config or FeatCalConfig(), show_progress=False,
+                                   checkpoint_dir=checkpoint_dir)
     calls = []
     original = calibrator._calibrate_block
 
@@ -37,14 +38,14 @@ def _interrupt_then_resume(merged, base, experts, data, tmp_path, monkeypatch, i
         _run(merged, base, experts, data, tmp_path, interrupt_at=interrupt_at, monkeypatch=monkeypatch)
     resumed, calibrator, calls = _run(merged, base, experts, data, tmp_path, monkeypatch=monkeypatch)
     assert len(calls) == total - (interrupt_at - 1)  # finished blocks were not redone
-    for (name, p), q in zip(resumed.named_parameters(), expected.parameters()):
+    for (name, p), q in zip(resumed.named_parameters(), expected.parameters(), strict=True):
         assert torch.equal(p, q), name
     assert calibrator.report.to_dict() == reference.report.to_dict()
     assert len(calibrator.solve_log) == len(reference.solve_log)
     # a finished checkpoint: nothing left to do, same model again
     again, _, calls = _run(merged, base, experts, data, tmp_path, monkeypatch=monkeypatch)
     assert calls == []
-    for p, q in zip(again.parameters(), expected.parameters()):
+    for p, q in zip(again.parameters(), expected.parameters(), strict=True):
         assert torch.equal(p, q)
 
 
@@ -53,14 +54,16 @@ def test_clip_resume_after_interruption(clip_setting, tmp_path, monkeypatch):
     _interrupt_then_resume(merged, base, experts, data, tmp_path / "ckpt", monkeypatch, interrupt_at=2, total=2)
 
 
-@pytest.mark.parametrize("interrupt_at", [2, 3, 4])  # inside the encoder, at the decoder's first block, inside the decoder
+@pytest.mark.parametrize("interrupt_at",
+                         [2, 3, 4])  # inside the encoder, at the decoder's first block, inside the decoder
 def test_t5_resume_across_the_stack_boundary(generator, tmp_path, monkeypatch, interrupt_at):
     base = T5ForConditionalGeneration(t5_config()).eval()
     randomise_t5_norms(base, generator)
     experts = {t: perturbed(base, generator, 0.05).eval() for t in ("a", "b")}
     merged = task_arithmetic(base, experts)
     data = {t: [seq2seq_batch(generator), seq2seq_batch(generator)] for t in experts}
-    _interrupt_then_resume(merged, base, experts, data, tmp_path / "ckpt", monkeypatch, interrupt_at=interrupt_at, total=4)
+    _interrupt_then_resume(merged, base, experts, data, tmp_path / "ckpt", monkeypatch, interrupt_at=interrupt_at,
+                           total=4)
 
 
 def test_checkpoint_of_another_run_is_refused(clip_setting, tmp_path, monkeypatch):

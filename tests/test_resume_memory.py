@@ -150,7 +150,8 @@ def test_a_damaged_block_file_is_refused_before_any_parameter_is_read_or_written
     key = tamper(folder / name)
 
     watch = _Watch(monkeypatch, folder)
-    with pytest.raises(ValueError, match=rf"`checkpoint_dir` .* is damaged \({name}: {message.format(key=re.escape(key))}"):
+    with pytest.raises(ValueError,
+                       match=rf"`checkpoint_dir` .* is damaged \({name}: {message.format(key=re.escape(key))}"):
         _run(merged, base, experts, data, folder, monkeypatch=monkeypatch)
     assert watch.reads == [] and watch.writes == 0  # refused on the headers alone
     # the intact copy resumes: the refusal was about the tampered file

@@ -23,6 +23,6 @@ def test_resume_accepts_other_placements_and_refuses_another_lambda(clip_setting
     moved = FeatCalConfig(restore_snapshot="disk", stream_placement="cpu")
     resumed, calibrator, calls = _run(merged, base, experts, data, tmp_path, config=moved, monkeypatch=monkeypatch)
     assert calls == [(0, 1)]  # only the second block was calibrated: the checkpoint was accepted
-    for (name, p), q in zip(resumed.named_parameters(), expected.parameters()):
+    for (name, p), q in zip(resumed.named_parameters(), expected.parameters(), strict=True):
         assert torch.equal(p, q), name
     assert calibrator.report.to_dict() == reference.report.to_dict()

@@ -24,15 +24,21 @@ from hf_featcal.saving import atomic_folder, read_manifest
 @pytest.fixture
 def calibrator(clip_setting):
     base, experts, merged, data = clip_setting
-    calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(num_samples_per_task=10), show_progress=False)
+    calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(num_samples_per_task=10),
+                                   show_progress=False)
     calibrator.calibrate()
     return calibrator
 
 
 def _snapshot(folder) -> dict[str, str]:
     """Path relative to `folder` → content hash of every file in it (subfolders included)."""
-    return {os.path.relpath(os.path.join(root, name), folder): hashlib.sha256(open(os.path.join(root, name), "rb").read()).hexdigest()
-            for root, _, files in os.walk(folder) for name in sorted(files)}
+    return {
+        os.path.relpath(os.path.join(root, name), folder): hashlib.sha256(
+            open(os.path.join(root, name), "rb").read()
+        ).hexdigest()
+        for root, _, files in os.walk(folder)
+        for name in sorted(files)
+    }
 
 
 def _leftovers(parent) -> list[str]:
@@ -327,7 +333,8 @@ def test_push_to_hub_deletes_stale_remote_weights(calibrator, monkeypatch):
               "model.safetensors", "README.md", "onnx/model.onnx", "notes.txt"]
     deleted = [path for path in filter_repo_objects(remote, allow_patterns=calls["delete_patterns"])
                if path not in calls["files"]]
-    assert deleted == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert deleted == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                       "model.safetensors.index.json"]
 
 
 @pytest.fixture
@@ -372,7 +379,9 @@ def test_a_file_put_beside_a_save_is_not_replaced_without_overwrite(calibrator, 
     (out / "preprocessor_config.json").write_text('{"mine": true}')
     before = _snapshot(out)
     processor = CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
-    with pytest.raises(ValueError, match=r"this save writes \['preprocessor_config.json'\], which the earlier save there did not write"):
+    with pytest.raises(
+        ValueError, match=r"this save writes \['preprocessor_config.json'\], which the earlier save there did not write"
+    ):
         calibrator.save_model(out, processing_class=processor)
     assert _snapshot(out) == before and _leftovers(tmp_path) == [] and _leftovers(out) == []
     calibrator.save_model(out, processing_class=processor, overwrite=True)

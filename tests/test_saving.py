@@ -28,11 +28,14 @@ def test_save_model_round_trip(calibrated, tmp_path):
     calibrator, data = calibrated
     out = tmp_path / "calibrated"
     calibrator.save_model(out)
-    assert {"config.json", "model.safetensors", "README.md", "featcal_config.json", "featcal_drift_report.json"} <= set(os.listdir(out))
+    assert {"config.json", "model.safetensors", "README.md", "featcal_config.json", "featcal_drift_report.json"} <= set(
+        os.listdir(out)
+    )
     loaded = CLIPVisionModel.from_pretrained(out).eval()
     pixels = data["cars"][0]["pixel_values"]
     with torch.no_grad():
-        assert torch.equal(loaded(pixel_values=pixels).last_hidden_state, calibrator.model(pixel_values=pixels).last_hidden_state)
+        assert torch.equal(loaded(pixel_values=pixels).last_hidden_state,
+                           calibrator.model(pixel_values=pixels).last_hidden_state)
     assert FeatCalConfig.from_pretrained(out) == calibrator.config
     assert DriftReport.load(out).to_dict() == calibrator.report.to_dict()
     assert json.loads((out / "featcal_drift_report.json").read_text()) == calibrator.report.to_dict()
@@ -83,7 +86,8 @@ def test_saving_before_calibration_is_refused(clip_setting, tmp_path):
 
 
 def test_config_json_round_trip(tmp_path):
-    config = FeatCalConfig(lambda_ratio=0.1, target_modules=r".*fc\d", layers_to_transform=range(0, 2), num_samples_per_task=None)
+    config = FeatCalConfig(lambda_ratio=0.1, target_modules=r".*fc\d", layers_to_transform=range(0, 2),
+                           num_samples_per_task=None)
     config.save_pretrained(tmp_path)
     again = FeatCalConfig.from_pretrained(tmp_path)
     assert again == config

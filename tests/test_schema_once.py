@@ -108,7 +108,7 @@ def _subcommand_help(name: str) -> str:
 def test_merge_help_shows_each_declared_help_range_and_default(monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")  # no line wrapping inside hyphenated words
     text = _subcommand_help("merge")
-    for method, parameter in _DECLARED:
+    for _method, parameter in _DECLARED:
         assert parameter.flag in text
         assert _normalised(parameter.help) in text, parameter.name
         if parameter.kind is not bool:

@@ -14,8 +14,8 @@ import signal
 import pytest
 import torch
 
-import hf_featcal.restore as restore
 import hf_featcal.pipeline.solve as solve_stage
+import hf_featcal.restore as restore
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.interrupts import interrupts_deferred
 from test_failsafe import _assert_bit_identical, _Fault, _model_state
@@ -25,7 +25,8 @@ from test_save_folder import _leftovers, _snapshot
 def _failing_calibrator(model, setting, snapshot: str, monkeypatch, error: type[BaseException]) -> FeatCalCalibrator:
     """A calibrator whose run fails with `error` in block 2 (of 2), after block 1 was written."""
     base, experts, _, data = setting
-    calibrator = FeatCalCalibrator(model, base, experts, data, FeatCalConfig(restore_snapshot=snapshot), show_progress=False)
+    calibrator = FeatCalCalibrator(model, base, experts, data, FeatCalConfig(restore_snapshot=snapshot),
+                                   show_progress=False)
     _Fault(6, error).wrap(monkeypatch, solve_stage, "solve_linear_weights")  # 6th of 8 linear solves
     return calibrator
 
@@ -53,7 +54,8 @@ def test_the_disk_snapshot_survives_a_cleaner_deleting_it_during_the_run(clip_se
 
 
 @pytest.mark.parametrize("snapshot", ["memory", "disk"])
-def test_a_second_ctrl_c_during_the_restore_waits_until_the_model_is_back(clip_setting, snapshot_tmpdir, monkeypatch, snapshot):
+def test_a_second_ctrl_c_during_the_restore_waits_until_the_model_is_back(clip_setting, snapshot_tmpdir, monkeypatch,
+                                                                          snapshot):
     model = copy.deepcopy(clip_setting[2])
     before = _model_state(model)
     calibrator = _failing_calibrator(model, clip_setting, snapshot, monkeypatch, KeyboardInterrupt)
@@ -79,7 +81,8 @@ def test_a_second_ctrl_c_during_the_restore_waits_until_the_model_is_back(clip_s
 @pytest.fixture
 def calibrated(clip_setting):
     base, experts, merged, data = clip_setting
-    calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(num_samples_per_task=10), show_progress=False)
+    calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(num_samples_per_task=10),
+                                   show_progress=False)
     calibrator.calibrate()
     return calibrator
 

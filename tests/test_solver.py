@@ -74,7 +74,7 @@ def _brute_force_linear(tasks, alpha, lam, eps, a_w, a_b):
     weight = torch.linalg.lstsq(torch.cat(rows), torch.cat(targets)).solution.T
     # bias with W fixed: per output a weighted mean, again as a stacked least-squares problem
     design, goal = [], []
-    for s, t in zip(scales, tasks):
+    for s, t in zip(scales, tasks, strict=True):
         x_t = alpha * t["x_e"] + (1 - alpha) * t["x_s"]
         wn = t["w"] / t["w"].sum()
         root = (s * wn).sqrt()[:, None]
@@ -103,7 +103,7 @@ def test_linear_weight_and_bias_equal_brute_force(generator, alpha, lam):
 def test_task_scale_equalises_feature_scales(generator):
     tasks = _tasks(generator)
     stats = _linear_statistics(tasks, 0.25, 1e-8)
-    for s, t in zip(stats.task_scales, tasks):
+    for s, t in zip(stats.task_scales, tasks, strict=True):
         wn = t["w"] / t["w"].sum()
         c = (t["x_s"] * wn[:, None]).T @ t["x_s"]
         assert s == pytest.approx(1.0 / float(torch.linalg.norm(c)), rel=1e-12)
@@ -125,7 +125,8 @@ def test_one_expert_pure_teacher_no_ridge_returns_the_expert(generator):
     t["x_e"] = t["x_s"].clone()  # student and expert inputs coincide
     stats = _linear_statistics([t], alpha=1.0, eps=1e-12)
     weight, _ = solve_linear_weight(stats.gram_sum, stats.rhs_sum["m"], torch.zeros(4, 6, dtype=F64), 1e-12, 1e-12)
-    bias = solve_linear_bias(weight, stats.bias_target_sum["m"], stats.student_mean_sum, stats.scale_sum, torch.zeros(4, dtype=F64), 1e-12)
+    bias = solve_linear_bias(weight, stats.bias_target_sum["m"], stats.student_mean_sum, stats.scale_sum,
+                             torch.zeros(4, dtype=F64), 1e-12)
     torch.testing.assert_close(weight, t["weight"], rtol=1e-7, atol=1e-7)
     torch.testing.assert_close(bias, t["bias"], rtol=1e-7, atol=1e-7)
 
@@ -233,7 +234,8 @@ def test_objective_decrease_equals_direct_evaluation(generator, alpha, lam, eps)
         return total
 
     # a random start, and one close to the minimiser (a small decrease, where a wrong term shows most)
-    for old in (torch.randn(4, 6, generator=generator, dtype=F64), new + 1e-3 * torch.randn(4, 6, generator=generator, dtype=F64)):
+    for old in (torch.randn(4, 6, generator=generator, dtype=F64),
+                new + 1e-3 * torch.randn(4, 6, generator=generator, dtype=F64)):
         got = linear_objective_decrease(stats.gram_sum, old, new, lam, eps)
         assert got == pytest.approx(objective(old) - objective(new), rel=1e-8)
 

@@ -4,6 +4,8 @@ they switch on (the tiny models of the other tests are narrower than that)."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -49,10 +51,10 @@ def _tasks(generator, d, out, n=300, tasks=3, dtype=F64, weights="random"):
             w[:] = 1.0
         elif weights == "mixed":
             w[: n // 2] = 1.0
-        result.append(dict(
-            x_s=x_s.to(dtype), x_e=(x_s + 0.3 * torch.randn(n, d, generator=generator, dtype=F64)).to(dtype), w=w.to(dtype),
-            weight=torch.randn(out, d, generator=generator, dtype=F64).to(dtype), bias=torch.randn(out, generator=generator, dtype=F64).to(dtype),
-        ))
+        result.append(dict(x_s=x_s.to(dtype),
+                           x_e=(x_s + 0.3 * torch.randn(n, d, generator=generator, dtype=F64)).to(dtype), w=w.to(dtype),
+                           weight=torch.randn(out, d, generator=generator, dtype=F64).to(dtype),
+                           bias=torch.randn(out, generator=generator, dtype=F64).to(dtype)))
     return result
 
 
@@ -73,7 +75,7 @@ def test_gram_blocks_cover_the_upper_triangle_once():
     for dim, count in ((768, 4), (3072, 8), (2100, 7)):  # 2100: blocks of 320 (a multiple of 64)
         blocks = gram_blocks(dim)
         assert len(blocks) == count and blocks[0][0] == 0 and blocks[-1][1] == dim
-        assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+        assert all(a[1] == b[0] for a, b in pairwise(blocks))
         assert all((stop - start) % 64 == 0 for start, stop in blocks[:-1])
 
 
@@ -188,7 +190,8 @@ def test_objective_decrease_from_the_factor_equals_the_gram_product(generator, n
     x = torch.randn(n + 100, n, generator=generator, dtype=F64)
     gram = x.T @ x / n
     anchor = torch.randn(40, n, generator=generator, dtype=F64)
-    (new,), info = solve_linear_weights(gram, [torch.randn(n, 40, generator=generator, dtype=F64)], [anchor], 0.05, 1e-8)
+    (new,), info = solve_linear_weights(gram, [torch.randn(n, 40, generator=generator, dtype=F64)], [anchor], 0.05,
+                                        1e-8)
     assert info.method == "cholesky" and info.factor is not None
     old = anchor + 0.1 * torch.randn(40, n, generator=generator, dtype=F64)
     want = linear_objective_decrease(gram, old, new, 0.05, 1e-8)

@@ -10,8 +10,8 @@ from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel, T5ForConditionalGeneration
 
-from testing_utils import perturbed, task_arithmetic
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
+from testing_utils import perturbed, task_arithmetic
 
 VOCAB = 40
 
@@ -78,7 +78,7 @@ def _independent_drift(merged, expert, batches):
     for batch in batches:
         enc_mask = batch["attention_mask"].double()
         dec_mask = (batch["labels"] != -100).double()
-        for i, (hm, he) in enumerate(zip(_block_outputs(merged, batch), _block_outputs(expert, batch))):
+        for i, (hm, he) in enumerate(zip(_block_outputs(merged, batch), _block_outputs(expert, batch), strict=True)):
             mask = enc_mask if i < n_enc else dec_mask
             sums[i] += ((hm.double() - he.double()).norm(dim=-1) * mask).sum()
         counts += torch.stack([enc_mask.sum(), dec_mask.sum()])
@@ -120,7 +120,7 @@ def test_padding_content_and_extra_padding_change_nothing(t5_setting, generator)
     one.calibrate()
     two = FeatCalCalibrator(other, base, experts, padded, show_progress=False)
     two.calibrate()
-    for (name, p), q in zip(merged.named_parameters(), other.parameters()):
+    for (name, p), q in zip(merged.named_parameters(), other.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=2e-5, atol=2e-6, msg=name)
     for task in data:
         assert one.report.tasks[task]["before"] == pytest.approx(two.report.tasks[task]["before"], rel=1e-5)
@@ -151,7 +151,8 @@ def test_exact_recovery_when_only_wo_differs(generator, dtype, compute_dtype, ep
     assert float((logits(merged) - logits(expert)).norm() / logits(expert).norm()) > 0.05
     FeatCalCalibrator(merged, None, {"task": expert}, data, config, show_progress=False).calibrate()
     assert float((logits(merged) - logits(expert)).norm() / logits(expert).norm()) <= output_tol
-    for mb, eb in zip(list(merged.encoder.block) + list(merged.decoder.block), list(expert.encoder.block) + list(expert.decoder.block)):
+    for mb, eb in zip(list(merged.encoder.block) + list(merged.decoder.block),
+                      list(expert.encoder.block) + list(expert.decoder.block), strict=True):
         got, want = mb.layer[-1].DenseReluDense.wo.weight, eb.layer[-1].DenseReluDense.wo.weight
         assert float((got - want).norm() / want.norm()) <= weight_tol
 
@@ -169,9 +170,12 @@ def test_t5_v1_geometry_and_encoder_only_model(generator):
     calibrator = FeatCalCalibrator(merged, base, experts, data, show_progress=False)
     calibrator.calibrate()
     for task in experts:
-        assert calibrator.report.tasks[task]["before"] == pytest.approx(_independent_drift(given, experts[task], data[task]), rel=1e-5)
+        assert calibrator.report.tasks[task]["before"] == pytest.approx(
+            _independent_drift(given, experts[task], data[task]), rel=1e-5
+        )
     assert torch.equal(merged.lm_head.weight, lm_head)  # embeddings / head keep their merged values
-    assert not torch.equal(merged.encoder.block[0].layer[1].DenseReluDense.wi.weight, given.encoder.block[0].layer[1].DenseReluDense.wi.weight)
+    assert not torch.equal(merged.encoder.block[0].layer[1].DenseReluDense.wi.weight,
+                           given.encoder.block[0].layer[1].DenseReluDense.wi.weight)
 
     encoder_only = T5EncoderModel(config).eval()
     encoder_only.load_state_dict(given.state_dict(), strict=False)
@@ -210,7 +214,8 @@ def test_mismatched_vocabulary_or_config(t5_setting):
     with pytest.raises(ValueError, match=r"base_model.*feed_forward_proj"):
         FeatCalCalibrator(merged, T5ForConditionalGeneration(t5_config(feed_forward_proj="relu")), experts, data)
     with pytest.raises(ValueError, match=r"experts\['cola'\].*num_decoder_layers: merged 2 vs 1"):
-        FeatCalCalibrator(merged, base, {**experts, "cola": T5ForConditionalGeneration(t5_config(num_decoder_layers=1))}, data)
+        FeatCalCalibrator(merged, base,
+                          {**experts, "cola": T5ForConditionalGeneration(t5_config(num_decoder_layers=1))}, data)
 
 
 def _word_tokenizer(words):
@@ -229,7 +234,7 @@ def test_tokenised_dataset_with_default_seq2seq_collator(t5_setting):
     tokenizer = _word_tokenizer(words)
     texts = ["sentence : the cat sat", "sentence : a dog ran fast on the mat", "sentence : cat", "sentence : the mat"]
     targets = ["acceptable", "unacceptable the mat", "acceptable", "unacceptable"]
-    rows = [{**tokenizer(t), "labels": tokenizer(y)["input_ids"]} for t, y in zip(texts, targets)]
+    rows = [{**tokenizer(t), "labels": tokenizer(y)["input_ids"]} for t, y in zip(texts, targets, strict=True)]
     dataset = Dataset.from_list(rows)
     calibrator = FeatCalCalibrator(
         merged, base, experts, {t: dataset for t in experts},

@@ -122,7 +122,7 @@ def test_calibration_batches_from_train_split():
     for batch in batches:
         assert set(batch) == {"input_ids", "attention_mask", "labels"}
         assert torch.equal(batch["attention_mask"].bool(), batch["input_ids"] != tokenizer.pad_token_id)
-        for row, mask in zip(batch["input_ids"], batch["attention_mask"]):
+        for row, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True):
             assert tuple(row[mask.bool()].tolist()) in train_ids
         labels = batch["labels"]
         # every target ends with eos, then only -100
@@ -130,7 +130,7 @@ def test_calibration_batches_from_train_split():
             kept = row[row != -100]
             assert kept[-1] == tokenizer.eos_token_id and torch.all(row[len(kept):] == -100)
     again = build_calibration_batches(tokenizer, train, num_samples=40, batch_size=16, seed=0)
-    assert all(torch.equal(a[k], b[k]) for a, b in zip(batches, again) for k in a)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(batches, again, strict=True) for k in a)
     with pytest.raises(ValueError):
         build_calibration_batches(tokenizer, train[:10], num_samples=40)
 
@@ -148,11 +148,15 @@ def test_mini_scenario_is_deterministic_and_caches(tmp_path):
     other = build_text_scenario(seed=2, config=MINI)
     assert first.tasks == TASKS and first.test_data == second.test_data
     for a, b in [(first.base, second.base)] + [(first.experts[t], second.experts[t]) for t in TASKS]:
-        for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
             assert torch.equal(x, y), name
     assert not torch.equal(first.base.shared.weight, other.base.shared.weight)
     for task in TASKS:
-        assert all(torch.equal(x[k], y[k]) for x, y in zip(first.calibration_batches[task], second.calibration_batches[task]) for k in x)
+        assert all(
+            torch.equal(x[k], y[k])
+            for x, y in zip(first.calibration_batches[task], second.calibration_batches[task], strict=True)
+            for k in x
+        )
         # experts differ from the base, i.e. they were fine-tuned
         assert not torch.equal(first.experts[task].lm_head.weight, first.base.lm_head.weight)
     # reloaded from the cache: the same weights, and the saved tokenizer is there
@@ -161,7 +165,8 @@ def test_mini_scenario_is_deterministic_and_caches(tmp_path):
     assert not reloaded.base.config.tie_word_embeddings
     assert not torch.equal(reloaded.base.lm_head.weight, reloaded.base.shared.weight)
     for task in TASKS:
-        for x, y in zip(first.experts[task].state_dict().values(), reloaded.experts[task].state_dict().values()):
+        for x, y in zip(first.experts[task].state_dict().values(), reloaded.experts[task].state_dict().values(),
+                        strict=True):
             assert torch.equal(x, y)
     assert (tmp_path / "text-scenario" / "tokenizer" / "tokenizer.json").is_file()
     datasets = first.calibration_datasets()
@@ -201,7 +206,8 @@ def test_calibration_batches_come_from_train_split(scenario):
         assert sum(b["input_ids"].shape[0] for b in batches) == 64
         assert all(b["input_ids"].shape[0] == 16 for b in batches)
         rows = {
-            tuple(row[mask.bool()].tolist()) for b in batches for row, mask in zip(b["input_ids"], b["attention_mask"])
+            tuple(row[mask.bool()].tolist()) for b in batches for row, mask in zip(b["input_ids"], b["attention_mask"],
+                                                                                   strict=True)
         }
         train = {tuple(ids) for ids in tokenizer([e.source for e in scenario.train_data[task]])["input_ids"]}
         test = {tuple(ids) for ids in tokenizer([e.source for e in scenario.test_data[task]])["input_ids"]}
@@ -213,7 +219,12 @@ def test_calibration_batches_come_from_train_split(scenario):
 def test_featcal_improves_task_arithmetic_merge(scenario, ta_merge, scores):
     merged = task_arithmetic(scenario.base, scenario.experts, scaling_factor=0.3).eval()
     calibrator = FeatCalCalibrator(
-        merged, scenario.base, scenario.experts, scenario.calibration_batches, config=FeatCalConfig(), show_progress=False
+        merged,
+        scenario.base,
+        scenario.experts,
+        scenario.calibration_batches,
+        config=FeatCalConfig(),
+        show_progress=False,
     )
     calibrated = calibrator.calibrate()
     after = scenario.evaluate(calibrated)

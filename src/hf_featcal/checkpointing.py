@@ -57,7 +57,7 @@ def tensor_digest(hasher: Any, name: str, tensor: Tensor) -> None:
     data = t.reshape(-1)
     if data.device.type != "cpu":
         data = data.cpu()
-    hasher.update(memoryview(data.contiguous().view(torch.uint8).numpy()))
+    hasher.update(data.contiguous().view(torch.uint8).numpy().data)  # the array's buffer, not a copy
 
 
 def file_digest(path: str, chunk: int = 1 << 24, hasher: Any = None) -> str:
@@ -161,7 +161,8 @@ class CheckpointFolder:
             self._check_block(index, parameter_shapes, recorded)
         return ResumePoint(finished, self._load_streams(finished))
 
-    def _check_block(self, index: int, parameter_shapes: Mapping[str, tuple[int, ...]], recorded: Mapping[str, Any]) -> None:
+    def _check_block(self, index: int, parameter_shapes: Mapping[str, tuple[int, ...]],
+                     recorded: Mapping[str, Any]) -> None:
         """Refuse block file `index` unless it opens, every tensor in it names a parameter of the
         model, with the parameter's shape (its header, which tells what is wrong most clearly), and
         its bytes are those committed (the SHA-256 `recorded` in `state.json`)."""
@@ -177,10 +178,14 @@ class CheckpointFolder:
             if key not in parameter_shapes:
                 raise self._damaged(name, f"{key!r} is not a parameter of the model")
             if shape != tuple(parameter_shapes[key]):
-                raise self._damaged(name, f"{key!r} has shape {list(shape)}, the model's parameter {list(parameter_shapes[key])}")
+                raise self._damaged(
+                    name, f"{key!r} has shape {list(shape)}, the model's parameter {list(parameter_shapes[key])}"
+                )
         if recorded.get(name) != actual:
             raise self._damaged(
-                name, f"its contents are not those committed with block {index} (SHA-256 {actual}, recorded {recorded.get(name)})"
+                name,
+                f"its contents are not those committed with block {index} (SHA-256 {actual}, recorded "
+                f"{recorded.get(name)})",
             )
         self._block_sha256[index] = actual
 
@@ -234,13 +239,17 @@ class CheckpointFolder:
         tensors: dict[str, Tensor] = {}
         structure = json.dumps(_encode(streams, tensors, {}, {}))
         tensors = _unshared(tensors)
-        metadata = {"structure": structure, "finished_blocks": str(finished_blocks), "sha256": _streams_digest(structure, tensors)}
+        metadata = {"structure": structure, "finished_blocks": str(finished_blocks),
+                    "sha256": _streams_digest(structure, tensors)}
         with self._writing(self._streams_file(finished_blocks)):
             _atomic(self._streams_file(finished_blocks), lambda p: save_file(tensors, p, metadata=metadata))
         barrier()
         if self.is_main:
-            committed = {os.path.basename(self._block_file(i)): self._block_sha256[i] for i in range(1, finished_blocks + 1)}
-            state = {"format": FORMAT, "fingerprint": self.digest, "finished_blocks": finished_blocks, "block_sha256": committed}
+            committed = {
+                os.path.basename(self._block_file(i)): self._block_sha256[i] for i in range(1, finished_blocks + 1)
+            }
+            state = {"format": FORMAT, "fingerprint": self.digest, "finished_blocks": finished_blocks,
+                     "block_sha256": committed}
             with self._writing(STATE_NAME):
                 commit_state(os.path.join(self.path, STATE_NAME), state)
         barrier()
@@ -319,7 +328,8 @@ def _encode(obj: Any, tensors: dict[str, Tensor], tensor_ids: dict[int, str], ba
             return {"$same_batch": batch_ids[id(obj)]}
         batch_ids[id(obj)] = len(batch_ids)
         fields = {f: getattr(obj, f) for f in ("hidden", "args", "kwargs", "weights", "extras")}
-        return {"$batch": batch_ids[id(obj)], **{k: _encode(v, tensors, tensor_ids, batch_ids) for k, v in fields.items()}}
+        return {"$batch": batch_ids[id(obj)],
+                **{k: _encode(v, tensors, tensor_ids, batch_ids) for k, v in fields.items()}}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, tuple):
@@ -344,7 +354,8 @@ def _decode(obj: Any, tensors: dict[str, Tensor], batches: dict[int, StreamBatch
     if "$same_batch" in obj:
         return batches[obj["$same_batch"]]
     if "$batch" in obj:
-        fields = {k: _decode(obj[k], tensors, batches, device) for k in ("hidden", "args", "kwargs", "weights", "extras")}
+        names = ("hidden", "args", "kwargs", "weights", "extras")
+        fields = {k: _decode(obj[k], tensors, batches, device) for k in names}
         batch = batches[obj["$batch"]] = StreamBatch(**fields)
         return batch
     if "$tuple" in obj:

@@ -101,7 +101,10 @@ class FeatCalConfig:
     )
     report_drift: bool = field(
         default=True,
-        metadata={"help": "Measure the per-block feature drift before and after calibration (one extra merged forward per block)."},
+        metadata={
+            "help": "Measure the per-block feature drift before and after calibration (one extra merged forward per "
+                    "block)."
+        },
     )
     stream_placement: str = field(
         default="accelerator",
@@ -139,10 +142,10 @@ class FeatCalConfig:
     reuse_freed_cpu_memory: bool = field(
         default=False,
         metadata={
-            "help": "Opt-in, CPU runs on Linux (glibc): during calibrate() freed memory is kept for reuse instead of being "
-            "handed back to the system and page-faulted in again (2-3x fewer page faults on the CLIP benchmark; its time "
-            "and peak RSS moved within the machine's noise). Afterwards glibc keeps blocks of up to 32 MB (the ceiling its "
-            "own adaptive threshold reaches) and free memory is handed back. Does not change results."
+            "help": "Opt-in, CPU runs on Linux (glibc): during calibrate() freed memory is kept for reuse instead of "
+            "being handed back to the system and page-faulted in again (2-3x fewer page faults on the CLIP benchmark; "
+            "its time and peak RSS moved within the machine's noise). Afterwards glibc keeps blocks of up to 32 MB "
+            "(the ceiling its own adaptive threshold reaches) and free memory is handed back. Does not change results."
         },
     )
     granularity: str = field(
@@ -185,7 +188,7 @@ class FeatCalConfig:
         """Check every field again (raises ValueError naming the field), e.g. after a list was edited in place."""
         self._validate()
 
-    def _validate(self) -> None:
+    def _validate(self) -> None:  # noqa: C901 - one flat check per field, in field order
         def real(name: str) -> float:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -206,7 +209,8 @@ class FeatCalConfig:
             or self.num_samples_per_task < 1
         ):
             raise ValueError(
-                f"FeatCalConfig.num_samples_per_task must be a positive integer or None, got {self.num_samples_per_task!r}."
+                f"FeatCalConfig.num_samples_per_task must be a positive integer or None, got "
+                f"{self.num_samples_per_task!r}."
             )
         if self.max_length is not None and (
             isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 1
@@ -231,7 +235,8 @@ class FeatCalConfig:
                     raise ValueError(f"FeatCalConfig.{name} is not a valid regular expression: {err}.") from None
             elif not (isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)):
                 raise ValueError(
-                    f"FeatCalConfig.{name} must be None, a regex string or a non-empty list of module names, got {value!r}."
+                    f"FeatCalConfig.{name} must be None, a regex string or a non-empty list of module names, got "
+                    f"{value!r}."
                 )
         layers = self.layers_to_transform
         if isinstance(layers, int) and not isinstance(layers, bool):
@@ -247,7 +252,8 @@ class FeatCalConfig:
             )
         if self.stream_placement not in ("accelerator", "cpu", "pinned_cpu"):
             raise ValueError(
-                f"FeatCalConfig.stream_placement must be 'accelerator', 'cpu' or 'pinned_cpu', got {self.stream_placement!r}."
+                f"FeatCalConfig.stream_placement must be 'accelerator', 'cpu' or 'pinned_cpu', got "
+                f"{self.stream_placement!r}."
             )
         if self.compute_dtype not in ("float32", "float64"):
             raise ValueError(f"FeatCalConfig.compute_dtype must be 'float32' or 'float64', got {self.compute_dtype!r}.")
@@ -256,7 +262,9 @@ class FeatCalConfig:
                 f"FeatCalConfig.forward_dtype must be None, 'bfloat16' or 'float16', got {self.forward_dtype!r}."
             )
         if self.restore_snapshot not in RESTORE_SNAPSHOTS:
-            raise ValueError(f"FeatCalConfig.restore_snapshot must be 'memory' or 'disk', got {self.restore_snapshot!r}.")
+            raise ValueError(
+                f"FeatCalConfig.restore_snapshot must be 'memory' or 'disk', got {self.restore_snapshot!r}."
+            )
         if self.granularity not in ("block", "module"):
             raise ValueError(f"FeatCalConfig.granularity must be 'block' or 'module', got {self.granularity!r}.")
 
@@ -273,9 +281,11 @@ class FeatCalConfig:
 
     def block_selected(self, index: int, num_blocks: int) -> bool:
         """Whether block `index` (of `num_blocks`) is calibrated."""
-        if self.layers_to_transform is None:
+        layers = self.layers_to_transform
+        if layers is None:
             return True
-        return any(i % num_blocks == index for i in self.layers_to_transform if -num_blocks <= i < num_blocks)
+        assert not isinstance(layers, int)  # `_validate` turned a single int into a list
+        return any(i % num_blocks == index for i in layers if -num_blocks <= i < num_blocks)
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -292,7 +302,7 @@ class FeatCalConfig:
         return path
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "FeatCalConfig":
+    def from_pretrained(cls, path: str | os.PathLike) -> FeatCalConfig:
         """Load a config from a folder holding `featcal_config.json`, or from that file itself."""
         path = os.fspath(path)
         if os.path.isdir(path):

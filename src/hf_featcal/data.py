@@ -12,7 +12,7 @@ from transformers import default_data_collator
 try:  # `datasets` is a dependency, but keep the import local to what needs it
     from datasets import Dataset
 except ImportError:  # pragma: no cover
-    Dataset = None  # type: ignore[assignment,misc]
+    Dataset = None
 
 Batch = dict[str, Any]
 
@@ -58,7 +58,9 @@ def batch_size_of(batch: Mapping[str, Any], main_input_name: str) -> int:
     value = batch[main_input_name]
     if not isinstance(value, Tensor):
         kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
-        raise ValueError(f"the batch's '{main_input_name}' is a {kind}, expected a torch.Tensor (convert it with torch.as_tensor)")
+        raise ValueError(
+            f"the batch's '{main_input_name}' is a {kind}, expected a torch.Tensor (convert it with torch.as_tensor)"
+        )
     if value.dim() == 0:
         raise ValueError(f"the batch's '{main_input_name}' is a 0-dimensional tensor, expected one example per row")
     return int(value.shape[0])
@@ -66,7 +68,9 @@ def batch_size_of(batch: Mapping[str, Any], main_input_name: str) -> int:
 
 def cut_batch(batch: Mapping[str, Any], size: int, keep: int) -> Batch:
     """The first `keep` examples of a batch of `size` (tensors with that leading dimension are cut)."""
-    return {k: (v[:keep] if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == size else v) for k, v in batch.items()}
+    return {
+        k: (v[:keep] if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == size else v) for k, v in batch.items()
+    }
 
 
 def prepare_batches(
@@ -184,8 +188,9 @@ def collate(
         # the default collator would fail on the raw column ("Could not infer dtype of PngImageFile")
         raise ValueError(
             f"calibration_data[{task!r}]: its rows have no {main_input_name!r} (columns: {sorted(rows[0])}) and no "
-            f"`processing_class` was given to make it from them: pass processing_class=<the model's image processor, "
-            f"per-image transform or tokenizer>, or give rows with {main_input_name!r} (or a `data_collator` that makes it)."
+            "`processing_class` was given to make it from them: pass processing_class=<the model's image processor, "
+            f"per-image transform or tokenizer>, or give rows with {main_input_name!r} (or a `data_collator` that "
+            "makes it)."
         )
     if data_collator is None:
         # as `Trainer` drops unused columns: raw text (e.g. a prompt kept beside its token ids) is no input
@@ -235,7 +240,8 @@ def text_length_limit(max_length: int | None, model_config: Any, processing_clas
         return max_length
     known = [
         value
-        for value in (getattr(model_config, "max_position_embeddings", None), getattr(processing_class, "model_max_length", None))
+        for value in (getattr(model_config, "max_position_embeddings", None),
+                      getattr(processing_class, "model_max_length", None))
         if isinstance(value, int) and not isinstance(value, bool) and 0 < value < _UNKNOWN_TOKENIZER_LIMIT
     ]
     return min(known) if known else None

@@ -22,5 +22,7 @@ def usable_device(device: str | torch.device, argument: str = "`device`") -> tor
         torch.empty(1, device=resolved)
     except Exception as err:  # noqa: BLE001 - e.g. "cuda" without a GPU, a device index that is not there
         reason = " ".join(str(err).split())
-        raise ValueError(f"{argument}: {str(resolved)!r} is not usable on this machine ({type(err).__name__}: {reason})") from None
+        raise ValueError(
+            f"{argument}: {str(resolved)!r} is not usable on this machine ({type(err).__name__}: {reason})"
+        ) from None
     return resolved

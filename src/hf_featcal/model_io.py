@@ -28,7 +28,7 @@ import os
 import re
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 #: A model, or where to load it from (local folder or hub id).
-ModelLike = Union[nn.Module, str, os.PathLike]
+ModelLike = nn.Module | str | os.PathLike
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -78,7 +78,7 @@ def library_checkpoint(name: str, argument: str) -> Any:
 
     try:
         return find_library_checkpoint(name)
-    except Exception as err:  # noqa: BLE001 - re-raised with the argument named
+    except Exception as err:
         raise ValueError(f"`{argument}`: cannot read the checkpoint {name!r}: {err}") from err
 
 
@@ -225,7 +225,7 @@ def load_model(
     if model_class is None:
         try:
             config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-        except Exception as err:  # noqa: BLE001 - re-raised with the argument named
+        except Exception as err:
             raise ValueError(f"`{argument}`: cannot load a model config from {path!r}: {err}") from err
         for name in getattr(config, "architectures", None) or []:
             candidate = getattr(transformers, name, None)
@@ -234,7 +234,7 @@ def load_model(
                 break
     try:
         return (model_class or AutoModel).from_pretrained(path, trust_remote_code=False)
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         raise ValueError(f"`{argument}`: cannot load the model at {path!r}: {err}") from err
 
 
@@ -244,7 +244,7 @@ def load_checkpoint(checkpoint: Checkpoint, argument: str) -> nn.Module:
         return load_model(checkpoint.name, argument)
     try:
         return checkpoint.library.load()
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         raise ValueError(f"`{argument}`: cannot load the model {checkpoint.library.name!r}: {err}") from err
 
 
@@ -274,7 +274,7 @@ class LazyTensors:
         self._stack: contextlib.ExitStack | None = None
         self._depth = 0  # nested `with`: the files close when the outermost exits
 
-    def __enter__(self) -> "LazyTensors":
+    def __enter__(self) -> LazyTensors:
         self._depth += 1
         if self._depth == 1:
             self._stack = contextlib.ExitStack()
@@ -354,7 +354,8 @@ def find_key_prefix(
 def _shared_leading_prefixes(keys: Sequence[str]) -> list[str]:
     """"", then every leading dotted prefix all `keys` share (shortest first; never a whole key)."""
     common: list[str] = []
-    for column in zip(*(k.split(".")[:-1] for k in keys)):
+    # strict=False: keys differ in depth, and only the depth all of them reach can be shared
+    for column in zip(*(k.split(".")[:-1] for k in keys), strict=False):
         if len(set(column)) != 1:
             break
         common.append(column[0])
@@ -421,7 +422,9 @@ class LoraAdapter:
         with open(os.path.join(folder, ADAPTER_CONFIG_NAME), encoding="utf-8") as handle:
             self.config = json.load(handle)
         if self.config.get("peft_type", "LORA") != "LORA":
-            raise ValueError(f"`{argument}`: only LoRA adapters are supported, got peft_type {self.config['peft_type']!r}.")
+            raise ValueError(
+                f"`{argument}`: only LoRA adapters are supported, got peft_type {self.config['peft_type']!r}."
+            )
         used = [key for key in self._UNSUPPORTED if self.config.get(key)]
         if used:
             raise ValueError(f"`{argument}`: LoRA adapters using {used} are not supported.")
@@ -435,7 +438,9 @@ class LoraAdapter:
         with self._tensors:  # an adapter is small: every tensor is checked now, before any use of it
             for key in self._shapes:
                 if not bool(torch.isfinite(self._tensors.read(key)).all()):
-                    raise ValueError(f"`{argument}`: the LoRA adapter {folder!r} has non-finite values (NaN/Inf) in {key!r}.")
+                    raise ValueError(
+                        f"`{argument}`: the LoRA adapter {folder!r} has non-finite values (NaN/Inf) in {key!r}."
+                    )
         suffix = ".lora_A.weight"
         # module path as the adapter names it (relative to the model it was trained on)
         self.modules = [k[len(_PEFT_PREFIX):-len(suffix)] for k in self._shapes if k.endswith(suffix)]
@@ -516,9 +521,15 @@ def lora_module_paths(
         for name, module in model.named_modules()
         if isinstance(getattr(module, "weight", None), torch.Tensor)
     }
-    biases = {name: tuple(m.bias.shape) for name, m in model.named_modules() if isinstance(getattr(m, "bias", None), torch.Tensor)}
+    biases = {
+        name: tuple(m.bias.shape)
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "bias", None), torch.Tensor)
+    }
     trained_on = adapter.trained_on
-    recorded = next((n for n, m in model.named_modules() if type(m).__name__ == trained_on), None) if trained_on else None
+    recorded = (
+        next((n for n, m in model.named_modules() if type(m).__name__ == trained_on), None) if trained_on else None
+    )
     roots: list[str] = [] if recorded is None else [recorded]
     strips: list[str] = [""]
     if layer_map is not None:
@@ -535,6 +546,7 @@ def lora_module_paths(
             )
         roots = [r for r in roots if r == within or r.startswith(within + ".")] or [within]
     # (module, where its shape is looked up, the shape the adapter needs there)
+    needs: list[tuple[str, dict[str, tuple[int, ...]], tuple[int, ...]]]
     needs = [(m, weights, adapter.weight_shape(m)) for m in adapter.modules]
     needs += [(m, biases, adapter.bias_shape(m)) for m in adapter.biases]
     for root in dict.fromkeys(roots):

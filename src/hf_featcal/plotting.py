@@ -52,7 +52,9 @@ def plot_drift(
     elif isinstance(report, Mapping):
         report = DriftReport.from_dict(dict(report))
     if not isinstance(report, DriftReport):
-        raise TypeError(f"`report` must be a DriftReport, its dict form or a saved report path, got {type(report).__name__}")
+        raise TypeError(
+            f"`report` must be a DriftReport, its dict form or a saved report path, got {type(report).__name__}"
+        )
     tasks = {t: s for t, s in report.tasks.items() if s.get("before") or s.get("after")}
     if not tasks:
         raise ValueError("the drift report has no values to plot (was it run with report_drift=False?)")

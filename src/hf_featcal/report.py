@@ -38,7 +38,9 @@ class DriftReport:
         return [
             task
             for task, stages in self.tasks.items()
-            if stages.get("head_before") and stages.get("head_after") and stages["head_after"][-1] > stages["head_before"][-1]
+            if stages.get("head_before")
+            and stages.get("head_after")
+            and stages["head_after"][-1] > stages["head_before"][-1]
         ]
 
     def to_dict(self) -> dict[str, Any]:
@@ -51,7 +53,7 @@ class DriftReport:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "DriftReport":
+    def from_dict(cls, data: dict[str, Any]) -> DriftReport:
         return cls({task: {k: list(v) for k, v in stages.items()} for task, stages in data["tasks"].items()})
 
     def save(self, save_directory: str | os.PathLike) -> str:
@@ -64,7 +66,7 @@ class DriftReport:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "DriftReport":
+    def load(cls, path: str | os.PathLike) -> DriftReport:
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, REPORT_NAME)
@@ -191,7 +193,9 @@ def license_of(name: str | None, model: Any = None) -> dict[str, str]:
         data = ModelCard.load(card_path, ignore_metadata_errors=True).data
     except Exception:  # noqa: BLE001 - an unreadable card carries no license
         return {}
-    return {key: str(getattr(data, key)) for key in ("license", "license_name", "license_link") if getattr(data, key, None)}
+    return {
+        key: str(getattr(data, key)) for key in ("license", "license_name", "license_link") if getattr(data, key, None)
+    }
 
 
 def pipeline_tag_of(model: Any) -> str | None:
@@ -212,7 +216,11 @@ def pipeline_tag_of(model: Any) -> str | None:
         if name in _class_names(mapping):
             return task
     if name in _class_names(MODEL_MAPPING_NAMES):
-        return "image-feature-extraction" if getattr(model, "main_input_name", None) == "pixel_values" else "feature-extraction"
+        return (
+            "image-feature-extraction"
+            if getattr(model, "main_input_name", None) == "pixel_values"
+            else "feature-extraction"
+        )
     return None
 
 
@@ -243,7 +251,7 @@ def build_model_card(
     experts: dict[str, CardModel],
     library_name: str = "transformers",
     pipeline_tag: str | None = None,
-    license: dict[str, str] | None = None,
+    license: dict[str, Any] | None = None,
     samples_per_task: dict[str, int],
     featcal_config: dict[str, Any],
     report: DriftReport | None,
@@ -265,8 +273,8 @@ def build_model_card(
         **(license or {}),
     )
     if parents:
-        data.base_model_relation = "merge"
-    data.featcal = {
+        data.base_model_relation = "merge"  # type: ignore[attr-defined]  # kept as extra card metadata
+    data.featcal = {  # type: ignore[attr-defined]
         "base_model": None if base is None else base.hub_id,
         "experts": {task: model.hub_id for task, model in experts.items()},
         "tasks": list(experts),
@@ -307,5 +315,5 @@ post-merging models, arXiv 2605.13030) using `hf_featcal`. Same architecture and
 ## Feature drift (mean ‖h_merged − h_expert‖ per token; what the head reads, relative to the expert)
 
 {drift}
-"""
+"""  # noqa: E501 - the card's paragraph as it is written
     return ModelCard(content)

@@ -83,6 +83,7 @@ def restore_on_failure(
             layout[ident] = (tensor.device, tensor.dtype)
             if ident in handed_over:  # the snapshot keeps this memory; the parameter goes on in a copy
                 original = tensor.detach()
+                assert isinstance(store, _MemorySnapshot)  # only a memory snapshot takes memory over
                 store.keep(f"tensor.{index}", original)
                 tensor.data = original.clone()
             else:
@@ -101,7 +102,12 @@ def restore_on_failure(
                     value = store.read(f"tensor.{index}")
                     if ident in handed_over:
                         tensor.data = value  # its original memory back
-                    elif tensor.is_meta or tensor.device != device or tensor.dtype != dtype or tensor.shape != value.shape:
+                    elif (
+                        tensor.is_meta
+                        or tensor.device != device
+                        or tensor.dtype != dtype
+                        or tensor.shape != value.shape
+                    ):
                         tensor.data = value.to(device=device, dtype=dtype)
                     else:
                         tensor.copy_(value)
@@ -225,7 +231,8 @@ class _DiskSnapshot:
         for key, entry in header.items():
             if key != "__metadata__":
                 start, stop = entry["data_offsets"]
-                self._entries[key] = (mapped, _SAFETENSORS_NAMES[entry["dtype"]], entry["shape"], 8 + length + start, stop - start)
+                self._entries[key] = (mapped, _SAFETENSORS_NAMES[entry["dtype"]], entry["shape"], 8 + length + start,
+                                      stop - start)
 
     def read(self, key: str) -> Tensor:
         if key not in self._entries:

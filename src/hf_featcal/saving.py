@@ -380,7 +380,9 @@ def push_staging(folder: str | os.PathLike) -> Iterator[str]:
     folder = os.fspath(folder)
     files = read_manifest(folder)
     if files is None:
-        raise ValueError(f"{folder!r} holds no hf_featcal save ({MANIFEST_NAME} is missing or unreadable): nothing is pushed.")
+        raise ValueError(
+            f"{folder!r} holds no hf_featcal save ({MANIFEST_NAME} is missing or unreadable): nothing is pushed."
+        )
     staging = os.path.join(folder, f"{_TEMPORARY_PREFIX}push-{uuid.uuid4().hex[:12]}")
     os.mkdir(staging)
     try:

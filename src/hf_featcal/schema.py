@@ -25,9 +25,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
-from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
@@ -117,7 +117,8 @@ _MERGE_FUNC = MergeParameter(
 )
 _DARE = (
     _SCALING_FACTOR,
-    MergeParameter("drop_rate", float, 0.9, "probability p of dropping each task-vector entry", interval=(0.0, 1.0, False, True)),
+    MergeParameter("drop_rate", float, 0.9, "probability p of dropping each task-vector entry",
+                   interval=(0.0, 1.0, False, True)),
     MergeParameter("rescale", bool, True, "rescale the kept entries (see rescale_mode)"),
     MergeParameter("seed", int, 0, "seed of the drop masks"),
     MergeParameter(
@@ -271,13 +272,16 @@ class RecipeKey:
             if value is None and nullable:
                 return None
             if not isinstance(value, str) or "/" not in value or not HUB_ID.match(value):
-                raise ValueError(f"must be a hub repo id such as 'me/my-model'{', or null' if nullable else ''}; got {value!r}")
+                raise ValueError(
+                    f"must be a hub repo id such as 'me/my-model'{', or null' if nullable else ''}; got {value!r}"
+                )
             return value
         raise TypeError(f"RecipeKey.check does not check {self.kind!r} values ({self.name})")
 
 
 _CALIBRATION_DATA = (
-    RecipeKey("dataset", "dataset", "calibration dataset; '{task}' is replaced by the task name (also in config and split)",
+    RecipeKey("dataset", "dataset",
+              "calibration dataset; '{task}' is replaced by the task name (also in config and split)",
               option="--data-default", metavar="DATASET"),
     RecipeKey("config", "str", "dataset config name (hub datasets)", nullable=True, option="--data-default-config",
               metavar="NAME"),
@@ -318,10 +322,12 @@ RECIPE_SECTIONS: dict[str, tuple[RecipeKey, ...]] = {
         RecipeKey("compare", "section", "the grid of hf-featcal compare RECIPE (ignored by run)"),
     ),
     "experts": (RecipeKey(TASK, "model", "the expert of this task"),),
-    "merge": (RecipeKey("method", "choice", "the merge method", required=True, choices=tuple(MERGE_PARAMETER_DECLARATIONS)),),
+    "merge": (RecipeKey("method", "choice", "the merge method", required=True,
+                        choices=tuple(MERGE_PARAMETER_DECLARATIONS)),),
     "calibration": (
         RecipeKey("default", "section", "applies to every task"),
-        RecipeKey("tasks", "mapping", "per-task entries override default; <task>: <dataset> is short for {dataset: ...}"),
+        RecipeKey("tasks", "mapping",
+                  "per-task entries override default; <task>: <dataset> is short for {dataset: ...}"),
     ),
     "calibration.default": _CALIBRATION_DATA,
     f"calibration.tasks.{TASK}": _CALIBRATION_DATA,
@@ -329,7 +335,8 @@ RECIPE_SECTIONS: dict[str, tuple[RecipeKey, ...]] = {
         RecipeKey("tasks", "list", "the evaluated tasks", value_text="[<task>, ...]", default_text="every expert"),
         RecipeKey("split", "str", "evaluation split", value_text="<split> | {<task>: <split>}",
                   default_text="clip / open_clip: test; flan_t5: validation (mnli: validation_matched)"),
-        RecipeKey("max_samples", "int", "evaluate a seeded random subset (seed 0) of at most this many examples per task",
+        RecipeKey("max_samples", "int",
+                  "evaluate a seeded random subset (seed 0) of at most this many examples per task",
                   minimum=1, nullable=True),
         RecipeKey("batch_size", "int", "evaluation batch size", minimum=1, default_text="the family's: {batch_sizes}"),
         RecipeKey("datasets", "mapping", "per-task evaluation data: <task>: <dataset> or a mapping",
@@ -338,13 +345,15 @@ RECIPE_SECTIONS: dict[str, tuple[RecipeKey, ...]] = {
                   value_text="{<task>: [<name>, ...]}"),
         RecipeKey("templates", "mapping", "zero-shot prompt templates with the placeholder {c}",
                   value_text="{<task>: [\"a photo of a {c}.\", ...]}"),
-        RecipeKey("clip_model", "model", "the CLIPModel whose text tower builds the zero-shot heads", default_text="base"),
+        RecipeKey("clip_model", "model", "the CLIPModel whose text tower builds the zero-shot heads",
+                  default_text="base"),
     ),
     f"evaluation.datasets.{TASK}": (
         RecipeKey("dataset", "dataset", "evaluation dataset", required=True),
         RecipeKey("config", "str", "dataset config name (hub datasets)", nullable=True),
         RecipeKey("split", "str", "evaluation split", default_text="evaluation.split"),
-        RecipeKey("image_column", "str", "the image column (renamed to image)", nullable=True, default_text="image / img"),
+        RecipeKey("image_column", "str", "the image column (renamed to image)", nullable=True,
+                  default_text="image / img"),
         RecipeKey("label_column", "str", "the label column (renamed to label)", nullable=True, default_text="label"),
     ),
     "compare": (
@@ -421,7 +430,7 @@ def _yaml_text(value: object) -> str:
     return str(value)
 
 
-def render_recipe_schema(indent: int = 0, featcal_fields: bool = True) -> str:
+def render_recipe_schema(indent: int = 0, featcal_fields: bool = True) -> str:  # noqa: C901 - one branch per key kind
     """The recipe schema as text (one line per key: ``name?: <value> [default]  # help``), from
     `RECIPE_SECTIONS`, `MERGE_PARAMETER_DECLARATIONS` and (with `featcal_fields`) the fields of
     `FeatCalConfig` with their defaults.
@@ -462,8 +471,8 @@ def render_recipe_schema(indent: int = 0, featcal_fields: bool = True) -> str:
             for field_ in dataclasses.fields(FeatCalConfig):
                 lines.append((1, f"{field_.name}?: [{_yaml_text(field_.default)}]", ""))
         elif key.name == "calibration":
-            default, tasks = RECIPE_SECTIONS["calibration"]
-            add(1, default)
+            default_key, tasks = RECIPE_SECTIONS["calibration"]
+            add(1, default_key)
             for entry in RECIPE_SECTIONS["calibration.default"]:
                 add(2, entry, "calibration.default")
             add(1, tasks)

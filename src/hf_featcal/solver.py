@@ -8,6 +8,7 @@ Callers pass the task-summed quantities; every function returns new tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 from torch import Tensor
@@ -63,7 +64,7 @@ def cholesky(lhs: Tensor, out: Tensor | None = None) -> tuple[Tensor, int]:
         work = out if out is lhs else out.copy_(lhs)
         work.tril_()
     edges = list(range(0, n, _CHOLESKY_BLOCK)) + [n]
-    for k, (start, stop) in enumerate(zip(edges, edges[1:])):
+    for k, (start, stop) in enumerate(pairwise(edges)):
         diagonal, info = torch.linalg.cholesky_ex(work[start:stop, start:stop])
         if int(info) != 0:
             return work, start + int(info)
@@ -74,7 +75,7 @@ def cholesky(lhs: Tensor, out: Tensor | None = None) -> tuple[Tensor, int]:
         # panel as (L11⁻¹ A21ᵀ)ᵀ: a left-side triangular solve runs ~3× faster than a right-side one
         panel = torch.linalg.solve_triangular(diagonal, work[stop:, start:stop].T, upper=False).T
         work[stop:, start:stop] = panel
-        for row0, row1 in zip(edges[k + 1 :], edges[k + 2 :]):
+        for row0, row1 in pairwise(edges[k + 1 :]):
             rows = panel[row0 - stop : row1 - stop]
             work[row0:row1, stop:row1].addmm_(rows, panel[: row1 - stop].T, alpha=-1.0)
     return work, 0
@@ -139,7 +140,13 @@ def solve_linear_weights(
     `work` as in `symmetric_solve`.
     """
     # (the anchor transposed into a contiguous copy first: an add reading it transposed is ~3× slower)
-    rhs = torch.cat([torch.add(r, a.T.to(r.dtype).contiguous(), alpha=lambda_ratio) for r, a in zip(rhs_sums, anchor_weights)], dim=1)
+    rhs = torch.cat(
+        [
+            torch.add(r, a.T.to(r.dtype).contiguous(), alpha=lambda_ratio)
+            for r, a in zip(rhs_sums, anchor_weights, strict=True)
+        ],
+        dim=1,
+    )
     solution, info = symmetric_solve(gram_sum, rhs, shift=lambda_ratio + epsilon, work=work)
     widths = [r.shape[1] for r in rhs_sums]
     return [part.T.contiguous() for part in torch.split(solution, widths, dim=1)], info
@@ -204,7 +211,9 @@ def solve_linear_bias(
     b = [Σ s_i (b_i + W_i μ_t,i − W μ_s,i) + λ A_b] / (Σ s_i + λ), with `target_sum` = Σ s_i (b_i + W_i μ_t,i)
     and `student_mean_sum` = Σ s_i μ_s,i.
     """
-    numerator = target_sum - weight.to(target_sum.dtype) @ student_mean_sum + lambda_ratio * anchor_bias.to(target_sum.dtype)
+    numerator = (
+        target_sum - weight.to(target_sum.dtype) @ student_mean_sum + lambda_ratio * anchor_bias.to(target_sum.dtype)
+    )
     return numerator / (scale_sum + lambda_ratio)
 
 

@@ -27,7 +27,6 @@ from ._kernels.gram import (
 )
 from .solver import task_scale
 
-
 # A reduction applied to a task's raw sums before they are turned into means (e.g. an all-reduce
 # across processes). Identity on one process.
 SumReducer = Callable[[list[Tensor]], list[Tensor]]
@@ -187,10 +186,16 @@ class LinearGroupStatistics:
         if self._from_outputs is None:
             self._from_outputs = from_outputs
         elif self._from_outputs != from_outputs:
-            raise ValueError(f"modules {list(self.modules)}: one task's batches must all bring the expert's outputs, or none")
+            raise ValueError(
+                f"modules {list(self.modules)}: one task's batches must all bring the expert's outputs, or none"
+            )
         device_type = torch.device(self.device).type
         # the sums' products in the dtypes chosen here, also when the caller holds fast mode's autocast
-        off = torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else contextlib.nullcontext()
+        off = (
+            torch.autocast(device_type, enabled=False)
+            if torch.is_autocast_enabled(device_type)
+            else contextlib.nullcontext()
+        )
         with off:
             self._add_batch(x_student, x_expert, alpha, weights, targets, expert_outputs)
 
@@ -281,7 +286,9 @@ class LinearGroupStatistics:
                 rhs.addr_(self._sx_s, expert.bias.to(device=self.device, dtype=self.dtype), alpha=-alpha)
             self._rhs_task[name] = rhs
 
-    def finish_task(self, targets: dict[str, LinearTargets], reduce: SumReducer = _identity_reducer) -> None:
+    def finish_task(  # noqa: C901 - the fold's optional parts (bias, norms, direct RHS) are each one branch
+        self, targets: dict[str, LinearTargets], reduce: SumReducer = _identity_reducer
+    ) -> None:
         """Fold the current task into the task sums, using the task's expert parameters."""
         alpha = self.teacher_alpha if self._alpha is None else self._alpha
         count = torch.tensor(float(self._count), dtype=self.dtype, device=self.device)
@@ -324,10 +331,12 @@ class LinearGroupStatistics:
         if self._gram_sum_upper is None:
             self._gram_sum_upper = gram.mul(scale)
         else:
-            for acc, block in zip(upper_blocks(self._gram_sum_upper), upper_blocks(gram)):
+            for acc, block in zip(upper_blocks(self._gram_sum_upper), upper_blocks(gram), strict=True):
                 acc.add_(block, alpha=scale)
         self._gram_sum = None
-        self.student_mean_sum = s_i * mu_s if self.student_mean_sum is None else self.student_mean_sum.add_(mu_s, alpha=s_i)
+        self.student_mean_sum = (
+            s_i * mu_s if self.student_mean_sum is None else self.student_mean_sum.add_(mu_s, alpha=s_i)
+        )
         self.scale_sum += s_i
         for index, name in enumerate(self.modules):
             expert = targets[name]
@@ -343,7 +352,9 @@ class LinearGroupStatistics:
             target = w_i @ mu_t
             if expert.bias is not None:
                 target = target + expert.bias.to(device=self.device, dtype=self.dtype)
-            self.bias_target_sum[name] = s_i * target if name not in self.bias_target_sum else self.bias_target_sum[name].add_(target, alpha=s_i)
+            self.bias_target_sum[name] = (
+                s_i * target if name not in self.bias_target_sum else self.bias_target_sum[name].add_(target, alpha=s_i)
+            )
         self._reset_task()
 
 

@@ -153,7 +153,7 @@ def encode_causal(tokenizer: Any, examples: Sequence[TextExample]) -> list[tuple
     """Per example ``(prompt_ids, answer_ids)``: the prompt through ``=``, the answer with ``</s>``."""
     prompts = tokenizer([prompt_text(e) for e in examples], add_special_tokens=False)["input_ids"]
     answers = tokenizer([e.target for e in examples], add_special_tokens=False)["input_ids"]
-    return [(p, a + [tokenizer.eos_token_id]) for p, a in zip(prompts, answers)]
+    return [(p, a + [tokenizer.eos_token_id]) for p, a in zip(prompts, answers, strict=True)]
 
 
 def collate_causal(
@@ -252,7 +252,8 @@ def train_causal_lm(
     """Train `model` in place as a causal LM on `examples` (loss on the answer tokens only) with
     :func:`scenarios.text.train_on_pairs`; returns it in eval mode."""
     pad_id = tokenizer.pad_token_id
-    return train_on_pairs(model, encode_causal(tokenizer, examples), lambda chunk: collate_causal(chunk, pad_id, "answer"),
+    return train_on_pairs(model, encode_causal(tokenizer, examples),
+                          lambda chunk: collate_causal(chunk, pad_id, "answer"),
                           steps, batch_size, lr, weight_decay, warmup, seed, use_cache=False)
 
 
@@ -293,7 +294,7 @@ def evaluate_causal_exact_match(
                     pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=eos,
                 )
-                for i, row in zip(chunk, out[:, length:].tolist()):
+                for i, row in zip(chunk, out[:, length:].tolist(), strict=True):
                     answer = row[: row.index(eos)] if eos in row else row
                     correct += tokenizer.decode(answer).strip() == examples[i].target
         scores[task] = 100.0 * correct / max(len(examples), 1)
@@ -349,7 +350,9 @@ class CausalScenario(ScenarioBase):
 
     config: CausalScenarioConfig
 
-    def calibration_data(self, positions: str | None = None, num_samples: int | None = None) -> dict[str, list[dict[str, Tensor]]]:
+    def calibration_data(
+        self, positions: str | None = None, num_samples: int | None = None
+    ) -> dict[str, list[dict[str, Tensor]]]:
         """Calibration batches per task, drawn as ``calibration_batches`` were, with other counted
         `positions` (``"predicting"`` / ``"answer"``) or another `num_samples`."""
         cfg = self.config
@@ -448,7 +451,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows, merged = scenario.score_rows()
     reports = {}
     for positions in CALIBRATION_POSITIONS if args.positions == "both" else (args.positions,):
-        calibrated, reports[positions], seconds = scenario.calibrate_with_defaults(merged, scenario.calibration_data(positions))
+        calibrated, reports[positions], seconds = scenario.calibrate_with_defaults(merged,
+                                                                                   scenario.calibration_data(positions))
         print(f"FeatCal ({positions} positions) in {seconds:.1f} s")
         rows[f"TA 0.3 + FeatCal ({positions})"] = scenario.evaluate(calibrated)
     scenario.print_scores(rows)

@@ -215,7 +215,7 @@ def generate_task_examples(
 def _encode(tokenizer: Any, examples: Sequence[TextExample]) -> list[tuple[list[int], list[int]]]:
     sources = tokenizer([e.source for e in examples])["input_ids"]
     targets = tokenizer([e.target for e in examples])["input_ids"]
-    return list(zip(sources, targets))
+    return list(zip(sources, targets, strict=True))
 
 
 def collate_examples(tokenizer: Any, examples: Sequence[TextExample]) -> dict[str, Tensor]:
@@ -400,7 +400,7 @@ def evaluate_exact_match(
                 max_new_tokens=max_new_tokens,
             )
             predictions = tokenizer.batch_decode(out, skip_special_tokens=True)
-            correct += sum(p.strip() == e.target for p, e in zip(predictions, chunk))
+            correct += sum(p.strip() == e.target for p, e in zip(predictions, chunk, strict=True))
         scores[task] = 100.0 * correct / max(len(examples), 1)
     scores["mean"] = sum(scores[t] for t in test_data) / max(len(test_data), 1)
     model.train(was_training)
@@ -513,7 +513,8 @@ class ScenarioBase(MergingScenario):
         start = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            calibrator = FeatCalCalibrator(merged, self.base, self.experts, batches, config=FeatCalConfig(), show_progress=False)
+            calibrator = FeatCalCalibrator(merged, self.base, self.experts, batches, config=FeatCalConfig(),
+                                           show_progress=False)
             calibrated = calibrator.calibrate()
         return calibrated, calibrator.report, time.perf_counter() - start
 
@@ -555,7 +556,8 @@ class TextScenario(ScenarioBase):
         return evaluate_exact_match(model, self.tokenizer, self.test_data, **kwargs)
 
 
-def scenario_splits(config: Any) -> tuple[dict[str, list[TextExample]], dict[str, list[TextExample]], dict[str, list[TextExample]]]:
+def scenario_splits(config: Any) -> tuple[dict[str, list[TextExample]], dict[str, list[TextExample]],
+                                          dict[str, list[TextExample]]]:
     """Per target task deterministic train/test examples, and the base's pretraining mix: the proxy
     tasks plus, when ``config.pretrain_target_max_length`` is set, the target tasks' short TRAIN
     examples. `config` has the fields of :class:`TextScenarioConfig` that describe data."""
@@ -610,7 +612,8 @@ def resolve_config(config: Any, default: Callable[[], Any], seed: int | None) ->
     return config
 
 
-def save_scenario_build(path: str, key: Mapping[str, Any], tokenizer: Any, base: Any, experts: Mapping[str, Any]) -> None:
+def save_scenario_build(path: str, key: Mapping[str, Any], tokenizer: Any, base: Any,
+                        experts: Mapping[str, Any]) -> None:
     """`save_build` of a text scenario: ``base/``, ``expert_<task>/`` and ``tokenizer/``."""
     models = {"base": base, **{f"expert_{task}": expert for task, expert in experts.items()}}
     save_build(path, key, models, lambda folder: tokenizer.save_pretrained(os.path.join(folder, "tokenizer")))
@@ -660,8 +663,8 @@ def build_text_scenario(
     ``pretrain_target_max_length``, the short train examples of the target tasks; one expert per task
     (a copy of the base fine-tuned for ``expert_steps``); FeatCal calibration batches from the train
     splits. With `cache_dir`, the tokenizer and models are saved there (``save_pretrained``: ``base/``,
-    ``expert_<task>/``, ``tokenizer/`` in ``text-scenario/``) and the models are reloaded on later calls with the same config
-    and vocabulary (else rebuilt and overwritten); data are always regenerated (cheap, deterministic).
+    ``expert_<task>/``, ``tokenizer/`` in ``text-scenario/``) and the models are reloaded on later calls with the
+    same config and vocabulary (else rebuilt and overwritten); data are always regenerated (cheap, deterministic).
     `seed`, when given, overrides ``config.seed`` (default 0).
     """
     start = time.perf_counter()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -32,12 +32,14 @@ class InferredLayerMap(LayerMap):
     def __init__(self, model: nn.Module, block_lists: list[str]) -> None:
         self.block_lists = block_lists
         self.main_input_name = getattr(model, "main_input_name", "input_ids")
-        self.model_types = (model.config.model_type,)
+        config: Any = model.config
+        self.model_types = (config.model_type,)
         # a key/value cache would be shared by the replays of a block: never build one
         self._no_cache = "use_cache" in inspect.signature(model.forward).parameters
 
     def stacks(self, tower: nn.Module) -> list[Stack]:
-        return [Stack(name, tower.get_submodule(name)) for name in self.block_lists]
+        # `infer_layer_map` chose these names among the model's ModuleLists
+        return [Stack(name, cast(nn.ModuleList, tower.get_submodule(name))) for name in self.block_lists]
 
     def model_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         inputs = {k: v for k, v in batch.items() if k not in _NOT_INPUTS}
@@ -80,11 +82,12 @@ def infer_layer_map(model: nn.Module) -> InferredLayerMap:
     layer_map.rms_norm_classes = tuple(
         {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("RMSNorm")}
     )
-    first = model.get_submodule(lists[0])[0]
+    first = cast(nn.ModuleList, model.get_submodule(lists[0]))[0]
     found = [f"{spec.name} ({spec.kind})" for spec in layer_map.block_modules(first)]
+    sizes = ", ".join(str(len(cast(nn.ModuleList, model.get_submodule(n)))) for n in lists)
     warnings.warn(
         f"{type(model).__name__} has no registered layer map; inferred blocks {lists} "
-        f"({', '.join(f'{len(model.get_submodule(n))}' for n in lists)} blocks) with modules {found}. "
+        f"({sizes} blocks) with modules {found}. "
         "Check that these are the blocks and norms to calibrate.",
         UserWarning,
         stacklevel=3,

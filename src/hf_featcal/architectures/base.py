@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .mha import attention_out_proj_called
 from ..streams import StreamBatch, capture_first_block_inputs
+from .mha import attention_out_proj_called
 
 LINEAR = "linear"
 LAYER_NORM = "layer_norm"
@@ -65,7 +65,8 @@ class ModuleSpec:
 
     def value(self, block: nn.Module, attr: str = "weight") -> Tensor | None:
         """This spec's weight or bias (attr 'weight' / 'bias') in `block`, None for a missing bias."""
-        tensor = getattr(block.get_submodule(self.owner), self.weight_attr if attr == "weight" else self.bias_attr, None)
+        tensor = getattr(block.get_submodule(self.owner), self.weight_attr if attr == "weight" else self.bias_attr,
+                         None)
         if tensor is None:
             return None
         tensor = tensor.detach()
@@ -74,6 +75,7 @@ class ModuleSpec:
     def shape(self, block: nn.Module) -> tuple[int, int]:
         """(out_features, in_features) of a Linear spec."""
         weight = self.value(block)
+        assert weight is not None  # a Linear spec's owner has a weight (the map found it there)
         return int(weight.shape[0]), int(weight.shape[1])
 
 
@@ -120,7 +122,7 @@ class LayerMap:
     implement `tower`; the defaults cover a plain stack of transformer blocks."""
 
     #: `config.model_type` values this map handles.
-    model_types: ClassVar[tuple[str, ...]] = ()
+    model_types: tuple[str, ...] = ()  # not ClassVar: an inferred map sets it per model
     #: Model classes without a transformers config (`module.QualName`) this map handles.
     model_classes: ClassVar[tuple[str, ...]] = ()
     #: The library that loads a saved model back (the model card's `library_name`).
@@ -128,7 +130,7 @@ class LayerMap:
     #: Batch keys the tower's forward takes.
     input_names: ClassVar[tuple[str, ...]] = ()
     #: The batch key whose leading dimension counts examples.
-    main_input_name: ClassVar[str] = "input_ids"
+    main_input_name: str = "input_ids"  # not ClassVar: an inferred map sets it per model
     #: Key/value projections (block-relative names): they keep weight 1 for every token in the last
     #: block of a pooled-head model, because the pooled token attends to all tokens.
     key_value_modules: ClassVar[tuple[str, ...]] = ()
@@ -137,7 +139,7 @@ class LayerMap:
     #: Config fields that must agree between the merged model and every expert / base.
     config_fields: ClassVar[tuple[str, ...]] = ()
     #: Norm classes (by class name) that are RMS norms: scale only, no centring.
-    rms_norm_classes: ClassVar[tuple[str, ...]] = ()
+    rms_norm_classes: tuple[str, ...] = ()  # not ClassVar: an inferred map sets it per model
 
     # ---------------------------------------------------------------- structure
     def tower(self, model: nn.Module) -> nn.Module:
@@ -160,7 +162,7 @@ class LayerMap:
 
     def save_model(self, model: nn.Module, output_dir: str | os.PathLike) -> None:
         """Save a calibrated model the way its library loads it back (`save_pretrained` here)."""
-        model.save_pretrained(output_dir)
+        model.save_pretrained(output_dir)  # type: ignore[operator]  # a transformers model's method
 
     def records_processing(self, processing_class: Any, output_dir: str) -> bool:
         """Whether the model files `save_model` wrote into `output_dir` already record
@@ -240,6 +242,7 @@ class LayerMap:
     def input_weights(self, module_name: str, state: StreamBatch) -> Tensor:
         """Token weights (B, N_in) of the positions a module reads. Default: the stream's own positions;
         a module reading another sequence (cross-attention keys/values) overrides this."""
+        assert state.weights is not None  # `enter_stack` gives every stream its weights
         return state.weights
 
     def required_batch_keys(self, model: nn.Module) -> tuple[str, ...]:

@@ -8,6 +8,8 @@ task's head beside the calibrated encoder.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from .base import LayerMap, Stack, register_layer_map
@@ -31,5 +33,5 @@ class BertLayerMap(LayerMap):
                 return inner
         return model
 
-    def stacks(self, tower: nn.Module) -> list[Stack]:
+    def stacks(self, tower: Any) -> list[Stack]:  # Any: submodules by the model class's attribute names
         return [Stack("encoder", tower.encoder.layer, pooled_token_index=0)]

@@ -47,7 +47,7 @@ class CLIPVisionLayerMap(LayerMap):
     def tower_config(self, config: Any) -> Any:
         return getattr(config, "vision_config", config)
 
-    def stacks(self, tower: nn.Module) -> list[Stack]:
+    def stacks(self, tower: Any) -> list[Stack]:  # Any: submodules by the model class's attribute names
         return [Stack("vision_encoder", tower.encoder.layers, pooled_token_index=0)]
 
     # ------------------------------------------------------------ zero-shot towers

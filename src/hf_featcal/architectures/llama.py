@@ -3,17 +3,16 @@
 One stack of decoder layers. Each stream enters it through its own model's forward, so it carries
 that model's rotary position embeddings and causal/padding mask. Padding (`attention_mask == 0`)
 weighs 0; a batch may also select the positions that count with `loss_mask` (1 = counts) or
-`labels` (-100 = does not count), e.g. only the response tokens of instruction data. Keys and values are then fitted on every position
-a counted position attends to (all non-padding positions up to the last counted one, by the causal
-mask) — the analogue of the pooled-token rule for key/value projections. RMS norms
-(also Qwen3's per-head q/k norms) use the scale-only closed form; q/k/v (grouped-query shapes
-included) and gate/up share their statistics.
+`labels` (-100 = does not count), e.g. only the response tokens of instruction data. Keys and values
+are then fitted on every position a counted position attends to (all non-padding positions up to the
+last counted one, by the causal mask) — the analogue of the pooled-token rule for key/value
+projections. RMS norms (also Qwen3's per-head q/k norms) use the scale-only closed form; q/k/v
+(grouped-query shapes included) and gate/up share their statistics.
 """
 
 from __future__ import annotations
 
 import copy
-
 from collections.abc import Mapping
 from typing import Any
 
@@ -71,6 +70,7 @@ class LlamaFamilyLayerMap(LayerMap):
     def input_weights(self, module_name: str, state: StreamBatch) -> Tensor:
         if self.weight_source(module_name) == "attended":
             return state.extras["attended_weights"]
+        assert state.weights is not None  # `enter_stack` gives every stream its weights
         return state.weights
 
     def enter_stack(
@@ -79,6 +79,7 @@ class LlamaFamilyLayerMap(LayerMap):
         state = super().enter_stack(tower, batch, stack_index, previous)
         if self.restricted_positions:
             padding = LayerMap.token_weights(self, batch, state.hidden, self.stacks(tower)[0])
+            assert state.weights is not None  # the base class's `enter_stack` sets them
             counted = (state.weights > 0).int()
             # a position is attended by a counted one when it is at or before the last counted position
             up_to_last = torch.flip(torch.cummax(torch.flip(counted, [1]), dim=1).values, [1])
@@ -89,7 +90,7 @@ class LlamaFamilyLayerMap(LayerMap):
         inner = getattr(model, "model", None)
         return inner if isinstance(inner, nn.Module) and hasattr(inner, "layers") else model
 
-    def stacks(self, tower: nn.Module) -> list[Stack]:
+    def stacks(self, tower: Any) -> list[Stack]:  # Any: submodules by the model class's attribute names
         return [Stack("decoder", tower.layers)]
 
     def model_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:

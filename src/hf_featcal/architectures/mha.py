@@ -21,7 +21,8 @@ def attention_out_proj_called(root: nn.Module) -> Iterator[None]:
     patched = [m for m in root.modules() if isinstance(m, nn.MultiheadAttention)]
     try:
         for module in patched:
-            module.forward = _forward_calling_out_proj(module)  # an instance attribute shadows the method
+            # an instance attribute shadows the method
+            module.forward = _forward_calling_out_proj(module)  # type: ignore[method-assign]
         yield
     finally:
         for module in patched:

@@ -75,9 +75,9 @@ class OpenCLIPVisionLayerMap(LayerMap):
         return getattr(model, "visual", model)
 
     def describe(self, model: nn.Module) -> OpenCLIPVisionGeometry:
-        tower = self.tower(model)
+        tower: Any = self.tower(model)  # Any: open_clip's attributes, which nn.Module's typing cannot see
         blocks = self._blocks(tower)
-        first = blocks[0]
+        first: Any = blocks[0]
         return OpenCLIPVisionGeometry(
             width=first.attn.embed_dim,
             layers=len(blocks),
@@ -95,13 +95,16 @@ class OpenCLIPVisionLayerMap(LayerMap):
         transformer = getattr(tower, "transformer", None)
         blocks = getattr(transformer, "resblocks", None)
         if not isinstance(blocks, nn.ModuleList) or not hasattr(tower, "pool_type"):
-            raise ValueError(f"{type(tower).__name__} is not an open_clip VisionTransformer (no transformer.resblocks).")
+            raise ValueError(
+                f"{type(tower).__name__} is not an open_clip VisionTransformer (no transformer.resblocks)."
+            )
         if not getattr(transformer, "batch_first", True):
             raise ValueError("open_clip towers built with batch_first=False are not supported.")
         for index, block in enumerate(blocks):
             if not isinstance(getattr(block, "attn", None), nn.MultiheadAttention):
                 raise ValueError(
-                    f"open_clip block {index} is a {type(block).__name__} with {type(getattr(block, 'attn', None)).__name__} "
+                    f"open_clip block {index} is a {type(block).__name__} with "
+                    f"{type(getattr(block, 'attn', None)).__name__} "
                     "attention; only ResidualAttentionBlock (nn.MultiheadAttention) blocks are supported."
                 )
         return blocks
@@ -130,7 +133,8 @@ class OpenCLIPVisionLayerMap(LayerMap):
             import open_clip
 
             with torch.device("meta"), _without_random_init_warning():
-                skeleton = open_clip.create_model(LOCAL_DIR + folder, load_weights=False, device="meta", pretrained_text=False)
+                skeleton = open_clip.create_model(LOCAL_DIR + folder, load_weights=False, device="meta",
+                                                  pretrained_text=False)
             return cls().describe(skeleton)
 
         return LibraryCheckpoint(name, lambda: load_open_clip(reference), files, describe)

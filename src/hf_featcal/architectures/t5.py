@@ -57,7 +57,7 @@ class T5LayerMap(LayerMap):
     )
     rms_norm_classes = ("T5LayerNorm",)
 
-    def stacks(self, tower: nn.Module) -> list[Stack]:
+    def stacks(self, tower: Any) -> list[Stack]:  # Any: submodules by the model class's attribute names
         stacks = [Stack("encoder", tower.encoder.block)]
         decoder = getattr(tower, "decoder", None)
         if decoder is not None:
@@ -73,10 +73,11 @@ class T5LayerMap(LayerMap):
     def input_weights(self, module_name: str, state: StreamBatch) -> Tensor:
         if module_name in _CROSS_KEY_VALUE:
             return state.extras["encoder_weights"]
+        assert state.weights is not None  # `enter_stack` gives every stream its weights
         return state.weights
 
     def enter_stack(
-        self, tower: nn.Module, batch: Mapping[str, Any], stack_index: int, previous: StreamBatch | None
+        self, tower: Any, batch: Mapping[str, Any], stack_index: int, previous: StreamBatch | None
     ) -> StreamBatch:
         encoder_mask = batch.get("attention_mask")
         input_ids = batch["input_ids"]

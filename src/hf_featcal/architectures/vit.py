@@ -8,6 +8,8 @@ calibrated backbone).
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from .base import LayerMap, Stack, register_layer_map
@@ -27,5 +29,5 @@ class ViTLayerMap(LayerMap):
     def tower(self, model: nn.Module) -> nn.Module:
         return getattr(model, "vit", model)
 
-    def stacks(self, tower: nn.Module) -> list[Stack]:
+    def stacks(self, tower: Any) -> list[Stack]:  # Any: submodules by the model class's attribute names
         return [Stack("encoder", tower.layers, pooled_token_index=0)]

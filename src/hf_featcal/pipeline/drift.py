@@ -64,8 +64,8 @@ def stream_drifts(
             head_sizes[i] += (e_sizes * head).sum()
     reduced = ctx.reduce([*totals, *counts, *head_totals, *head_sizes])
     n = len(merged)
-    drifts = [float(total / count) for total, count in zip(reduced[:n], reduced[n : 2 * n])]
-    heads = [float(total / size) if float(size) > 0 else 0.0 for total, size in zip(reduced[2 * n : 3 * n], reduced[3 * n :])]
+    drifts = [float(total / count) for total, count in zip(reduced[:n], reduced[n : 2 * n], strict=True)]
+    heads = [float(total / size) if float(size) > 0 else 0.0 for total, size in zip(reduced[2 * n : 3 * n], reduced[3 * n :], strict=True)]
     return drifts, heads
 
 
@@ -76,5 +76,5 @@ def record_drift(ctx: RunContext, drift: DriftLog, streams: Streams, pooled_toke
         (before, after), (head_before, head_after) = stream_drifts(
             ctx, [streams.given[task], streams.student[task]], streams.expert[task], pooled_token_index
         )
-        for stage, value in zip(DRIFT_STAGES, (before, after, head_before, head_after)):
+        for stage, value in zip(DRIFT_STAGES, (before, after, head_before, head_after), strict=True):
             entry.setdefault(stage, []).append(value)

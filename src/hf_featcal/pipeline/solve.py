@@ -78,7 +78,7 @@ def solve_block(
             stats.gram_sum, [stats.rhs_sum[name] for name in names], [anchor_of(name, "weight") for name in names], lam, eps,
             work=work,
         )
-        for name, weight in zip(names, weights):
+        for name, weight in zip(names, weights, strict=True):
             old = read_spec(ctx.parameters, block, specs[name], "weight").to(ctx.device)
             decrease = linear_objective_decrease(stats.gram_sum, old, weight, lam, eps, factor=info.factor)
             ctx.solve_log.append(

@@ -73,7 +73,9 @@ class ScenarioSettings:
 
     def cache_path(self, cache_dir: str | os.PathLike | None) -> str | None:
         """``cache_dir/<cache_name>-<cache_key()>``, or None without a `cache_dir`."""
-        return None if cache_dir is None else os.path.join(os.fspath(cache_dir), f"{self.cache_name}-{self.cache_key()}")
+        if cache_dir is None:
+            return None
+        return os.path.join(os.fspath(cache_dir), f"{self.cache_name}-{self.cache_key()}")
 
 
 @contextlib.contextmanager

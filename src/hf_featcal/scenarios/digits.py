@@ -55,8 +55,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import (MergingScenario, ScenarioSettings, build_or_load, load_heads, load_models, reproducible_training,
-                   save_build, save_heads, task_generator)
+from .base import (
+    MergingScenario,
+    ScenarioSettings,
+    build_or_load,
+    load_heads,
+    load_models,
+    reproducible_training,
+    save_build,
+    save_heads,
+    task_generator,
+)
 
 __all__ = [
     "DIGITS_TASKS",
@@ -572,7 +581,8 @@ def build_digits_scenario(
     )
 
     calibration = {
-        t: calibration_batches(data[t].train_images, calibration_samples, calibration_batch_size) for t in settings.tasks
+        t: calibration_batches(data[t].train_images, calibration_samples, calibration_batch_size)
+        for t in settings.tasks
     }
     calibration_sets = {t: calibration_dataset(data[t].train_images, calibration_samples) for t in settings.tasks}
     return DigitsScenario(

@@ -46,8 +46,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import (MergingScenario, ScenarioSettings, build_or_load, load_heads, load_models, quiet_transformers,
-                   reproducible_training, save_build, save_heads, task_generator)
+from .base import (
+    MergingScenario,
+    ScenarioSettings,
+    build_or_load,
+    load_heads,
+    load_models,
+    quiet_transformers,
+    reproducible_training,
+    save_build,
+    save_heads,
+    task_generator,
+)
 
 __all__ = [
     "MINILM_TASKS",
@@ -133,7 +143,7 @@ def _read_conversations(language: str, category: str) -> list[list[str]]:
     return out
 
 
-def _labelled_texts(task: str) -> tuple[dict[str, int], int]:
+def _labelled_texts(task: str) -> tuple[dict[str, int], int]:  # noqa: C901 - one corpus walk per task
     """text → label for one task (a text that would carry two labels is dropped), and the class count."""
     labels: dict[str, set[int]] = {}
 
