@@ -53,10 +53,10 @@ from typing import Any
 from .architectures import model_type_of
 from .architectures.families import ModelFamily, detect_family, family_names, get_family, image_family_names, iter_families
 from .config import FeatCalConfig
+from .merging import merge_methods
 from .schema import (
     FAMILY_KEY_ATTRIBUTES,
     HUB_ID,
-    MERGE_PARAMETER_DECLARATIONS,
     TASK,
     RecipeKey,
     check_integer,
@@ -529,10 +529,11 @@ def _show(value: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------- merge
-#: Merge methods of recipes and the parameters each takes, from the declarations in
-#: `hf_featcal.schema` (which `hf_featcal.merging` checks against its functions).
+#: Merge methods of recipes and the parameters each takes, from the merge-method registry (the methods
+#: that need no calibration data).
 MERGE_PARAMETERS: dict[str, tuple[str, ...]] = {
-    method: tuple(p.name for p in declared) for method, declared in MERGE_PARAMETER_DECLARATIONS.items()
+    method: tuple(p.name for p in declared.parameters)
+    for method, declared in merge_methods(calibration_data=False).items()
 }
 
 
@@ -550,8 +551,9 @@ def validate_merge_spec(method: str, params: Mapping[str, Any], validator: Any =
         RecipeError: naming ``merge.method`` or ``merge.<param>``.
     """
     v = validator if isinstance(validator, _Validator) else _Validator(None, os.getcwd())
-    if method not in MERGE_PARAMETER_DECLARATIONS:
-        raise v.error("merge.method", f"must be one of {list(MERGE_PARAMETER_DECLARATIONS)}, got {method!r}")
+    offered = list(merge_methods(calibration_data=False))
+    if method not in offered:
+        raise v.error("merge.method", f"must be one of {offered}, got {method!r}")
     declared = merge_parameters(method)
     out = {}
     for key, value in params.items():

@@ -16,24 +16,22 @@ features), run before the merge.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor, nn
+from ..params import MergeMethod, MergeParameter
+from ..registry import get_method, register
+from .average import simple_average
 
-from .architectures import LINEAR, get_layer_map, model_config
-from .config import FeatCalConfig
-from .data import prepare_batches, text_length_limit
-from .experts import module_device
-from .hooks import capture_module_inputs, eval_mode
-from .merging import simple_average
-from .offload import ModelParameters
-from .pipeline.checks import check_batches_enter_model, check_not_empty, check_tasks
-from .pipeline.context import RunContext, check_finite
-from .solver import symmetric_solve
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor, nn
 
 
-def _check_arguments(base_model: Any, experts: Any, calibration_data: Any, reduction: Any) -> None:
+def _check_arguments(base_model: Any, experts: Any, calibration_data: Any) -> None:
+    from torch import nn
+
+    from ...pipeline.checks import check_tasks
+
     if not isinstance(base_model, nn.Module):
         raise TypeError(f"`base_model` must be a torch module (the skeleton of the merge), got {type(base_model).__name__}.")
     if not isinstance(experts, Mapping) or not experts:
@@ -47,15 +45,19 @@ def _check_arguments(base_model: Any, experts: Any, calibration_data: Any, reduc
     if not isinstance(calibration_data, Mapping):
         raise TypeError("`calibration_data` must map each task to a datasets.Dataset or an iterable of batches.")
     check_tasks(experts, calibration_data)  # the calibrator's: every task has an expert and data
-    if isinstance(reduction, bool) or not isinstance(reduction, (int, float)) or not 0.0 <= float(reduction) <= 1.0:
-        raise ValueError(f"`reduction` must be a number in [0, 1], got {reduction!r}.")
 
 
 def expert_grams(
-    expert: nn.Module, batches: list[Mapping[str, Any]], *, dtype: torch.dtype = torch.float64
+    expert: nn.Module, batches: list[Mapping[str, Any]], *, dtype: torch.dtype | None = None
 ) -> dict[tuple[int, int, str], Tensor]:
     """Σ w·x xᵀ of the input of every Linear spec inside the blocks of `expert`, over its own forward
-    on `batches`; keyed by (stack, block, spec name)."""
+    on `batches`, in `dtype` (default float64); keyed by (stack, block, spec name)."""
+    import torch
+
+    from ...architectures import LINEAR, get_layer_map
+    from ...hooks import capture_module_inputs, eval_mode
+
+    dtype = torch.float64 if dtype is None else dtype
     layer_map = get_layer_map(expert, "experts").for_batches({"task": list(batches)})
     tower = layer_map.tower(expert)
     grams: dict[tuple[int, int, str], Tensor] = {}
@@ -109,7 +111,20 @@ def regmean_merging(
             head count, ...); after the task's Grams, before any solve: non-finite features
             (`FeatCalError`, naming the task, block and module).
     """
-    _check_arguments(base_model, experts, calibration_data, reduction)
+    import torch
+
+    from ...architectures import LINEAR, get_layer_map, model_config
+    from ...config import FeatCalConfig
+    from ...data import prepare_batches, text_length_limit
+    from ...experts import module_device
+    from ...offload import ModelParameters
+    from ...pipeline.checks import check_batches_enter_model, check_not_empty
+    from ...pipeline.context import RunContext, check_finite
+    from ...solver import symmetric_solve
+    from ..engine import record_merge
+
+    _check_arguments(base_model, experts, calibration_data)
+    (reduction,) = get_method("regmean").check(reduction=reduction)
     try:  # the same ranges as FeatCal's batching
         config = FeatCalConfig(num_samples_per_task=num_samples_per_task, batch_size=batch_size, seed=seed)
     except ValueError as err:
@@ -158,7 +173,14 @@ def regmean_merging(
                     target = getattr(module, spec.weight_attr)
                     rows = slice(None) if spec.rows is None else slice(*spec.rows)
                     target.data[rows] = solution.T.to(dtype=target.dtype, device=target.device)
-    config = getattr(merged, "config", None)
-    if config is not None:
-        config.hf_featcal_merge = {"method": "regmean", "reduction": float(reduction), "experts": list(experts)}
+    record_merge(merged, {"method": "regmean", "reduction": reduction, "experts": list(experts)})
     return merged
+
+
+METHOD = register(MergeMethod(
+    "regmean", regmean_merging, summary="closed-form least squares per Linear from each expert's input Grams",
+    reference="Jin et al., ICLR 2023, \"Dataless Knowledge Fusion by Merging Weights of Language Models\"",
+    parameters=(MergeParameter("reduction", float, 0.9, "scale r of the Grams' off-diagonal entries",
+                               interval=(0.0, 1.0, False, False)),),
+    paper_defaults={"reduction": 0.9}, needs_calibration_data=True,
+))
