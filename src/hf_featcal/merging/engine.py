@@ -133,7 +133,8 @@ def _open_lora_expert(
     missing = [t for t, key in by_tensor.items() if key not in base_state]
     if missing:
         raise ValueError(f"expert {name!r}: the LoRA adapter adapts modules the base model lacks: {missing[:3]}")
-    original = {by_tensor[f"{m}.weight"]: base_state[by_tensor[f"{m}.weight"]].detach().clone() for m in adapter.modules}
+    weights = [by_tensor[f"{m}.weight"] for m in adapter.modules]
+    original = {key: base_state[key].detach().clone() for key in weights}
     keys = {canonical[key]: tensor for tensor, key in by_tensor.items()}
 
     def fetch(tensor: str) -> torch.Tensor:
@@ -282,7 +283,8 @@ def merge_task_vectors(
                 base32 = target.detach().float()
                 delta = delta_fn(key, [(r, r.task_vector(key, base32)) for r in covering])
                 value = (base32 + scaling_factor * delta).to(target.dtype)
-                if not bool(torch.isfinite(value).all()):  # the inputs are finite (task_vector): the parameters overflow
+                # the inputs are finite (task_vector): the parameters overflow
+                if not bool(torch.isfinite(value).all()):
                     raise ValueError(
                         f"the merge is not finite (NaN/Inf) in {key!r} with `scaling_factor`={scaling_factor!r} "
                         f"({target.dtype}); refusing it: use a smaller `scaling_factor` (the base model and the "

@@ -117,7 +117,7 @@ def _drop_generator(seed: int, expert: str, key: str) -> torch.Generator:
 
     import torch
 
-    digest = hashlib.sha256(f"{seed}:{expert}:{key}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{seed}:{expert}:{key}".encode()).digest()
     return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 

@@ -33,7 +33,9 @@ def _check_arguments(base_model: Any, experts: Any, calibration_data: Any) -> No
     from ...pipeline.checks import check_tasks
 
     if not isinstance(base_model, nn.Module):
-        raise TypeError(f"`base_model` must be a torch module (the skeleton of the merge), got {type(base_model).__name__}.")
+        raise TypeError(
+            f"`base_model` must be a torch module (the skeleton of the merge), got {type(base_model).__name__}."
+        )
     if not isinstance(experts, Mapping) or not experts:
         raise ValueError("`experts` must be a non-empty mapping of task name → expert model.")
     for task, expert in experts.items():
@@ -151,7 +153,8 @@ def regmean_merging(
     for task, expert in experts.items():
         grams[task] = expert_grams(expert, batches[task])
         for (si, bi, name), gram in grams[task].items():  # NaN features: named here, not by the solver
-            check_finite(gram, f"features of calibration_data[{task!r}] entering block {bi} of {stack_names[si]}, module {name}")
+            where = f"features of calibration_data[{task!r}] entering block {bi} of {stack_names[si]}, module {name}"
+            check_finite(gram, where)
     towers = {task: layer_map.tower(expert) for task, expert in experts.items()}
     merged_tower = layer_map.tower(merged)
     with torch.no_grad():
@@ -168,7 +171,9 @@ def regmean_merging(
                         rhs = g @ weight.T if rhs is None else rhs + g @ weight.T
                     solution, _ = symmetric_solve(lhs, rhs)
                     if not bool(torch.isfinite(solution).all()):
-                        raise FloatingPointError(f"RegMean: non-finite solution for block {bi} of {stack.name}, {spec.name}.")
+                        raise FloatingPointError(
+                            f"RegMean: non-finite solution for block {bi} of {stack.name}, {spec.name}."
+                        )
                     module = block.get_submodule(spec.owner)
                     target = getattr(module, spec.weight_attr)
                     rows = slice(None) if spec.rows is None else slice(*spec.rows)
