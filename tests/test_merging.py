@@ -267,7 +267,7 @@ import hashlib  # noqa: E402
 
 from safetensors.torch import save_file  # noqa: E402
 
-import hf_featcal.merging as merging_module  # noqa: E402
+import hf_featcal.merging.engine as merging_engine  # noqa: E402
 from hf_featcal.merging import (  # noqa: E402
     MERGE_METHODS,
     dare_merging,
@@ -452,8 +452,8 @@ def test_kth_largest_magnitude_matches_topk():
         values = torch.cat(chunks)
         for k in (1, 2, values.numel() // 5, values.numel() // 2, values.numel()):
             expected = values.topk(k).values[-1].item()
-            assert merging_module._kth_largest_magnitude(lambda chunks=chunks: iter(chunks), k) == expected, (trial, k)
-    assert merging_module._kth_largest_magnitude(lambda: iter(chunks), 0) == math.inf
+            assert merging_engine.kth_largest_magnitude(lambda chunks=chunks: iter(chunks), k) == expected, (trial, k)
+    assert merging_engine.kth_largest_magnitude(lambda: iter(chunks), 0) == math.inf
 
 
 def test_tied_weights_are_merged_once_and_stay_tied():
@@ -583,8 +583,8 @@ def test_folders_give_the_same_merge_as_models(saved_setting, method, params, mo
     in_memory = merge_models(base, experts, method, **params)
 
     loads = []
-    real_load_model = merging_module.load_model
-    monkeypatch.setattr(merging_module, "load_model",
+    real_load_model = merging_engine.load_model
+    monkeypatch.setattr(merging_engine, "load_model",
                         lambda source, argument: loads.append(argument) or real_load_model(source, argument))
     from_folders = merge_models(base_path, paths, method, **params)
     assert loads == ["base_model"]  # experts with safetensors are read lazily, never loaded whole

@@ -220,7 +220,7 @@ def tiny_model_name(tmp_path):
 
 
 def test_open_clip_folders_read_lazily_saved_the_open_clip_way(generator, tmp_path, tiny_model_name, monkeypatch):
-    from hf_featcal import merging as merging_module
+    from hf_featcal.merging import engine as merging_engine
     from hf_featcal.architectures.openclip import CONFIG_NAME, WEIGHTS_NAME, OpenCLIPVisionLayerMap, load_open_clip
     from hf_featcal.experts import CheckpointSource
     from hf_featcal.merging import task_arithmetic
@@ -234,8 +234,8 @@ def test_open_clip_folders_read_lazily_saved_the_open_clip_way(generator, tmp_pa
         OpenCLIPVisionLayerMap().save_model(model, folders[name])
     # merging reads the open_clip folders too: the experts lazily, tensor by tensor, never loaded whole
     loads = []
-    real_load_model = merging_module.load_model
-    monkeypatch.setattr(merging_module, "load_model",
+    real_load_model = merging_engine.load_model
+    monkeypatch.setattr(merging_engine, "load_model",
                         lambda source, argument: loads.append(argument) or real_load_model(source, argument))
     merged = task_arithmetic(f"local-dir:{folders['base']}", {t: f"local-dir:{folders[t]}" for t in experts}, 0.3)
     monkeypatch.undo()

@@ -16,6 +16,7 @@ import torch
 
 import test_cli
 from hf_featcal import cli, recipes, schema
+from hf_featcal.merging import merge_methods
 from hf_featcal.recipes import RecipeError, parse_recipe
 from hf_featcal.schema import RECIPE_SECTIONS, TASK, recipe_keys
 from test_cli import TASKS, _recipe, _write
@@ -203,8 +204,8 @@ def test_run_help_lists_every_declared_key_with_its_default(monkeypatch):
         assert any(_normalised(key.help) in _normalised(line) for line in found), (section, name)
     for field in dataclasses.fields(__import__("hf_featcal.config", fromlist=["FeatCalConfig"]).FeatCalConfig):
         assert any(line.strip().startswith(f"{field.name}?: [") for line in lines), field.name
-    for parameters in schema.MERGE_PARAMETER_DECLARATIONS.values():
-        for parameter in parameters:
+    for method in merge_methods(calibration_data=False).values():
+        for parameter in method.parameters:
             assert any(line.strip().startswith(f"{parameter.name}?: {parameter.describe_range()} [") for line in lines)
 
 

@@ -99,7 +99,7 @@ def test_llama_padding_weighs_nothing(generator):
 
 def test_bad_arguments_are_named(generator):
     base, experts, _, data = build_clip_setting(generator)
-    with pytest.raises(ValueError, match="`reduction` must be a number in \\[0, 1\\]"):
+    with pytest.raises(ValueError, match="`reduction` must be in \\[0, 1\\], got 1.5"):
         regmean_merging(base, experts, data, reduction=1.5)
     with pytest.raises(TypeError, match=r"experts\['cars'\] must be an in-memory model"):
         regmean_merging(base, {**experts, "cars": "some/folder"}, data)

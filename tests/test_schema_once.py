@@ -1,5 +1,5 @@
-"""One declaration drives merging, recipes and the CLI: the merge parameters of `hf_featcal.schema`
-and the fields of `FeatCalConfig`."""
+"""One declaration drives merging, recipes and the CLI: the merge parameters each method's file
+registers (`hf_featcal.merging.registry`) and the fields of `FeatCalConfig`."""
 
 from __future__ import annotations
 
@@ -9,22 +9,15 @@ import re
 
 import pytest
 
-from hf_featcal import cli, merging, schema
+from hf_featcal import cli, merging
 from hf_featcal.config import FeatCalConfig
+from hf_featcal.merging import MergeParameter, merge_methods, registry
 from hf_featcal.recipes import RecipeError, parse_featcal, validate_merge_spec
 
 # every hub id passes the CLI's source check without a download; the merge flags are checked first
 _MERGE_ARGV = ["merge", "--base", "org/base", "--expert", "a=org/expert-a", "--output-dir", "unused-out"]
 
-_FUNCTIONS = {
-    "task_arithmetic": merging.task_arithmetic,
-    "ties": merging.ties_merging,
-    "dare": merging.dare_merging,
-    "dare_ties": merging.dare_ties_merging,
-}
-
-
-def _bad_value(parameter: schema.MergeParameter) -> object:
+def _bad_value(parameter: MergeParameter) -> object:
     """A value the declaration refuses, derived independently of `MergeParameter.check`."""
     if parameter.interval is not None:
         low, high, low_open, high_open = parameter.interval
@@ -32,7 +25,8 @@ def _bad_value(parameter: schema.MergeParameter) -> object:
     return {float: math.nan, int: 1.5, bool: 1, str: "no-such-choice"}[parameter.kind]
 
 
-_DECLARED = [(m, p) for m, ps in schema.MERGE_PARAMETER_DECLARATIONS.items() for p in ps]
+# the methods `merge` and recipes offer (a method that needs calibration data is the compare grid's)
+_DECLARED = [(m, p) for m, method in merge_methods(calibration_data=False).items() for p in method.parameters]
 
 
 def _normalised(text: str) -> str:
@@ -50,7 +44,7 @@ def test_a_bad_value_is_refused_alike_by_merging_the_recipe_and_the_cli(method, 
     bad = _bad_value(parameter)
     # merging: before any model is looked at (the base here is not even a model)
     with pytest.raises(ValueError) as from_merging:
-        _FUNCTIONS[method]("not-a-model", {}, **{parameter.name: bad})
+        merge_methods()[method].function("not-a-model", {}, **{parameter.name: bad})
     prefix = f"`{parameter.name}` "
     assert str(from_merging.value).startswith(prefix)
     problem = str(from_merging.value)[len(prefix):]
@@ -68,11 +62,11 @@ def test_a_bad_value_is_refused_alike_by_merging_the_recipe_and_the_cli(method, 
 
 def test_the_declared_range_is_the_one_enforced(monkeypatch, capsys):
     """Narrow `density` in the declaration only: merging, the recipe validator and the CLI all follow."""
-    ties = schema.MERGE_PARAMETER_DECLARATIONS["ties"]
+    ties = merge_methods()["ties"]
     narrowed = tuple(
-        dataclasses.replace(p, interval=(0.0, 0.5, True, False)) if p.name == "density" else p for p in ties
+        dataclasses.replace(p, interval=(0.0, 0.5, True, False)) if p.name == "density" else p for p in ties.parameters
     )
-    monkeypatch.setitem(schema.MERGE_PARAMETER_DECLARATIONS, "ties", narrowed)
+    monkeypatch.setitem(registry._METHODS, "ties", dataclasses.replace(ties, parameters=narrowed))
     with pytest.raises(ValueError, match=re.escape("`density` must be in (0, 0.5], got 0.6")):
         merging.ties_merging("not-a-model", {}, density=0.6)
     with pytest.raises(RecipeError, match=re.escape("merge.density: must be in (0, 0.5], got 0.6")):
@@ -82,19 +76,27 @@ def test_the_declared_range_is_the_one_enforced(monkeypatch, capsys):
     assert "(0, 0.5]" in _subcommand_help("merge")
 
 
-def test_declarations_match_the_merge_functions(monkeypatch):
-    """The import-time check compares names and defaults with each function's signature."""
-    merging._check_declarations()  # as shipped
-    drifted = tuple(dataclasses.replace(p, default=0.25) if p.name == "density" else p
-                    for p in schema.MERGE_PARAMETER_DECLARATIONS["ties"])
-    monkeypatch.setitem(schema.MERGE_PARAMETER_DECLARATIONS, "ties", drifted)
+def test_declarations_match_the_merge_functions():
+    """Registration compares names and defaults with each function's signature."""
+    for method in merge_methods().values():
+        method.check_declaration()  # as shipped
+    ties = merge_methods()["ties"]
+    drifted = tuple(dataclasses.replace(p, default=0.25) if p.name == "density" else p for p in ties.parameters)
     with pytest.raises(RuntimeError, match="ties"):
-        merging._check_declarations()
-    monkeypatch.undo()
-    missing = schema.MERGE_PARAMETER_DECLARATIONS["dare"][:-1]
-    monkeypatch.setitem(schema.MERGE_PARAMETER_DECLARATIONS, "dare", missing)
+        registry.register(dataclasses.replace(ties, parameters=drifted))
+    dare = merge_methods()["dare"]
     with pytest.raises(RuntimeError, match="rescale_mode"):
-        merging._check_declarations()
+        registry.register(dataclasses.replace(dare, parameters=dare.parameters[:-1]))
+    with pytest.raises(RuntimeError, match="undeclared parameters \\['density'\\]"):
+        registry.register(dataclasses.replace(dare, paper_defaults={"density": 0.2}))
+    with pytest.raises(ValueError, match="`drop_rate` must be in"):
+        registry.register(dataclasses.replace(dare, paper_defaults={"drop_rate": 1.0}))
+    regmean = merge_methods()["regmean"]  # the calibration arguments are not declared parameters
+    with pytest.raises(RuntimeError, match="batch_size"):
+        registry.register(dataclasses.replace(regmean, needs_calibration_data=False))
+    with pytest.raises(ValueError, match=r"names \['simple_average'\] are already registered"):
+        registry.register(dataclasses.replace(merge_methods()["task_arithmetic"], aliases=("simple_average",)))
+    assert list(merge_methods()) == ["average", "task_arithmetic", "ties", "dare", "dare_ties", "regmean"]
 
 
 def _subcommand_help(name: str) -> str:

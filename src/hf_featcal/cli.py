@@ -163,7 +163,7 @@ examples:
   hf-featcal compare --demo --real-weights            # the grid on the real MiniLM (see hf-featcal demo --help)
   hf-featcal compare examples/recipes/clip_vit_b32_ta8.yaml --output-dir clip-compare --device cuda
 
-Runs every merge method (average, task_arithmetic, ties, dare, dare_ties, regmean; each computed once)
+Runs every merge method ({methods}; each computed once)
 and then every post-merging step on it (none, featcal and, where this build offers it, featcal_module),
 scores each result per task (the demo: test accuracy; a recipe: its family's evaluation, e.g. CLIP
 zero-shot top-1 or GLUE), and prints one table with the experts' own scores as the ceiling and the
@@ -299,21 +299,23 @@ def _recipe_values(args: argparse.Namespace, section: str, dest_prefix: str) -> 
 
 
 def _merge_options() -> dict[str, list[tuple[str, Any]]]:
-    """Parameter name -> [(method, its declaration)], over every method, in declaration order."""
-    from .schema import MERGE_PARAMETER_DECLARATIONS
+    """Parameter name -> [(method, its declaration)], over every method ``merge`` offers (those that need
+    no calibration data), in registration and declaration order."""
+    from .merging import merge_methods
 
     options: dict[str, list[tuple[str, Any]]] = {}
-    for method, declared in MERGE_PARAMETER_DECLARATIONS.items():
-        for parameter in declared:
+    for method, declared in merge_methods(calibration_data=False).items():
+        for parameter in declared.parameters:
             options.setdefault(parameter.name, []).append((method, parameter))
     return options
 
 
 def _add_merge_options(parser: argparse.ArgumentParser) -> None:
-    """``--method`` and one flag per declared merge parameter (`hf_featcal.schema`)."""
-    from .schema import MERGE_PARAMETER_DECLARATIONS
+    """``--method`` and one flag per declared merge parameter (`hf_featcal.merging.registry`)."""
+    from .merging import merge_methods
 
-    parser.add_argument("--method", default="task_arithmetic", choices=list(MERGE_PARAMETER_DECLARATIONS),
+    offered = list(merge_methods(calibration_data=False))
+    parser.add_argument("--method", default="task_arithmetic", choices=offered,
                         help="merge method (default: task_arithmetic)")
     for name, users in _merge_options().items():
         parameter = users[0][1]
@@ -337,11 +339,12 @@ def _add_merge_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _merge_methods_table() -> str:
-    from .schema import MERGE_PARAMETER_DECLARATIONS
+    from .merging import merge_methods
 
     lines = ["methods and their parameters (default):"]
-    for method, declared in MERGE_PARAMETER_DECLARATIONS.items():
-        described = ", ".join(f"{p.flag} ({p.default!r})" for p in declared) or "no parameters (the mean of the experts)"
+    for method, declared in merge_methods(calibration_data=False).items():
+        flags = ", ".join(f"{p.flag} ({p.default!r})" for p in declared.parameters)
+        described = flags or f"no parameters ({declared.summary})"
         lines.append(f"  {method:<17} {described}")
     return "\n".join(lines)
 
@@ -349,6 +352,7 @@ def _merge_methods_table() -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The ``hf-featcal`` argument parser (one subparser per command)."""
     from . import __version__
+    from .merging import merge_methods
 
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -471,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a grid of merge methods × post-merging steps (none, FeatCal, ...) on the offline demo "
         "scenario or on a recipe's base, experts, calibration and evaluation data, and write one table "
         "(per task and mean, the experts as the ceiling), the drift per run, a bar chart and a JSON file.",
-        epilog=_COMPARE_EPILOG, formatter_class=_FORMATTER,
+        epilog=_COMPARE_EPILOG.format(methods=", ".join(merge_methods())), formatter_class=_FORMATTER,
     )
     p.add_argument("recipe", metavar="RECIPE", nargs="?", help="a recipe file (YAML); or give --demo")
     p.add_argument("--demo", action="store_true", help="the offline digits demo scenario (as hf-featcal demo)")

@@ -1,11 +1,12 @@
 """Which merge, and which post-merging step, is best for these experts? One grid, one table.
 
-`compare_post_merging` runs every merge method once (average, Task Arithmetic, TIES, DARE, DARE-TIES,
-RegMean), then every post-merging step on it (none, FeatCal, and FeatCal module-granular where this
-build offers it), scores each result with the caller's `evaluate`, and returns one table per task and
-mean, with the experts' own scores as the ceiling and each run's last-block drift. A combination that
-fails is recorded with its error and the grid goes on. `ComparisonResult.save` writes the table
-(Markdown), a JSON file and a bar chart PNG.
+`compare_post_merging` runs every registered merge method once (`hf_featcal.merging.merge_methods`:
+average, Task Arithmetic, TIES, DARE, DARE-TIES, RegMean) at its paper defaults, then every
+post-merging step on it (none, FeatCal, and FeatCal module-granular where this build offers it),
+scores each result with the caller's `evaluate`, and returns one table per task and mean, with the
+experts' own scores as the ceiling and each run's last-block drift. A combination that fails is
+recorded with its error and the grid goes on. `ComparisonResult.save` writes the table (Markdown), a
+JSON file and a bar chart PNG.
 """
 
 from __future__ import annotations
@@ -21,45 +22,40 @@ from typing import Any
 
 from torch import nn
 
-from .schema import MergeParameter, merge_parameters
-
-#: merge method → its parameters (the defaults of the paper settings)
-DEFAULT_MERGES: dict[str, dict[str, Any]] = {
-    "average": {},
-    "task_arithmetic": {"scaling_factor": 0.3},
-    "ties": {"scaling_factor": 0.3, "density": 0.2},
-    "dare": {"scaling_factor": 0.3, "drop_rate": 0.9},
-    "dare_ties": {"scaling_factor": 0.3, "drop_rate": 0.9},
-    "regmean": {"reduction": 0.9},
-}
+from .merging import MergeParameter, get_method, merge_methods
 
 
-#: RegMean's parameter in the grid (its data, sample count, batch size and seed are FeatCal's)
-REGMEAN_PARAMETERS: tuple[MergeParameter, ...] = (
-    MergeParameter("reduction", float, 0.9, "scale r of the Grams' off-diagonal entries", interval=(0.0, 1.0, False, False)),
-)
+def default_merges() -> dict[str, dict[str, Any]]:
+    """Merge method → its parameters in the grid (the paper settings each method declares), every
+    registered method in registration order."""
+    return {name: dict(method.paper_defaults) for name, method in merge_methods().items()}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DEFAULT_MERGES":  # `default_merges()`, read when asked: a method registered later is in it
+        return default_merges()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def grid_merge_parameters(method: str) -> dict[str, MergeParameter]:
     """Name → declaration of the parameters the grid's merge `method` (a `DEFAULT_MERGES` name) takes."""
-    if method == "regmean":
-        return {p.name: p for p in REGMEAN_PARAMETERS}
-    return merge_parameters(method)
+    return get_method(method).declared()
 
 
 def check_merges(merges: Mapping[str, Mapping[str, Any]] | Sequence[str] | None) -> dict[str, dict[str, Any]]:
     """The grid's method → parameters, every method, parameter name and value checked against its
     declaration before any merge is built; names (with `DEFAULT_MERGES` parameters) or a mapping.
     Raises ValueError naming ``merges`` and the method and parameter."""
+    defaults = default_merges()
     if merges is None:
-        return copy.deepcopy(DEFAULT_MERGES)
+        return defaults
     if isinstance(merges, str) or not isinstance(merges, (Mapping, Sequence)):
         raise ValueError(f"`merges` must be method names or a mapping method → parameters, got {merges!r}.")
-    unknown = [m for m in merges if m not in DEFAULT_MERGES]
+    unknown = [m for m in merges if m not in defaults]
     if unknown:
-        raise ValueError(f"`merges`: unknown methods {unknown}; known: {sorted(DEFAULT_MERGES)}.")
+        raise ValueError(f"`merges`: unknown methods {unknown}; known: {sorted(defaults)}.")
     if not isinstance(merges, Mapping):
-        return {m: dict(DEFAULT_MERGES[m]) for m in merges}
+        return {m: defaults[m] for m in merges}
     checked: dict[str, dict[str, Any]] = {}
     for method, params in merges.items():
         if not isinstance(params, Mapping):
@@ -156,14 +152,12 @@ class ComparisonResult:
 
 def _merge(method: str, params: Mapping[str, Any], base: nn.Module, experts: Mapping[str, Any],
            calibration_data: Mapping[str, Any], featcal_config: Any, processing_class: Any) -> nn.Module:
-    if method == "regmean":
-        from .regmean import regmean_merging
-
-        return regmean_merging(base, experts, calibration_data, num_samples_per_task=featcal_config.num_samples_per_task,
-                               batch_size=featcal_config.batch_size, seed=featcal_config.seed,
-                               processing_class=processing_class, **params)
     from .merging import merge_models
 
+    if get_method(method).needs_calibration_data:  # the grid's calibration data, batched as FeatCal batches it
+        params = {**params, "calibration_data": calibration_data,
+                  "num_samples_per_task": featcal_config.num_samples_per_task, "batch_size": featcal_config.batch_size,
+                  "seed": featcal_config.seed, "processing_class": processing_class}
     return merge_models(base, experts, method, **params)
 
 
@@ -185,7 +179,8 @@ def compare_post_merging(
 
     Args:
         base, experts: the pre-trained model and task → fine-tuned expert (in memory).
-        calibration_data: task → calibration data, as for `FeatCalCalibrator` (also RegMean's data).
+        calibration_data: task → calibration data, as for `FeatCalCalibrator` (also the data of a
+            merge method that needs it, such as RegMean).
         evaluate: model → {task: score} (higher is better; a "mean" key, if any, is ignored and
             recomputed as the plain mean over the tasks).
         merges: method names (with `DEFAULT_MERGES` parameters) or method → parameters (`check_merges`).

@@ -1,9 +1,9 @@
-"""The recipe schema and the merge-method parameters, declared once: name, type, range or choices,
-default and help.
+"""The recipe schema, declared once: name, type, range or choices, default and help.
 
-* `MERGE_PARAMETER_DECLARATIONS`: `hf_featcal.merging` checks its arguments with them (and checks at
-  import that they match its functions' signatures), `hf_featcal.recipes` validates a recipe's
-  ``merge`` section with them, and `hf_featcal.cli` generates the ``hf-featcal merge`` flags.
+* The merge methods and their parameters are declared by each method's file in
+  `hf_featcal.merging.methods` and read from the registry (`merge_parameters`): `hf_featcal.merging`
+  checks its arguments with them, `hf_featcal.recipes` validates a recipe's ``merge`` section with
+  them, and `hf_featcal.cli` generates the ``hf-featcal merge`` flags.
 * `RECIPE_SECTIONS`: every other recipe key (the ``featcal`` section is `FeatCalConfig`'s fields).
   `hf_featcal.recipes` validates a recipe with them (the keys a section allows, the required ones,
   each scalar's type, range and default), `render_recipe_schema` writes the schema of the recipes
@@ -23,17 +23,17 @@ field for both), and this module must stay import-light (no torch, no pydantic) 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Any
+
+from .merging import MergeParameter, get_method, merge_methods
+from .merging.params import show_value as _show
 
 __all__ = [
     "MergeParameter",
-    "MERGE_PARAMETER_DECLARATIONS",
-    "MERGE_METHOD_ALIASES",
     "RECIPE_SECTIONS",
     "RecipeKey",
     "TASK",
@@ -48,107 +48,15 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class MergeParameter:
-    """One parameter of a merge method.
-
-    ``kind`` is ``float``, ``int``, ``bool`` or ``str``; a float may carry an ``interval``
-    ``(low, high, low_open, high_open)``; a str takes one of ``choices``.
-    """
-
-    name: str
-    kind: type
-    default: Any
-    help: str
-    interval: tuple[float, float, bool, bool] | None = None
-    choices: tuple[str, ...] = ()
-    metavar: str | None = None
-
-    @property
-    def flag(self) -> str:
-        """The ``hf-featcal merge`` option; a bool that defaults to True is switched off by ``--no-NAME``."""
-        dashed = self.name.replace("_", "-")
-        return f"--no-{dashed}" if self.kind is bool and self.default is True else f"--{dashed}"
-
-    def describe_range(self) -> str:
-        if self.interval is not None:
-            low, high, low_open, high_open = self.interval
-            return ("(" if low_open else "[") + f"{low:g}, {high:g}" + (")" if high_open else "]")
-        if self.choices:
-            return " | ".join(self.choices)
-        return {float: "finite real", int: "integer", bool: "true | false"}.get(self.kind, self.kind.__name__)
-
-    def check(self, value: object) -> Any:
-        """``value`` normalised to ``kind``; ValueError with the problem (without the name) otherwise."""
-        if self.kind is bool:
-            if not isinstance(value, bool):
-                raise ValueError(f"must be true or false, got {_show(value)}")
-            return value
-        if self.kind is int:
-            if isinstance(value, bool) or not isinstance(value, Integral):
-                raise ValueError(f"must be an integer, got {_show(value)}")
-            return int(value)
-        if self.kind is str:
-            if not isinstance(value, str) or value not in self.choices:
-                raise ValueError(f"must be one of {', '.join(repr(c) for c in self.choices)}, got {_show(value)}")
-            return value
-        if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
-            raise ValueError(f"must be a finite real number, got {_show(value)}")
-        number = float(value)
-        if self.interval is not None:
-            low, high, low_open, high_open = self.interval
-            if (number <= low if low_open else number < low) or (number >= high if high_open else number > high):
-                raise ValueError(f"must be in {self.describe_range()}, got {value!r}")
-        return number
-
-
-def _show(value: object) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-# λ is a small weight in practice (papers and peers use about 0.1-3, negation about -1); the range only
-# refuses what can be no more than a typo (1e300 gives a merge full of Inf)
-_SCALING_FACTOR = MergeParameter(
-    "scaling_factor", float, 0.3, "task-vector scaling λ: theta = theta_0 + λ·merged task vector", metavar="λ",
-    interval=(-100.0, 100.0, False, False),
-)
-_MERGE_FUNC = MergeParameter(
-    "merge_func", str, "mean", "how the sign-elected entries combine: disjoint mean or sum", choices=("mean", "sum")
-)
-_DARE = (
-    _SCALING_FACTOR,
-    MergeParameter("drop_rate", float, 0.9, "probability p of dropping each task-vector entry",
-                   interval=(0.0, 1.0, False, True)),
-    MergeParameter("rescale", bool, True, "rescale the kept entries (see rescale_mode)"),
-    MergeParameter("seed", int, 0, "seed of the drop masks"),
-    MergeParameter(
-        "rescale_mode", str, "keep_rate",
-        "keep_rate: divide kept entries by 1 − p; l1: keep each tensor's L1 norm", choices=("keep_rate", "l1"),
-    ),
-)
-
-#: Merge method -> its parameters, in the order of the merge function's signature.
-MERGE_PARAMETER_DECLARATIONS: dict[str, tuple[MergeParameter, ...]] = {
-    "average": (),
-    "task_arithmetic": (_SCALING_FACTOR,),
-    "ties": (
-        _SCALING_FACTOR,
-        MergeParameter("density", float, 0.2, "fraction of task-vector entries kept by the magnitude trim",
-                       interval=(0.0, 1.0, True, False)),
-        MergeParameter("per_tensor_trim", bool, False, "trim each tensor on its own (else over the whole task vector)"),
-        _MERGE_FUNC,
-    ),
-    "dare": _DARE,
-    "dare_ties": (*_DARE, dataclasses.replace(_MERGE_FUNC, default="sum")),
-}
-
-#: Other accepted method names (``config.hf_featcal_merge`` records use them) -> the declared method.
-MERGE_METHOD_ALIASES: dict[str, str] = {"simple_average": "average"}
-
-
 def merge_parameters(method: str) -> dict[str, MergeParameter]:
-    """Name -> declaration of ``method``'s parameters (aliases resolved); KeyError for an unknown method."""
-    return {p.name: p for p in MERGE_PARAMETER_DECLARATIONS[MERGE_METHOD_ALIASES.get(method, method)]}
+    """Name -> declaration of ``method``'s parameters (aliases resolved), from the merge-method registry;
+    KeyError for an unknown method."""
+    return get_method(method).declared()
+
+
+def _merge_method_names() -> tuple[str, ...]:
+    """The methods a recipe's ``merge`` section takes (those that need no calibration data)."""
+    return tuple(merge_methods(calibration_data=False))
 
 
 # ======================================================================== the recipe sections
@@ -217,18 +125,23 @@ class RecipeKey:
     value_text: str | None = None
     option: str | None = None
     metavar: str | None = None
+    choices_of: Callable[[], tuple[str, ...]] | None = None
 
     @property
     def flag(self) -> str:
         """The command-line flag that sets this key."""
         return self.option or "--" + self.name.replace("_", "-")
 
+    def allowed(self) -> tuple[str, ...]:
+        """The choices, read when asked from ``choices_of`` where given (a registry that may grow)."""
+        return self.choices_of() if self.choices_of is not None else self.choices
+
     def describe_value(self) -> str:
         """E.g. ``clip | flan_t5 | open_clip``, ``<int ≥ 1 or null>``."""
         if self.value_text is not None:
             return self.value_text
-        if self.choices:
-            return " | ".join(self.choices)
+        if self.allowed():
+            return " | ".join(self.allowed())
         if self.kind == "int":
             bound = f" ≥ {self.minimum}" if self.minimum is not None else ""
             return f"<int{bound}{' or null' if self.nullable else ''}>"
@@ -255,8 +168,8 @@ class RecipeKey:
         if self.kind == "str":
             return check_string(value, nullable)
         if self.kind == "choice":
-            if value not in self.choices:
-                raise ValueError(f"must be one of {list(self.choices)}, got {value!r}")
+            if value not in self.allowed():
+                raise ValueError(f"must be one of {list(self.allowed())}, got {value!r}")
             return value
         if self.kind == "folder":
             if not isinstance(value, str) or not value:
@@ -299,7 +212,7 @@ _CALIBRATION_DATA = (
 
 #: Section path -> its keys, in the order the schema shows them. ``""`` is the top level; ``<task>``
 #: stands for an expert's task name; ``merge`` holds ``method`` and the method's parameters
-#: (`MERGE_PARAMETER_DECLARATIONS`), ``featcal`` the fields of `FeatCalConfig`.
+#: (`merge_parameters`), ``featcal`` the fields of `FeatCalConfig`.
 RECIPE_SECTIONS: dict[str, tuple[RecipeKey, ...]] = {
     "": (
         # choices: the registered families (`declare_families`)
@@ -322,8 +235,7 @@ RECIPE_SECTIONS: dict[str, tuple[RecipeKey, ...]] = {
         RecipeKey("compare", "section", "the grid of hf-featcal compare RECIPE (ignored by run)"),
     ),
     "experts": (RecipeKey(TASK, "model", "the expert of this task"),),
-    "merge": (RecipeKey("method", "choice", "the merge method", required=True,
-                        choices=tuple(MERGE_PARAMETER_DECLARATIONS)),),
+    "merge": (RecipeKey("method", "choice", "the merge method", required=True, choices_of=_merge_method_names),),
     "calibration": (
         RecipeKey("default", "section", "applies to every task"),
         RecipeKey("tasks", "mapping",
@@ -432,7 +344,7 @@ def _yaml_text(value: object) -> str:
 
 def render_recipe_schema(indent: int = 0, featcal_fields: bool = True) -> str:  # noqa: C901 - one branch per key kind
     """The recipe schema as text (one line per key: ``name?: <value> [default]  # help``), from
-    `RECIPE_SECTIONS`, `MERGE_PARAMETER_DECLARATIONS` and (with `featcal_fields`) the fields of
+    `RECIPE_SECTIONS`, the merge methods' declarations and (with `featcal_fields`) the fields of
     `FeatCalConfig` with their defaults.
 
     ``?`` marks an optional key, brackets its default; ``<task>`` is an expert's task name."""
@@ -457,8 +369,8 @@ def render_recipe_schema(indent: int = 0, featcal_fields: bool = True) -> str:  
         elif key.name == "merge":
             add(1, RECIPE_SECTIONS["merge"][0])
             users: dict[str, list[tuple[str, MergeParameter]]] = {}
-            for method, declared in MERGE_PARAMETER_DECLARATIONS.items():
-                for parameter in declared:
+            for method, declared in merge_methods(calibration_data=False).items():
+                for parameter in declared.parameters:
                     users.setdefault(parameter.name, []).append((method, parameter))
             for pname, owners in users.items():
                 parameter = owners[0][1]

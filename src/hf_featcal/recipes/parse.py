@@ -16,9 +16,9 @@ from typing import Any
 
 from ..config import FeatCalConfig
 from ..families import ModelFamily, get_family, iter_families, source_schemes
+from ..merging import merge_methods
 from ..schema import (
     FAMILY_KEY_ATTRIBUTES,
-    MERGE_PARAMETER_DECLARATIONS,
     TASK,
     merge_parameters,
     recipe_key,
@@ -278,10 +278,11 @@ def parse_recipe(
 
 
 # ---------------------------------------------------------------------------------- merge
-#: Merge methods of recipes and the parameters each takes, from the declarations in
-#: `hf_featcal.schema` (which `hf_featcal.merging` checks against its functions).
+#: Merge methods of recipes and the parameters each takes, from the merge-method registry (the methods
+#: that need no calibration data).
 MERGE_PARAMETERS: dict[str, tuple[str, ...]] = {
-    method: tuple(p.name for p in declared) for method, declared in MERGE_PARAMETER_DECLARATIONS.items()
+    method: tuple(p.name for p in declared.parameters)
+    for method, declared in merge_methods(calibration_data=False).items()
 }
 
 
@@ -299,8 +300,9 @@ def validate_merge_spec(method: str, params: Mapping[str, Any], validator: KeyCh
         RecipeError: naming ``merge.method`` or ``merge.<param>``.
     """
     v = validator if isinstance(validator, KeyChecker) else KeyChecker()
-    if method not in MERGE_PARAMETER_DECLARATIONS:
-        raise v.error("merge.method", f"must be one of {list(MERGE_PARAMETER_DECLARATIONS)}, got {method!r}")
+    offered = list(merge_methods(calibration_data=False))
+    if method not in offered:
+        raise v.error("merge.method", f"must be one of {offered}, got {method!r}")
     declared = merge_parameters(method)
     out = {}
     for key, value in params.items():
