@@ -22,13 +22,12 @@ from typing import Any
 
 from torch import nn
 
-from .merging import MergeParameter, get_method, merge_methods
+from .merging import MergeParameter, get_method, paper_defaults
+from .recipes.spec import POST_MERGING_STEPS
 
-
-def default_merges() -> dict[str, dict[str, Any]]:
-    """Merge method → its parameters in the grid (the paper settings each method declares), every
-    registered method in registration order."""
-    return {name: dict(method.paper_defaults) for name, method in merge_methods().items()}
+#: Merge method → its parameters in the grid (the paper settings each method declares), every
+#: registered method in registration order.
+default_merges = paper_defaults
 
 
 def __getattr__(name: str) -> Any:
@@ -90,12 +89,8 @@ def markdown_cell(text: str) -> str:
 
 
 def post_merging_steps() -> tuple[str, ...]:
-    """The post-merging steps this build offers: "none", "featcal" and, when `FeatCalConfig` has a
-    `granularity` field, "featcal_module"."""
-    from .config import FeatCalConfig
-
-    names = {f.name for f in dataclasses.fields(FeatCalConfig)}
-    return ("none", "featcal", "featcal_module") if "granularity" in names else ("none", "featcal")
+    """The post-merging steps the grid offers: "none", "featcal" and "featcal_module"."""
+    return POST_MERGING_STEPS
 
 
 @dataclass

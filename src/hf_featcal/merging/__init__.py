@@ -26,7 +26,7 @@ from .methods.regmean import regmean_merging
 from .methods.task_arithmetic import task_arithmetic
 from .methods.ties import ties_merging
 from .params import CALIBRATION_ARGUMENTS, MERGE_CONFIG_ATTRIBUTE, MergeMethod, MergeParameter
-from .registry import get_method, merge_methods, register
+from .registry import get_method, merge_methods, paper_defaults, register
 
 if TYPE_CHECKING:
     from torch import nn
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from ..model_io import ModelLike, find_key_prefix
 
 __all__ = [
+    "paper_defaults",
     "task_arithmetic",
     "simple_average",
     "ties_merging",

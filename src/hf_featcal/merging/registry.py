@@ -3,9 +3,11 @@ the schema, the CLI, recipes, `compare` and `merge_models` read them here (in re
 
 from __future__ import annotations
 
+from typing import Any
+
 from .params import MergeMethod
 
-__all__ = ["get_method", "merge_methods", "register"]
+__all__ = ["get_method", "merge_methods", "paper_defaults", "register"]
 
 _METHODS: dict[str, MergeMethod] = {}
 
@@ -33,3 +35,9 @@ def merge_methods(*, calibration_data: bool | None = None) -> dict[str, MergeMet
     """Name -> method, in registration order; only those that need calibration data (True) or that do
     not (False: the methods ``hf-featcal merge`` and a recipe's ``merge`` section offer)."""
     return {n: m for n, m in _METHODS.items() if calibration_data in (None, m.needs_calibration_data)}
+
+
+def paper_defaults() -> dict[str, dict[str, Any]]:
+    """Merge method → the parameters its paper uses (what each method declares), every registered
+    method in registration order: the grid of `hf_featcal.compare` and of a recipe's `compare` section."""
+    return {name: dict(method.paper_defaults) for name, method in _METHODS.items()}

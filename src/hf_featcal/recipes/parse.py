@@ -16,7 +16,7 @@ from typing import Any
 
 from ..config import FeatCalConfig
 from ..families import ModelFamily, get_family, iter_families, source_schemes
-from ..merging import merge_methods
+from ..merging import get_method, merge_methods, paper_defaults
 from ..schema import (
     FAMILY_KEY_ATTRIBUTES,
     TASK,
@@ -26,6 +26,7 @@ from ..schema import (
 )
 from .spec import (
     DEFAULT_NUM_EXAMPLES,
+    POST_MERGING_STEPS,
     CompareSpec,
     DatasetSpec,
     EvaluationSpec,
@@ -319,24 +320,23 @@ def validate_merge_spec(method: str, params: Mapping[str, Any], validator: KeyCh
 def _parse_compare(v: KeyChecker, section: Any) -> CompareSpec:
     """The ``compare`` section: method names, parameter names and values are checked against their
     declarations (as `hf_featcal.compare.check_merges` checks them); post-merging steps must be offered."""
-    from ..compare import DEFAULT_MERGES, grid_merge_parameters, post_merging_steps
-
     v.section(section, "compare")
     merges: dict[str, dict[str, Any]] = {}
+    defaults = paper_defaults()
     raw = section.get("merges")
     if raw is None:
-        merges = copy.deepcopy(DEFAULT_MERGES)
+        merges = defaults
     else:
         if not isinstance(raw, Mapping) or not raw:
             raise v.error("compare.merges", f"must be a non-empty mapping method -> parameters (or null), got {show(raw)}")
         for method, params in raw.items():
             path = f"compare.merges.{method}"
-            if method not in DEFAULT_MERGES:
-                raise v.error(path, f"unknown merge method; valid: {list(DEFAULT_MERGES)}")
+            if method not in defaults:
+                raise v.error(path, f"unknown merge method; valid: {list(defaults)}")
             params = {} if params is None else params
             if not isinstance(params, Mapping):
                 raise v.error(path, f"must be a mapping of parameters or null, got {show(params)}")
-            declared = grid_merge_parameters(method)
+            declared = get_method(method).declared()
             checked = {}
             for key, value in params.items():
                 if key not in declared:
@@ -345,11 +345,11 @@ def _parse_compare(v: KeyChecker, section: Any) -> CompareSpec:
                     checked[key] = declared[key].check(value)
                 except ValueError as err:
                     raise v.error(f"{path}.{key}", str(err)) from None
-            merges[method] = {**DEFAULT_MERGES[method], **checked}
+            merges[method] = {**defaults[method], **checked}
     steps = section.get("post_merging")
     if steps is not None:
         steps = v.string_list(steps, "compare.post_merging")
-        offered = post_merging_steps()
+        offered = POST_MERGING_STEPS
         for i, step in enumerate(steps):
             if step not in offered:
                 raise v.error(f"compare.post_merging[{i}]", f"unknown post-merging step {step!r}; this build offers {list(offered)}")

@@ -14,6 +14,7 @@ from typing import Any
 from ..schema import HUB_ID, RecipeKey, check_integer, check_string, recipe_key, recipe_keys
 
 __all__ = [
+    "POST_MERGING_STEPS",
     "CompareSpec",
     "DatasetSpec",
     "EvaluationSpec",
@@ -93,10 +94,14 @@ class EvaluationSpec:
     clip_model: str | None = None
 
 
+#: The post-merging steps the compare grid offers (rows "<merge>+<step>"; "none" is the merge as it is).
+POST_MERGING_STEPS: tuple[str, ...] = ("none", "featcal", "featcal_module")
+
+
 @dataclass
 class CompareSpec:
     """The grid of `hf-featcal compare RECIPE`: method → parameters, and the post-merging steps
-    (None: every step `hf_featcal.compare.post_merging_steps` offers)."""
+    (None: every step of `POST_MERGING_STEPS`)."""
 
     merges: dict[str, dict[str, Any]]
     post_merging: list[str] | None = None
