@@ -1,6 +1,6 @@
 """scripts/import_graph.py finds import circles however the import is written (top level, inside a
-function, under TYPE_CHECKING, through a package's lazy loader) and fails on any circle edge not in its
-baseline; the package itself has no circle edge beyond the recorded baseline."""
+function, under TYPE_CHECKING, through a package's lazy loader), upward imports across its floors and
+modules on no floor, and fails on any; the package itself has none."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ def import_graph():
     return module
 
 
+@pytest.fixture
+def one_floor(import_graph, monkeypatch):
+    """Every module on one floor: the synthetic packages below test circles alone."""
+    monkeypatch.setattr(import_graph, "FLOORS", [("all", ("*",))])
+
+
 def _package(tmp_path: Path, files: dict[str, str]) -> Path:
     src = tmp_path / "src"
     for name, text in {"__init__.py": "", **files}.items():
@@ -31,7 +37,7 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
     return src
 
 
-def test_function_level_and_type_checking_imports_close_a_circle(import_graph, tmp_path, capsys):
+def test_function_level_and_type_checking_imports_close_a_circle(import_graph, one_floor, tmp_path, capsys):
     src = _package(tmp_path, {
         "low.py": "def f():\n    from .high import g\n    return g\n",
         "high.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import mid\n",
@@ -44,7 +50,7 @@ def test_function_level_and_type_checking_imports_close_a_circle(import_graph, t
     assert "leaf" not in out.split("largest files")[0]
 
 
-def test_a_lazy_package_loader_depends_on_the_modules_it_names(import_graph, tmp_path, capsys):
+def test_a_lazy_package_loader_depends_on_the_modules_it_names(import_graph, one_floor, tmp_path, capsys):
     src = _package(tmp_path, {
         "maps/__init__.py": (
             "import importlib\n_MODULES = ('one',)\n"
@@ -60,21 +66,35 @@ def test_a_lazy_package_loader_depends_on_the_modules_it_names(import_graph, tmp
     assert "circle of 3: hf_featcal.io, hf_featcal.maps, hf_featcal.maps.one" in capsys.readouterr().out
 
 
-def test_no_circle_passes_and_the_baseline_fails_only_on_new_edges(import_graph, tmp_path):
+def test_no_circle_passes_and_a_new_circle_fails(import_graph, one_floor, tmp_path):
     src = _package(tmp_path, {"a.py": "from .b import x\n", "b.py": "x = 1\n"})
     assert import_graph.main(["--src", str(src)]) == 0
     (src / "hf_featcal" / "b.py").write_text("def f():\n    from .a import x\n")
-    baseline = tmp_path / "baseline.txt"
-    assert import_graph.main(["--src", str(src), "--write-baseline", str(baseline)]) == 0
-    assert baseline.read_text() == "hf_featcal.a -> hf_featcal.b\nhf_featcal.b -> hf_featcal.a\n"
-    assert import_graph.main(["--src", str(src), "--baseline", str(baseline)]) == 0
-    (src / "hf_featcal" / "c.py").write_text("from .a import x\n")
-    (src / "hf_featcal" / "b.py").write_text("def f():\n    from .a import x\n    from .c import y\n")
-    assert import_graph.main(["--src", str(src), "--baseline", str(baseline)]) == 1  # b -> c -> a -> b is new
+    assert import_graph.main(["--src", str(src)]) == 1
 
 
-def test_the_package_adds_no_import_circle_edge(import_graph):
-    assert import_graph.main(["--baseline", str(ROOT / "scripts" / "import_circles_baseline.txt")]) == 0
+def test_an_import_from_a_lower_floor_to_a_higher_one_fails(import_graph, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(import_graph, "FLOORS", [("low", ("", "core", "core.*")), ("high", ("runner",))])
+    src = _package(tmp_path, {"core/__init__.py": "", "core/solve.py": "x = 1\n", "runner.py": "from .core.solve import x\n"})
+    assert import_graph.main(["--src", str(src)]) == 0  # downward only
+    (src / "hf_featcal" / "core" / "solve.py").write_text("def f():\n    from ..runner import y\n")
+    assert import_graph.main(["--src", str(src)]) == 1
+    out = capsys.readouterr().out
+    assert "upward: hf_featcal.core.solve (floor 0) -> hf_featcal.runner (floor 1)" in out
+
+
+def test_a_module_on_no_floor_fails(import_graph, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(import_graph, "FLOORS", [("all", ("", "a"))])
+    src = _package(tmp_path, {"a.py": "x = 1\n"})
+    assert import_graph.main(["--src", str(src)]) == 0
+    (src / "hf_featcal" / "b.py").write_text("y = 2\n")
+    assert import_graph.main(["--src", str(src)]) == 1
+    assert "on no floor: hf_featcal.b" in capsys.readouterr().out
+
+
+def test_the_package_has_no_circle_and_no_upward_import(import_graph, capsys):
+    assert import_graph.main([]) == 0, capsys.readouterr().out
+    assert "0 circle(s), 0 upward import(s)" in capsys.readouterr().out
 
 
 def test_architecture_knowledge_imports_neither_capture_hooks_nor_restore(import_graph):
