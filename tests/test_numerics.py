@@ -181,7 +181,7 @@ def test_stream_placement_decides_where_streams_wait(clip_setting, placement):
     """Parked streams wait on the compute device ('accelerator') or on the CPU ('cpu', 'pinned_cpu'),
     and are fetched back onto the compute device. The meta device stands in for an accelerator as the
     compute device, so this can fail on a CPU-only machine (the calibrator is only built, never run)."""
-    from hf_featcal.streams import StreamBatch
+    from hf_featcal.pipeline.streams import StreamBatch
 
     base, experts, merged, data = clip_setting
     config = FeatCalConfig(stream_placement=placement)
@@ -204,7 +204,7 @@ def test_stream_placement_decides_where_streams_wait(clip_setting, placement):
 
 
 def test_stream_batches_move_every_tensor():
-    from hf_featcal.streams import StreamBatch
+    from hf_featcal.pipeline.streams import StreamBatch
 
     state = StreamBatch(torch.ones(2, 3, 4), (torch.ones(2), None, [torch.ones(1)]), {"mask": torch.ones(2)},
                         torch.ones(2, 3), {"encoder_weights": torch.ones(2, 5)})

@@ -45,7 +45,7 @@ from .pipeline.checks import (
 )
 from .pipeline.context import FeatCalError, FeatCalWarning, RunContext
 from .pipeline.drift import DriftLog, record_drift
-from .pipeline.enter import Streams, enter_stack
+from .pipeline.enter import enter_stack
 from .pipeline.plan import BlockPlan, Plan, block_parameter_names, plan_blocks, select_modules
 from .pipeline.propagate import propagate
 from .pipeline.solve import solve_block
@@ -54,7 +54,7 @@ from .pipeline.checks import check_forward_dtype
 from .pipeline.write import write_block
 from .report import DriftReport, build_model_card
 from .saving import check_writable_folder
-from .streams import StreamBatch
+from .pipeline.streams import StreamBatch, Streams
 
 __all__ = ["FeatCalCalibrator", "FeatCalError", "FeatCalWarning"]
 

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from .mha import attention_out_proj_called
-from ..streams import StreamBatch, capture_first_block_inputs
+from ..hooks import capture_first_block_inputs
+from ..pipeline.streams import StreamBatch
 
 LINEAR = "linear"
 LAYER_NORM = "layer_norm"

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from ..architectures import LAYER_NORM, ModuleSpec
 from ..statistics import LinearGroupStatistics, LinearTargets, NormStatistics
-from ..streams import StreamBatch
+from .streams import StreamBatch
 from .context import RunContext
 from .plan import BlockPlan
 

@@ -9,11 +9,10 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..experts import ModelSource
-from ..hooks import capture_module_inputs, capture_module_outputs, eval_mode
-from ..streams import StopForward
+from ..hooks import StopForward, capture_module_inputs, capture_module_outputs, eval_mode
 from .accumulate import BlockStatistics, accumulate, expert_targets, finish_task, new_statistics, output_groups
 from .context import RunContext
-from .enter import Streams, TaskStreams
+from .streams import Streams, TaskStreams
 from .plan import BlockPlan
 
 

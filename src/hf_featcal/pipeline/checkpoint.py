@@ -13,7 +13,7 @@ from ..checkpointing import CheckpointFolder, fingerprint
 from ..experts import ModelSource
 from .context import RunContext
 from .drift import DriftLog
-from .enter import Streams
+from .streams import Streams
 
 
 @dataclass

@@ -18,7 +18,7 @@ from ..architectures import LayerMap
 from ..config import FeatCalConfig
 from ..experts import module_device
 from ..offload import ModelParameters
-from ..streams import StreamBatch
+from .streams import StreamBatch
 
 #: Kept under the facade's module name, so logging set up for `hf_featcal.calibrator` still applies.
 LOGGER = logging.getLogger("hf_featcal.calibrator")

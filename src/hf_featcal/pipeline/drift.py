@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..streams import StreamBatch
 from .accumulate import pooled_weighting
 from .context import RunContext
-from .enter import Streams
+from .streams import StreamBatch, Streams
 
 #: The stages of a task's entry: the absolute drift and the head's relative drift, before and after.
 DRIFT_STAGES = ("before", "after", "head_before", "head_after")

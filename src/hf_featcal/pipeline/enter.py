@@ -1,34 +1,17 @@
-"""Stage *enter streams*: every task's batches enter a stack, through the merged model or an expert.
-
-Three streams per task flow between blocks: the *student* (the merged model with the blocks
-calibrated so far), the *expert* (the task's expert) and, for the drift report, the merged model
-*as given*, which coincides with the student (the same batch objects) until a block is calibrated.
-"""
+"""Stage *enter streams*: every task's batches enter a stack, through the merged model or an expert
+(the three streams are described in `pipeline/streams.py`)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from accelerate.utils import send_to_device
 
 from ..data import Batch
 from ..experts import ModelSource, module_device
-from ..streams import StreamBatch
 from .context import RunContext
-
-#: task → that task's batches of one stream
-TaskStreams = dict[str, list[StreamBatch]]
-
-
-@dataclass
-class Streams:
-    """The streams entering the next block (`given` is None without a drift report)."""
-
-    student: TaskStreams | None = None
-    expert: TaskStreams | None = None
-    given: TaskStreams | None = None
+from .streams import StreamBatch, Streams, TaskStreams
 
 
 def enter_stack(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from .context import RunContext
-from .enter import TaskStreams
+from .streams import TaskStreams
 
 
 def propagate(ctx: RunContext, block: nn.Module, block_index: int, student: TaskStreams) -> TaskStreams:

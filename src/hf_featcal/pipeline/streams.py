@@ -1,13 +1,18 @@
-"""Feature streams: capture a stream's input to a block, and the per-batch state carried between blocks."""
+"""The streams between blocks: one batch of one stream (`StreamBatch`), and every task's student,
+expert and merged-as-given batches entering the next block (`Streams`).
+
+Three streams per task flow between blocks: the *student* (the merged model with the blocks
+calibrated so far), the *expert* (the task's expert) and, for the drift report, the merged model
+*as given*, which coincides with the student (the same batch objects) until a block is calibrated.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 
 @dataclass
@@ -53,39 +58,14 @@ class StreamBatch:
         )
 
 
-class StopForward(Exception):
-    """Raised by a capture hook to end a forward pass once the wanted inputs are stored."""
+#: task → that task's batches of one stream
+TaskStreams = dict[str, list[StreamBatch]]
 
 
-def capture_first_block_inputs(run_forward: Callable[[], Any], block: nn.Module) -> tuple[tuple, dict]:
-    """Run `run_forward()` until `block` is called; return the positional and keyword inputs it got.
+@dataclass
+class Streams:
+    """The streams entering the next block (`given` is None without a drift report)."""
 
-    The forward is cut short right there (nothing after the block's input runs).
-    """
-    captured: dict[str, Any] = {}
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        captured["args"], captured["kwargs"] = args, dict(kwargs)
-        raise StopForward
-
-    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            run_forward()
-    except StopForward:
-        pass
-    finally:
-        handle.remove()
-    if "args" not in captured:
-        raise RuntimeError(f"the forward pass never reached {type(block).__name__}")
-    return captured["args"], captured["kwargs"]
-
-
-def module_input(args: tuple, kwargs: dict) -> Tensor:
-    """The hidden-state input of a module call: its first positional argument or `hidden_states`/`input`."""
-    if args:
-        return args[0]
-    for key in ("hidden_states", "input", "x"):
-        if key in kwargs:
-            return kwargs[key]
-    raise ValueError("cannot find the input tensor of a module call")
+    student: TaskStreams | None = None
+    expert: TaskStreams | None = None
+    given: TaskStreams | None = None
