@@ -44,7 +44,7 @@ from .pipeline.checks import (
     check_tasks,
 )
 from .pipeline.context import FeatCalError, FeatCalWarning, RunContext
-from .pipeline.drift import DriftLog, record_drift
+from .pipeline.drift import DriftLog, advance_given, record_drift
 from .pipeline.enter import enter_stack
 from .pipeline.plan import BlockPlan, Plan, block_parameter_names, plan_blocks, select_modules
 from .pipeline.propagate import propagate
@@ -455,15 +455,18 @@ class FeatCalCalibrator:
         """One block: capture and accumulate, solve and write, propagate, drift; the streams leaving it.
 
         Block granularity solves the whole plan from one pass. Module granularity solves it in steps
-        (`pipeline/steps.py`): the first pass gives the first step's statistics and the streams leaving
-        the block; each later step gets a new, statistics-only pass through the partly written block."""
+        (`pipeline/steps.py`): the first pass gives the first step's statistics and the expert stream
+        leaving the block; each later step gets a new, statistics-only pass through the partly written block."""
         ctx = self.context
         steps = [plan]
         if plan.calibrating and self.config.granularity == "module":
             with ctx.timed("module order"):
                 steps = module_steps(plan, forward_order(ctx, plan, block, streams))
         captured = capture_block(ctx, steps[0], block, streams, self.experts, _step_note(note, steps, 0))
-        student = captured.student
+        given = None
+        if drift is not None and plan.calibrating:  # through the block as given, before it is written
+            with ctx.timed("drift (merged-as-given stream)"):
+                given = advance_given(ctx, block, plan.block_index, streams)
         if plan.calibrating:
             statistics = captured.statistics
             for index, step in enumerate(steps):
@@ -474,18 +477,25 @@ class FeatCalCalibrator:
                 _step_note(note, steps, index)("solving")
                 with ctx.timed("solving"):
                     self._solve_and_write(step, block, statistics)
-            note("propagating")
-            with ctx.timed("propagating"):
-                student = propagate(ctx, block, plan.block_index, streams.student)
-        leaving = Streams(student, captured.expert, captured.given)
+        note("propagating")
+        with ctx.timed("propagating"):
+            student = propagate(ctx, block, plan, streams.student)
+        if drift is not None and given is None:  # an unchanged block: the batches shared with the student stay shared
+            with ctx.timed("drift (merged-as-given stream)"):
+                given = advance_given(ctx, block, plan.block_index, streams, student)
+        leaving = Streams(student, captured.expert, given)
         if drift is not None:
             with ctx.timed("drift (merged-as-given stream)"):
                 record_drift(ctx, drift, leaving, plan.pooled_token_index)
         return leaving
 
     def _solve_and_write(self, plan: BlockPlan, block: nn.Module, statistics: BlockStatistics) -> None:
-        updates = solve_block(self.context, plan, block, statistics, self.base)
-        write_block(self.parameters, block, plan.specs, updates, self.context.where(plan.stack_index, plan.block_index))
+        ctx = self.context
+        base_block = None
+        if self.base is not None:
+            base_block = self.base.block(ctx.layer_map, ctx.model, plan.stack_index, plan.block_index, ctx.device)
+        updates = solve_block(ctx, plan, block, statistics, base_block)
+        write_block(self.parameters, block, plan.specs, updates, ctx.where(plan.stack_index, plan.block_index))
 
     # ================================================================== helpers
     def _check_config_unchanged(self) -> None:

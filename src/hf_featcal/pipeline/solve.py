@@ -7,7 +7,6 @@ import warnings
 
 from torch import Tensor, nn
 
-from ..experts import ModelSource
 from ..solver import (
     SINGULAR_RTOL,
     anchor,
@@ -30,17 +29,15 @@ _WARNING_STACKLEVEL = 6
 
 
 def solve_block(
-    ctx: RunContext, plan: BlockPlan, block: nn.Module, statistics: BlockStatistics, base: ModelSource | None
+    ctx: RunContext, plan: BlockPlan, block: nn.Module, statistics: BlockStatistics, base_block: nn.Module | None
 ) -> BlockUpdates:
-    """The new weight (and bias) of every module of the plan; each Linear's solve is logged in
-    `ctx.solve_log`. Raises FeatCalError on non-finite features."""
+    """The new weight (and bias) of every module of the plan, anchored between the merged block's and
+    `base_block`'s (the base model's block on the device; None: at the merged weights); each Linear's
+    solve is logged in `ctx.solve_log`. Raises FeatCalError on non-finite features."""
     cfg = ctx.config
     lam, eps, rho = cfg.lambda_ratio, cfg.epsilon, cfg.anchor_rho
     linear, norms = statistics.linear, statistics.norms
     where = ctx.where(plan.stack_index, plan.block_index)
-    base_block = None
-    if base is not None:
-        base_block = base.block(ctx.layer_map, ctx.model, plan.stack_index, plan.block_index, ctx.device)
 
     specs = {s.name: s for s in plan.specs}
 
