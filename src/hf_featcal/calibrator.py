@@ -30,8 +30,9 @@ from .cpu_gemm import gemm_library
 from .cpu_memory import reuse_freed_memory
 from .data import Batch, batch_size_of, prepare_batches, text_length_limit
 from .devices import usable_device
-from .experts import ModelLike, ModelSource, make_source
+from .experts import ModelSource, make_source
 from .hooks import eval_mode
+from .model_io import ModelLike
 from .restore import restore_on_failure
 from .offload import ModelParameters
 from .pipeline.accumulate import BlockStatistics
@@ -117,9 +118,9 @@ class FeatCalCalibrator:
             raise TypeError(f"`model` must be the merged model (a PreTrainedModel or a supported open_clip model), got {type(model).__name__}.")
         self.model = model
         if allow_inferred_layer_map and model_type_of(model) not in supported_model_types():
-            self.layer_map: LayerMap = infer_layer_map(model)
+            layer_map: LayerMap = infer_layer_map(model)
         else:
-            self.layer_map = get_layer_map(model, "model")
+            layer_map = get_layer_map(model, "model")
         self.model_config = model_config(model)
         self.parameters = ModelParameters(model)
         # Processes (accelerate launch / torchrun): each takes a disjoint shard of every task's
@@ -127,7 +128,7 @@ class FeatCalCalibrator:
         self.state = accelerator.state if accelerator is not None else _default_state()
         #: What every stage shares (device, accumulation dtype, timings, solve log, process group).
         self.context = RunContext(
-            model=model, layer_map=self.layer_map, config=config, parameters=self.parameters, process=self.state,
+            model=model, layer_map=layer_map, config=config, parameters=self.parameters, process=self.state,
             device=_resolve_device(accelerator, device, self.state), compute_dtype=getattr(torch, config.compute_dtype),
         )
         self.show_progress = show_progress
@@ -143,13 +144,13 @@ class FeatCalCalibrator:
         # Models: load, then check that every tower matches the merged one.
         # Models given as folders / hub ids with safetensors are read one block at a time.
         # LoRA adapter experts are the base plus the adapter's deltas, also built per block.
-        self.base: ModelSource | None = None if base_model is None else make_source(base_model, "base_model")
+        self.base: ModelSource | None = None if base_model is None else make_source(base_model, "base_model", layer_map)
         self.experts: dict[str, ModelSource] = {
-            task: make_source(experts[task], f"experts[{task!r}]", self.base) for task in tasks
+            task: make_source(experts[task], f"experts[{task!r}]", layer_map, self.base) for task in tasks
         }
         for source in [*self.experts.values(), *([self.base] if self.base is not None else [])]:
             check_compatible(source, self.layer_map, model, self.model_config)
-            source.check_finite(self.layer_map, model)  # NaN/Inf named now, not found at a solve
+            source.check_finite(model)  # NaN/Inf named now, not found at a solve
         # fast mode's dtype against every model whose blocks run under it (folder experts take the merged dtype)
         in_memory = [(source.argument, module) for source in [*self.experts.values(), self.base] if source is not None
                      for module in source.modules_for_eval()]
@@ -180,7 +181,7 @@ class FeatCalCalibrator:
         }
         check_batches_enter_model(self.context, self.batches)
         # the layer map may group statistics by what the batches select (e.g. LLM response tokens)
-        self.layer_map = self.context.layer_map = self.layer_map.for_batches(self.batches)
+        self.context.layer_map = self.layer_map.for_batches(self.batches)
         self._plans: Plan = plan_blocks(self.layer_map, selection)
         if checkpoint_dir is not None:
             check_writable_folder(checkpoint_dir, "checkpoint_dir")
@@ -204,6 +205,11 @@ class FeatCalCalibrator:
         self._calibrated = False
 
     # ================================================================== shared run state
+    @property
+    def layer_map(self) -> LayerMap:
+        """Where the merged model's tower, stacks and blocks are (the run context's, its one owner)."""
+        return self.context.layer_map
+
     @property
     def config(self) -> FeatCalConfig:
         return self.context.config
@@ -493,7 +499,7 @@ class FeatCalCalibrator:
         ctx = self.context
         base_block = None
         if self.base is not None:
-            base_block = self.base.block(ctx.layer_map, ctx.model, plan.stack_index, plan.block_index, ctx.device)
+            base_block = self.base.block(ctx.model, plan.stack_index, plan.block_index, ctx.device)
         updates = solve_block(ctx, plan, block, statistics, base_block)
         write_block(self.parameters, block, plan.specs, updates, ctx.where(plan.stack_index, plan.block_index))
 

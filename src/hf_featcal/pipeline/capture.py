@@ -51,7 +51,7 @@ def capture_block(
     for task, source in experts.items():
         note(f"{'collecting statistics' if calibrating else 'forwarding'} · {task}")
         with ctx.timed("loading expert blocks"):
-            expert_block = source.block(lm, ctx.model, plan.stack_index, bi, ctx.device)
+            expert_block = source.block(ctx.model, plan.stack_index, bi, ctx.device)
             targets = expert_targets(plan, statistics, expert_block)
             # (a statistics-only pass stops the expert's forward before the last module's output)
             from_outputs = output_groups(ctx, plan, statistics, expert_block, streams.student[task]) if leaving else {}

@@ -56,7 +56,7 @@ def check_compatible(source: ModelSource, layer_map: LayerMap, model: nn.Module,
         detail = ", ".join(f"{k}: merged {a!r} vs {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"`{argument}` has a different configuration from the merged model ({detail}).")
     mine = {k: tuple(v.shape) for k, v in layer_map.tower(model).state_dict().items()}
-    other_shapes = source.tower_shapes(other_map, model)
+    other_shapes = source.tower_shapes(model)
     missing = sorted(set(mine) - set(other_shapes))
     if missing:
         raise ValueError(f"`{argument}` lacks parameters of the merged model's tower: {missing[:5]}.")

@@ -44,7 +44,7 @@ def enter(
     a source's own input path."""
     states = []
     merged = ctx.tower
-    entry = contextlib.nullcontext(merged) if source is None else source.entry_tower(ctx.layer_map, ctx.model)
+    entry = contextlib.nullcontext(merged) if source is None else source.entry_tower(ctx.model)
     with entry as tower:
         merged_tower = tower is merged  # also for experts read from files
         source_device = ctx.input_device(tower) if merged_tower else module_device(tower)
