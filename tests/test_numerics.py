@@ -194,13 +194,13 @@ def test_stream_placement_decides_where_streams_wait(clip_setting, placement):
         return {batch.hidden.device.type, batch.args[0].device.type, batch.kwargs["mask"].device.type,
                 batch.weights.device.type, batch.extras["encoder_weights"].device.type}
 
-    parked = calibrator._park(state)
+    parked = calibrator.context.park(state)
     assert devices(parked) == ({"meta"} if placement == "accelerator" else {"cpu"})
     if placement != "accelerator":
         # page-locked only where there is a GPU to copy to; the values are the stream's own
         assert parked.hidden.is_pinned() == (placement == "pinned_cpu" and torch.cuda.is_available())
         assert torch.equal(parked.hidden, state.hidden) and torch.equal(parked.weights, state.weights)
-    assert devices(calibrator._fetch(parked)) == {"meta"}
+    assert devices(calibrator.context.fetch(parked)) == {"meta"}
 
 
 def test_stream_batches_move_every_tensor():

@@ -55,13 +55,9 @@ from .pipeline.checks import check_forward_dtype
 from .pipeline.write import write_block
 from .report import DriftReport, build_model_card
 from .saving import check_writable_folder
-from .pipeline.streams import StreamBatch, Streams
+from .pipeline.streams import Streams, TaskStreams
 
 __all__ = ["FeatCalCalibrator", "FeatCalError", "FeatCalWarning"]
-
-#: The block plan's former name (kept for code that imported it).
-_BlockPlan = BlockPlan
-
 
 class FeatCalCalibrator:
     """Calibrate a merged model towards its experts with FeatCal, in a `Trainer`-like way.
@@ -179,9 +175,15 @@ class FeatCalCalibrator:
             task: sum(batch_size_of(b, self.layer_map.main_input_name) for b in batches)
             for task, batches in self.batches.items()
         }
-        check_batches_enter_model(self.context, self.batches)
         # the layer map may group statistics by what the batches select (e.g. LLM response tokens)
         self.context.layer_map = self.layer_map.for_batches(self.batches)
+        rank, world = self.state.process_index, self.state.num_processes
+        # the check runs the merged model's input path; where `calibrate()` will run it on the same
+        # device, its result is kept as the student stream entering the first stack (each batch runs it once)
+        device = self.context.input_device(self.context.tower)
+        reuse = device == self.context.device
+        entered = check_batches_enter_model(self.context, self.batches, keep=lambda index: reuse and index % world == rank)
+        self._entered: tuple[torch.device, TaskStreams] | None = (device, entered) if reuse else None
         self._plans: Plan = plan_blocks(self.layer_map, selection)
         if checkpoint_dir is not None:
             check_writable_folder(checkpoint_dir, "checkpoint_dir")
@@ -192,8 +194,7 @@ class FeatCalCalibrator:
             [(f"{task}.{i}.{key}", value) for task, batches in self.batches.items()
              for i, batch in enumerate(batches) for key, value in sorted(batch.items()) if isinstance(value, Tensor)]
         )
-        if self.state.num_processes > 1:
-            rank, world = self.state.process_index, self.state.num_processes
+        if world > 1:
             self.batches = {task: batches[rank::world] for task, batches in self.batches.items()}
 
         if merge_info is None:  # recorded by hf_featcal.merging on the config, or on a config-less model
@@ -419,6 +420,7 @@ class FeatCalCalibrator:
         total = sum(len(s.blocks) for s in stacks)
         drift = DriftLog.empty(self.tasks) if self.config.report_drift else None
         streams, done = Streams(), 0
+        entered = self._take_entered()
         checkpoint = None if self.checkpoint_dir is None else open_checkpoint(
             ctx, self.checkpoint_dir, self.tasks, self._data_digest, self._tower_parameter_names(), self.experts, self.base
         )
@@ -436,7 +438,9 @@ class FeatCalCalibrator:
                 if done <= flat:  # streams enter this stack (a resumed run may bring the previous stack's)
                     progress.set_postfix_str(f"entering {stack.name}")
                     with ctx.timed("entering stacks"):
-                        streams = enter_stack(ctx, si, streams, self.batches, self.experts, drift is not None)
+                        streams = enter_stack(
+                            ctx, si, streams, self.batches, self.experts, drift is not None, entered if si == 0 else None
+                        )
                 for bi, block in enumerate(stack.blocks):
                     flat += 1
                     if flat <= done:
@@ -521,6 +525,15 @@ class FeatCalCalibrator:
         self._plans = plan_blocks(self.layer_map, select_modules(self.layer_map, self.context.tower, self.config))
         self._planned_config = copy.deepcopy(now)
 
+    def _take_entered(self) -> TaskStreams | None:
+        """The first stack's student stream from the construction's check, once; None where the tower's
+        inputs now go to another device (the model was moved since) or it was taken already."""
+        if self._entered is None:
+            return None
+        device, entered = self._entered
+        self._entered = None
+        return entered if self.context.input_device(self.context.tower) == device else None
+
     def _reference_models(self) -> list[nn.Module]:
         sources = [*self.experts.values(), *([self.base] if self.base is not None else [])]
         return [model for source in sources for model in source.modules_for_eval()]
@@ -535,13 +548,6 @@ class FeatCalCalibrator:
 
     def _block_parameter_names(self, si: int, bi: int) -> list[str]:
         return block_parameter_names(self._plans[(si, bi)], self.context.block(si, bi), self.parameters)
-
-    # stream placement, kept for callers of the former private helpers
-    def _park(self, state: StreamBatch) -> StreamBatch:
-        return self.context.park(state)
-
-    def _fetch(self, state: StreamBatch) -> StreamBatch:
-        return self.context.fetch(state)
 
 
 # ====================================================================== helpers

@@ -21,10 +21,14 @@ def enter_stack(
     batches: Mapping[str, list[Batch]],
     experts: Mapping[str, ModelSource],
     drift: bool,
+    student: TaskStreams | None = None,
 ) -> Streams:
-    """Every stream entering stack `stack_index` (`streams`: the same streams leaving the previous stack)."""
+    """Every stream entering stack `stack_index` (`streams`: the same streams leaving the previous
+    stack; `student`: the student stream when it has entered already, as the first stack's has where
+    `check_batches_enter_model` ran the merged model's input path on the batches)."""
     tasks = list(experts)
-    student = {t: enter(ctx, None, stack_index, streams.student, batches[t], t) for t in tasks}
+    if student is None:
+        student = {t: enter(ctx, None, stack_index, streams.student, batches[t], t) for t in tasks}
     expert = {t: enter(ctx, experts[t], stack_index, streams.expert, batches[t], t) for t in tasks}
     given = None
     if drift:

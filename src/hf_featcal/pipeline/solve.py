@@ -19,14 +19,9 @@ from ..solver import (
     solve_scale_only_norm,
 )
 from .accumulate import BlockStatistics
-from .context import FeatCalWarning, RunContext, check_finite
+from .context import FeatCalWarning, RunContext, check_finite, user_stacklevel
 from .plan import BlockPlan
 from .write import BlockUpdates, read_spec
-
-#: `warnings.warn` frames up to the caller of `FeatCalCalibrator.calibrate()`:
-#: solve_block ← _solve_and_write ← _calibrate_block ← _sweep ← calibrate ← caller
-_WARNING_STACKLEVEL = 6
-
 
 def solve_block(
     ctx: RunContext, plan: BlockPlan, block: nn.Module, statistics: BlockStatistics, base_block: nn.Module | None
@@ -61,7 +56,7 @@ def solve_block(
                 f"{stats.dim} (each token counted by its weight, summed over tasks); the solution there is "
                 "set by the ridge: give more calibration examples.",
                 FeatCalWarning,
-                stacklevel=_WARNING_STACKLEVEL,
+                stacklevel=user_stacklevel(),
             )
         elif not ridge_settles_null_directions(stats.gram_sum, lam + eps) and gram_is_singular(stats.gram_sum, work=work):
             warnings.warn(
@@ -69,7 +64,7 @@ def solve_block(
                 f"below {SINGULAR_RTOL:g} of its norm: the solution in its null directions is set by ε and "
                 "round-off, not by the data or the anchor; raise lambda_ratio.",
                 FeatCalWarning,
-                stacklevel=_WARNING_STACKLEVEL,
+                stacklevel=user_stacklevel(),
             )
         weights, info = solve_linear_weights(
             stats.gram_sum, [stats.rhs_sum[name] for name in names], [anchor_of(name, "weight") for name in names], lam, eps,
