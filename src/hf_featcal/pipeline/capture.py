@@ -10,7 +10,7 @@ from torch import nn
 
 from ..experts import ModelSource
 from ..hooks import StopForward, capture_module_inputs, capture_module_outputs, eval_mode
-from .accumulate import BlockStatistics, accumulate, expert_targets, finish_task, new_statistics, output_groups
+from .accumulate import BlockStatistics, TaskPass, new_statistics
 from .context import RunContext
 from .streams import Streams, TaskStreams
 from .plan import BlockPlan
@@ -52,9 +52,8 @@ def capture_block(
         note(f"{'collecting statistics' if calibrating else 'forwarding'} · {task}")
         with ctx.timed("loading expert blocks"):
             expert_block = source.block(ctx.model, plan.stack_index, bi, ctx.device)
-            targets = expert_targets(plan, statistics, expert_block)
             # (a statistics-only pass stops the expert's forward before the last module's output)
-            from_outputs = output_groups(ctx, plan, statistics, expert_block, streams.student[task]) if leaving else {}
+            sums = TaskPass.begin(ctx, plan, statistics, expert_block, streams.student[task] if leaving else None)
         new_expert[task] = []
         with (
             ctx.precision(),
@@ -63,7 +62,7 @@ def capture_block(
             lm.capture_context(expert_block),
             capture_module_inputs(block, sources) as xs,
             capture_module_inputs(expert_block, sources) as xe,
-            capture_module_outputs(expert_block, {n for names in from_outputs.values() for n in names}) as ye,
+            capture_module_outputs(expert_block, sums.output_modules) as ye,
         ):
             for b, expert_batch in enumerate(streams.expert[task]):
                 state = None
@@ -89,10 +88,10 @@ def capture_block(
                             pass
                 if calibrating:
                     with ctx.timed("statistics"):
-                        accumulate(ctx, plan, statistics, xs, xe, state, targets, ye, from_outputs)
+                        sums.add(xs, xe, state, ye)
         for store in (xs, xe, ye):  # the last batch's captured tensors, consumed
             store.clear()
         if calibrating:
             with ctx.timed("statistics"):
-                finish_task(ctx, statistics, expert_block, targets)
+                sums.finish()
     return CapturedBlock(statistics, new_expert)
