@@ -1,52 +1,13 @@
-"""Context managers owning the capture hooks FeatCal puts on a model's modules (also the capture of a
-stack's first block input), and `eval_mode`."""
+"""Context managers owning the capture hooks FeatCal puts on a model's modules, and `eval_mode`."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
 
-import torch
 from torch import Tensor, nn
 
-
-class StopForward(Exception):
-    """Raised by a capture hook to end a forward pass once the wanted inputs are stored."""
-
-
-def capture_first_block_inputs(run_forward: Callable[[], Any], block: nn.Module) -> tuple[tuple, dict]:
-    """Run `run_forward()` until `block` is called; return the positional and keyword inputs it got.
-
-    The forward is cut short right there (nothing after the block's input runs).
-    """
-    captured: dict[str, Any] = {}
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        captured["args"], captured["kwargs"] = args, dict(kwargs)
-        raise StopForward
-
-    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            run_forward()
-    except StopForward:
-        pass
-    finally:
-        handle.remove()
-    if "args" not in captured:
-        raise RuntimeError(f"the forward pass never reached {type(block).__name__}")
-    return captured["args"], captured["kwargs"]
-
-
-def module_input(args: tuple, kwargs: dict) -> Tensor:
-    """The hidden-state input of a module call: its first positional argument or `hidden_states`/`input`."""
-    if args:
-        return args[0]
-    for key in ("hidden_states", "input", "x"):
-        if key in kwargs:
-            return kwargs[key]
-    raise ValueError("cannot find the input tensor of a module call")
+from .pipeline.streams import StopForward, module_input
 
 
 class InputCapture(dict):

@@ -17,8 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .mha import attention_out_proj_called
-from ..hooks import capture_first_block_inputs
-from ..pipeline.streams import StreamBatch
+from ..pipeline.streams import StreamBatch, capture_first_block_inputs
 
 LINEAR = "linear"
 LAYER_NORM = "layer_norm"

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..experts import ModelSource
-from ..hooks import StopForward, capture_module_inputs, capture_module_outputs, eval_mode
+from ..hooks import capture_module_inputs, capture_module_outputs, eval_mode
 from .accumulate import BlockStatistics, TaskPass, new_statistics
 from .context import RunContext
-from .streams import Streams, TaskStreams
+from .streams import StopForward, Streams, TaskStreams
 from .plan import BlockPlan
 
 

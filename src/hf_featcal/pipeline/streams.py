@@ -1,5 +1,6 @@
-"""The streams between blocks: one batch of one stream (`StreamBatch`), and every task's student,
-expert and merged-as-given batches entering the next block (`Streams`).
+"""The streams between blocks: one batch of one stream (`StreamBatch`), every task's student,
+expert and merged-as-given batches entering the next block (`Streams`), and the capture of a
+stream's input to a block (layer maps enter a stack with it).
 
 Three streams per task flow between blocks: the *student* (the merged model with the blocks
 calibrated so far), the *expert* (the task's expert) and, for the drift report, the merged model
@@ -8,11 +9,12 @@ calibrated so far), the *expert* (the task's expert) and, for the drift report, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 @dataclass
@@ -69,3 +71,41 @@ class Streams:
     student: TaskStreams | None = None
     expert: TaskStreams | None = None
     given: TaskStreams | None = None
+
+
+class StopForward(Exception):
+    """Raised by a capture hook to end a forward pass once the wanted inputs are stored."""
+
+
+def capture_first_block_inputs(run_forward: Callable[[], Any], block: nn.Module) -> tuple[tuple, dict]:
+    """Run `run_forward()` until `block` is called; return the positional and keyword inputs it got.
+
+    The forward is cut short right there (nothing after the block's input runs).
+    """
+    captured: dict[str, Any] = {}
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        captured["args"], captured["kwargs"] = args, dict(kwargs)
+        raise StopForward
+
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            run_forward()
+    except StopForward:
+        pass
+    finally:
+        handle.remove()
+    if "args" not in captured:
+        raise RuntimeError(f"the forward pass never reached {type(block).__name__}")
+    return captured["args"], captured["kwargs"]
+
+
+def module_input(args: tuple, kwargs: dict) -> Tensor:
+    """The hidden-state input of a module call: its first positional argument or `hidden_states`/`input`."""
+    if args:
+        return args[0]
+    for key in ("hidden_states", "input", "x"):
+        if key in kwargs:
+            return kwargs[key]
+    raise ValueError("cannot find the input tensor of a module call")
