@@ -358,7 +358,7 @@ def _folder_with_stale_index(tmp_path, name, expert_a, expert_b, keep_shards: bo
 
 @pytest.mark.parametrize("keep_shards", [False, True])
 def test_a_stale_shard_index_loses_to_the_single_file_as_in_transformers(clip_setting, tmp_path, keep_shards):
-    from hf_featcal.experts import safetensors_files
+    from hf_featcal.model_io import safetensors_files
     from hf_featcal.merging import task_arithmetic
     from testing_utils import assert_same_up_to_rounding
     from testing_utils import task_arithmetic as reference_task_arithmetic
@@ -389,7 +389,7 @@ def test_config_transformers_weights_decides_first(clip_setting, tmp_path):
     """transformers reads the file config.json names in `transformers_weights` before any other."""
     from transformers import CLIPVisionModel
 
-    from hf_featcal.experts import safetensors_files
+    from hf_featcal.model_io import safetensors_files
 
     base, experts, merged, data = clip_setting
     folder, _ = _folder_with_stale_index(tmp_path, "cars", experts["cars"], experts["dtd"], keep_shards=True)

@@ -36,10 +36,10 @@ def test_folders_give_the_in_memory_result_and_read_one_block_at_a_time(clip_set
         reads.append((phase["now"], key))
         return original_read(self, key)
 
-    def block(self, layer_map, reference, stack, index, device):
+    def block(self, reference, stack, index, device):
         phase["now"] = f"block{index}"
         try:
-            return original_block(self, layer_map, reference, stack, index, device)
+            return original_block(self, reference, stack, index, device)
         finally:
             phase["now"] = "other"
 
@@ -76,12 +76,14 @@ def test_t5_folders_with_tied_embeddings(generator, tmp_path):
 
 
 def test_bin_only_checkpoints_are_loaded_whole(clip_setting, tmp_path):
+    from hf_featcal.architectures import get_layer_map
+
     base, experts, merged, data = clip_setting
     # transformers 5 always writes safetensors: write a legacy `.bin`-only checkpoint by hand
     (tmp_path / "bin").mkdir()
     experts["cars"].config.save_pretrained(tmp_path / "bin")
     torch.save(experts["cars"].state_dict(), tmp_path / "bin" / "pytorch_model.bin")
-    source = make_source(str(tmp_path / "bin"), "experts['cars']")
+    source = make_source(str(tmp_path / "bin"), "experts['cars']", get_layer_map(merged))
     assert isinstance(source, InMemorySource)
     expected, _ = _calibrate(merged, base, experts, data)
     got, _ = _calibrate(merged, base, {**experts, "cars": str(tmp_path / "bin")}, data)
@@ -110,11 +112,11 @@ def test_a_block_read_from_a_folder_holds_the_checkpoints_tensors_and_leaves_the
 
     base, experts, merged, _ = clip_setting
     copy.deepcopy(experts["cars"]).half().save_pretrained(tmp_path / "cars16")  # float16 into a float32 model
-    source = CheckpointSource(str(tmp_path / "cars16"), "experts['cars']", "cars16")
     layer_map = get_layer_map(merged)
+    source = CheckpointSource(str(tmp_path / "cars16"), "experts['cars']", "cars16", layer_map)
     merged_block = layer_map.stacks(layer_map.tower(merged))[0].blocks[1]
     before = {k: v.clone() for k, v in merged_block.state_dict().items()}
-    block = source.block(layer_map, merged, 0, 1, torch.device("cpu"))
+    block = source.block(merged, 0, 1, torch.device("cpu"))
     expert = copy.deepcopy(experts["cars"]).half().float()  # what the float16 file holds
     expert_block = layer_map.stacks(layer_map.tower(expert))[0].blocks[1]
     assert not block.training and block is not merged_block
@@ -141,7 +143,6 @@ def test_a_block_tensor_of_the_wrong_shape_is_refused_by_name(clip_setting, tmp_
     key = next(k for k in state if k.endswith("layers.0.mlp.fc1.weight"))
     state[key] = state[key][:-1].contiguous()
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    source = CheckpointSource(str(folder), "experts['cars']", "odd")
-    layer_map = get_layer_map(merged)
+    source = CheckpointSource(str(folder), "experts['cars']", "odd", get_layer_map(merged))
     with pytest.raises(ValueError, match=r"`experts\['cars'\]`.*fc1\.weight has shape .*, the merged model's"):
-        source.block(layer_map, merged, 0, 0, torch.device("cpu"))
+        source.block(merged, 0, 0, torch.device("cpu"))

@@ -154,14 +154,14 @@ def test_trained_lora_biases_are_applied_as_peft_does(clip_setting, tmp_path, bi
         torch.testing.assert_close(merged.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
     # FeatCal's reading: every block, and the tower's input path
     layer_map = get_layer_map(base)
-    source = LoraSource(str(tmp_path / "a"), "experts['a']", "a", InMemorySource(base, "base_model"))
+    source = LoraSource(str(tmp_path / "a"), "experts['a']", "a", InMemorySource(base, "base_model", layer_map))
     want_blocks = layer_map.stacks(layer_map.tower(full))[0].blocks
     for index, want in enumerate(want_blocks):
-        got = source.block(layer_map, base, 0, index, torch.device("cpu"))
+        got = source.block(base, 0, index, torch.device("cpu"))
         for (key, value), expected in zip(got.state_dict().items(), want.state_dict().values(), strict=True):
             torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=f"block {index} {key}")
     before = copy.deepcopy(base.state_dict())
-    with source.entry_tower(layer_map, base) as tower:
+    with source.entry_tower(base) as tower:
         for key, value in layer_map.tower(full).state_dict().items():
             if not key.startswith("encoder."):
                 torch.testing.assert_close(tower.state_dict()[key], value, rtol=0, atol=0, msg=key)

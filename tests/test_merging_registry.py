@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import CLIPVisionModel
 
-from conftest import build_clip_setting
+from testing_utils import build_clip_setting
 from hf_featcal import cli, merging, recipes, schema
 from hf_featcal.compare import check_merges, compare_post_merging, default_merges
 from hf_featcal.config import FeatCalConfig

@@ -37,9 +37,9 @@ def _recorded_class(folder):
 def _calibration_blocks(folder, base, reference):
     """The blocks calibration reads for the adapter expert at `folder` (on `base`), per block index."""
     layer_map = get_layer_map(reference)
-    source = make_source(str(folder), "experts['a']", make_source(base, "base_model"))
+    source = make_source(str(folder), "experts['a']", layer_map, make_source(base, "base_model", layer_map))
     blocks = layer_map.stacks(layer_map.tower(reference))[0].blocks
-    return [source.block(layer_map, reference, 0, i, CPU).state_dict() for i in range(len(blocks))]
+    return [source.block(reference, 0, i, CPU).state_dict() for i in range(len(blocks))]
 
 
 def test_lora_adapter_of_the_vision_tower_without_a_recorded_class_into_a_clip_model(tmp_path):
@@ -125,12 +125,12 @@ def test_transformers4_clip_folder_with_a_stale_index_reads_alike(tmp_path):
         torch.testing.assert_close(value, a.state_dict()[key], rtol=0, atol=1e-6, msg=key)
 
     layer_map = get_layer_map(base)
-    source = make_source(str(folder), "experts['a']")
+    source = make_source(str(folder), "experts['a']", layer_map)
     for index, layer in enumerate(a.encoder.layers):
-        block = source.block(layer_map, base, 0, index, CPU).state_dict()
+        block = source.block(base, 0, index, CPU).state_dict()
         for key, value in layer.state_dict().items():
             assert torch.equal(block[key], value), key
-    with source.entry_tower(layer_map, copy.deepcopy(base)) as tower:
+    with source.entry_tower(copy.deepcopy(base)) as tower:
         assert torch.equal(tower.embeddings.patch_embedding.weight, a.embeddings.patch_embedding.weight)
 
 

@@ -201,7 +201,7 @@ def test_stream_placement_decides_where_streams_wait(clip_setting, placement):
     """Parked streams wait on the compute device ('accelerator') or on the CPU ('cpu', 'pinned_cpu'),
     and are fetched back onto the compute device. The meta device stands in for an accelerator as the
     compute device, so this can fail on a CPU-only machine (the calibrator is only built, never run)."""
-    from hf_featcal.streams import StreamBatch
+    from hf_featcal.pipeline.streams import StreamBatch
 
     base, experts, merged, data = clip_setting
     config = FeatCalConfig(stream_placement=placement)
@@ -216,17 +216,17 @@ def test_stream_placement_decides_where_streams_wait(clip_setting, placement):
         return {batch.hidden.device.type, batch.args[0].device.type, batch.kwargs["mask"].device.type,
                 batch.weights.device.type, batch.extras["encoder_weights"].device.type}
 
-    parked = calibrator._park(state)
+    parked = calibrator.context.park(state)
     assert devices(parked) == ({"meta"} if placement == "accelerator" else {"cpu"})
     if placement != "accelerator":
         # page-locked only where there is a GPU to copy to; the values are the stream's own
         assert parked.hidden.is_pinned() == (placement == "pinned_cpu" and torch.cuda.is_available())
         assert torch.equal(parked.hidden, state.hidden) and torch.equal(parked.weights, state.weights)
-    assert devices(calibrator._fetch(parked)) == {"meta"}
+    assert devices(calibrator.context.fetch(parked)) == {"meta"}
 
 
 def test_stream_batches_move_every_tensor():
-    from hf_featcal.streams import StreamBatch
+    from hf_featcal.pipeline.streams import StreamBatch
 
     state = StreamBatch(torch.ones(2, 3, 4), (torch.ones(2), None, [torch.ones(1)]), {"mask": torch.ones(2)},
                         torch.ones(2, 3), {"encoder_weights": torch.ones(2, 5)})

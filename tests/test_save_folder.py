@@ -17,7 +17,7 @@ from huggingface_hub import ModelCard
 from transformers import CLIPVisionModel
 
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
-from hf_featcal.experts import safetensors_files
+from hf_featcal.model_io import safetensors_files
 from hf_featcal.saving import atomic_folder, read_manifest
 
 

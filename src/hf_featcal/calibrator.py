@@ -30,8 +30,9 @@ from ._kernels.gemm import gemm_library
 from ._kernels.memory import reuse_freed_memory
 from .data import Batch, batch_size_of, prepare_batches, text_length_limit
 from .devices import usable_device
-from .experts import ModelLike, ModelSource, make_source
+from .experts import ModelSource, make_source
 from .hooks import eval_mode
+from .model_io import ModelLike
 from .restore import restore_on_failure
 from .parameters import ModelParameters
 from .pipeline.accumulate import BlockStatistics
@@ -44,8 +45,8 @@ from .pipeline.checks import (
     check_tasks,
 )
 from .pipeline.context import FeatCalError, FeatCalWarning, RunContext
-from .pipeline.drift import DriftLog, record_drift
-from .pipeline.enter import Streams, enter_stack
+from .pipeline.drift import DriftLog, advance_given, record_drift
+from .pipeline.enter import enter_stack
 from .pipeline.plan import BlockPlan, Plan, block_parameter_names, plan_blocks, select_modules
 from .pipeline.propagate import propagate
 from .pipeline.solve import solve_block
@@ -54,13 +55,9 @@ from .pipeline.checks import check_forward_dtype
 from .pipeline.write import write_block
 from .report import DriftReport, build_model_card
 from .saving import check_writable_folder
-from .streams import StreamBatch
+from .pipeline.streams import Streams, TaskStreams
 
 __all__ = ["FeatCalCalibrator", "FeatCalError", "FeatCalWarning"]
-
-#: The block plan's former name (kept for code that imported it).
-_BlockPlan = BlockPlan
-
 
 class FeatCalCalibrator:
     """Calibrate a merged model towards its experts with FeatCal, in a `Trainer`-like way.
@@ -117,9 +114,9 @@ class FeatCalCalibrator:
             raise TypeError(f"`model` must be the merged model (a PreTrainedModel or a supported open_clip model), got {type(model).__name__}.")
         self.model = model
         if allow_inferred_layer_map and model_type_of(model) not in supported_model_types():
-            self.layer_map: LayerMap = infer_layer_map(model)
+            layer_map: LayerMap = infer_layer_map(model)
         else:
-            self.layer_map = get_layer_map(model, "model")
+            layer_map = get_layer_map(model, "model")
         self.model_config = model_config(model)
         self.parameters = ModelParameters(model)
         # Processes (accelerate launch / torchrun): each takes a disjoint shard of every task's
@@ -127,7 +124,7 @@ class FeatCalCalibrator:
         self.state = accelerator.state if accelerator is not None else _default_state()
         #: What every stage shares (device, accumulation dtype, timings, solve log, process group).
         self.context = RunContext(
-            model=model, layer_map=self.layer_map, config=config, parameters=self.parameters, process=self.state,
+            model=model, layer_map=layer_map, config=config, parameters=self.parameters, process=self.state,
             device=_resolve_device(accelerator, device, self.state), compute_dtype=getattr(torch, config.compute_dtype),
         )
         self.show_progress = show_progress
@@ -143,13 +140,13 @@ class FeatCalCalibrator:
         # Models: load, then check that every tower matches the merged one.
         # Models given as folders / hub ids with safetensors are read one block at a time.
         # LoRA adapter experts are the base plus the adapter's deltas, also built per block.
-        self.base: ModelSource | None = None if base_model is None else make_source(base_model, "base_model")
+        self.base: ModelSource | None = None if base_model is None else make_source(base_model, "base_model", layer_map)
         self.experts: dict[str, ModelSource] = {
-            task: make_source(experts[task], f"experts[{task!r}]", self.base) for task in tasks
+            task: make_source(experts[task], f"experts[{task!r}]", layer_map, self.base) for task in tasks
         }
         for source in [*self.experts.values(), *([self.base] if self.base is not None else [])]:
             check_compatible(source, self.layer_map, model, self.model_config)
-            source.check_finite(self.layer_map, model)  # NaN/Inf named now, not found at a solve
+            source.check_finite(model)  # NaN/Inf named now, not found at a solve
         # fast mode's dtype against every model whose blocks run under it (folder experts take the merged dtype)
         in_memory = [(source.argument, module) for source in [*self.experts.values(), self.base] if source is not None
                      for module in source.modules_for_eval()]
@@ -178,9 +175,15 @@ class FeatCalCalibrator:
             task: sum(batch_size_of(b, self.layer_map.main_input_name) for b in batches)
             for task, batches in self.batches.items()
         }
-        check_batches_enter_model(self.context, self.batches)
         # the layer map may group statistics by what the batches select (e.g. LLM response tokens)
-        self.layer_map = self.context.layer_map = self.layer_map.for_batches(self.batches)
+        self.context.layer_map = self.layer_map.for_batches(self.batches)
+        rank, world = self.state.process_index, self.state.num_processes
+        # the check runs the merged model's input path; where `calibrate()` will run it on the same
+        # device, its result is kept as the student stream entering the first stack (each batch runs it once)
+        device = self.context.input_device(self.context.tower)
+        reuse = device == self.context.device
+        entered = check_batches_enter_model(self.context, self.batches, keep=lambda index: reuse and index % world == rank)
+        self._entered: tuple[torch.device, TaskStreams] | None = (device, entered) if reuse else None
         self._plans: Plan = plan_blocks(self.layer_map, selection)
         if checkpoint_dir is not None:
             check_writable_folder(checkpoint_dir, "checkpoint_dir")
@@ -191,8 +194,7 @@ class FeatCalCalibrator:
             [(f"{task}.{i}.{key}", value) for task, batches in self.batches.items()
              for i, batch in enumerate(batches) for key, value in sorted(batch.items()) if isinstance(value, Tensor)]
         )
-        if self.state.num_processes > 1:
-            rank, world = self.state.process_index, self.state.num_processes
+        if world > 1:
             self.batches = {task: batches[rank::world] for task, batches in self.batches.items()}
 
         if merge_info is None:  # recorded by hf_featcal.merging on the config, or on a config-less model
@@ -204,6 +206,11 @@ class FeatCalCalibrator:
         self._calibrated = False
 
     # ================================================================== shared run state
+    @property
+    def layer_map(self) -> LayerMap:
+        """Where the merged model's tower, stacks and blocks are (the run context's, its one owner)."""
+        return self.context.layer_map
+
     @property
     def config(self) -> FeatCalConfig:
         return self.context.config
@@ -413,6 +420,7 @@ class FeatCalCalibrator:
         total = sum(len(s.blocks) for s in stacks)
         drift = DriftLog.empty(self.tasks) if self.config.report_drift else None
         streams, done = Streams(), 0
+        entered = self._take_entered()
         checkpoint = None if self.checkpoint_dir is None else open_checkpoint(
             ctx, self.checkpoint_dir, self.tasks, self._data_digest, self._tower_parameter_names(), self.experts, self.base
         )
@@ -430,7 +438,9 @@ class FeatCalCalibrator:
                 if done <= flat:  # streams enter this stack (a resumed run may bring the previous stack's)
                     progress.set_postfix_str(f"entering {stack.name}")
                     with ctx.timed("entering stacks"):
-                        streams = enter_stack(ctx, si, streams, self.batches, self.experts, drift is not None)
+                        streams = enter_stack(
+                            ctx, si, streams, self.batches, self.experts, drift is not None, entered if si == 0 else None
+                        )
                 for bi, block in enumerate(stack.blocks):
                     flat += 1
                     if flat <= done:
@@ -455,15 +465,18 @@ class FeatCalCalibrator:
         """One block: capture and accumulate, solve and write, propagate, drift; the streams leaving it.
 
         Block granularity solves the whole plan from one pass. Module granularity solves it in steps
-        (`pipeline/steps.py`): the first pass gives the first step's statistics and the streams leaving
-        the block; each later step gets a new, statistics-only pass through the partly written block."""
+        (`pipeline/steps.py`): the first pass gives the first step's statistics and the expert stream
+        leaving the block; each later step gets a new, statistics-only pass through the partly written block."""
         ctx = self.context
         steps = [plan]
         if plan.calibrating and self.config.granularity == "module":
             with ctx.timed("module order"):
                 steps = module_steps(plan, forward_order(ctx, plan, block, streams))
         captured = capture_block(ctx, steps[0], block, streams, self.experts, _step_note(note, steps, 0))
-        student = captured.student
+        given = None
+        if drift is not None and plan.calibrating:  # through the block as given, before it is written
+            with ctx.timed("drift (merged-as-given stream)"):
+                given = advance_given(ctx, block, plan.block_index, streams)
         if plan.calibrating:
             statistics = captured.statistics
             for index, step in enumerate(steps):
@@ -474,18 +487,25 @@ class FeatCalCalibrator:
                 _step_note(note, steps, index)("solving")
                 with ctx.timed("solving"):
                     self._solve_and_write(step, block, statistics)
-            note("propagating")
-            with ctx.timed("propagating"):
-                student = propagate(ctx, block, plan.block_index, streams.student)
-        leaving = Streams(student, captured.expert, captured.given)
+        note("propagating")
+        with ctx.timed("propagating"):
+            student = propagate(ctx, block, plan, streams.student)
+        if drift is not None and given is None:  # an unchanged block: the batches shared with the student stay shared
+            with ctx.timed("drift (merged-as-given stream)"):
+                given = advance_given(ctx, block, plan.block_index, streams, student)
+        leaving = Streams(student, captured.expert, given)
         if drift is not None:
             with ctx.timed("drift (merged-as-given stream)"):
                 record_drift(ctx, drift, leaving, plan.pooled_token_index)
         return leaving
 
     def _solve_and_write(self, plan: BlockPlan, block: nn.Module, statistics: BlockStatistics) -> None:
-        updates = solve_block(self.context, plan, block, statistics, self.base)
-        write_block(self.parameters, block, plan.specs, updates, self.context.where(plan.stack_index, plan.block_index))
+        ctx = self.context
+        base_block = None
+        if self.base is not None:
+            base_block = self.base.block(ctx.model, plan.stack_index, plan.block_index, ctx.device)
+        updates = solve_block(ctx, plan, block, statistics, base_block)
+        write_block(self.parameters, block, plan.specs, updates, ctx.where(plan.stack_index, plan.block_index))
 
     # ================================================================== helpers
     def _check_config_unchanged(self) -> None:
@@ -505,6 +525,15 @@ class FeatCalCalibrator:
         self._plans = plan_blocks(self.layer_map, select_modules(self.layer_map, self.context.tower, self.config))
         self._planned_config = copy.deepcopy(now)
 
+    def _take_entered(self) -> TaskStreams | None:
+        """The first stack's student stream from the construction's check, once; None where the tower's
+        inputs now go to another device (the model was moved since) or it was taken already."""
+        if self._entered is None:
+            return None
+        device, entered = self._entered
+        self._entered = None
+        return entered if self.context.input_device(self.context.tower) == device else None
+
     def _reference_models(self) -> list[nn.Module]:
         sources = [*self.experts.values(), *([self.base] if self.base is not None else [])]
         return [model for source in sources for model in source.modules_for_eval()]
@@ -519,13 +548,6 @@ class FeatCalCalibrator:
 
     def _block_parameter_names(self, si: int, bi: int) -> list[str]:
         return block_parameter_names(self._plans[(si, bi)], self.context.block(si, bi), self.parameters)
-
-    # stream placement, kept for callers of the former private helpers
-    def _park(self, state: StreamBatch) -> StreamBatch:
-        return self.context.park(state)
-
-    def _fetch(self, state: StreamBatch) -> StreamBatch:
-        return self.context.fetch(state)
 
 
 # ====================================================================== helpers

@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from .streams import StreamBatch
+from .pipeline.streams import StreamBatch
 
 STATE_NAME = "state.json"
 FORMAT = 3  # 1: pickled streams (streams-rank<r>.pt), never read; 2: no digests of the files, not resumed

@@ -771,7 +771,7 @@ def _calibrate(
 ) -> int:
     import dataclasses
 
-    from .experts import load_model
+    from .model_io import load_model
     from .pipeline.checks import check_forward_dtype
     from .recipes import (
         RecipeError, build_calibrator, calibrate_merged, load_calibration_data, parse_calibration, push_run, save_run,
@@ -855,8 +855,8 @@ def _evaluation_spec(args: argparse.Namespace, family: ModelFamily) -> Any:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from .experts import load_model
     from .evaluation.results import scores_table
+    from .model_io import load_model
     from .recipes import evaluate_model
 
     model_source = _check_source(args.model, "--model")

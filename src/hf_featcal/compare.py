@@ -331,7 +331,7 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
     The experts are held in memory (RegMean runs each expert's own forward; the ceiling row
     evaluates each expert on its own task)."""
     from .saving import check_writable_folder
-    from .experts import load_model
+    from .model_io import load_model
     from .recipes import RecipeError, check_fast_mode, prepare_recipe_inputs, recipe_evaluator
 
     say = log if log is not None else (lambda message: None)

@@ -11,26 +11,17 @@ from typing import Any
 import torch
 from torch import nn
 
-# the checkpoint reader lives in model_io (shared with merging and evaluation); re-exported here
-from .model_io import (  # noqa: F401 - public names of this module since before model_io
-    SAFE_WEIGHTS_INDEX_NAME,
-    SAFE_WEIGHTS_NAME,
+from .architectures import LayerMap
+from .model_io import (
     LazyTensors,
     LoraAdapter,
-    ModelLike,
-    check_local_path,
-    config_field,
-    hub_snapshot,
-    library_checkpoint,
     load_checkpoint,
-    load_model,
     lora_module_paths,
-    open_safetensors,
     resolve_checkpoint,
     safetensors_files,
     tower_key_map,
-    weights_file,
 )
+from .model_io import load_model  # noqa: F401 - documented as importable from here (docs/api.md)
 
 
 def block_on_device(block: nn.Module, device: torch.device) -> nn.Module:
@@ -63,21 +54,24 @@ def module_dtype(module: nn.Module) -> torch.dtype:
 # ---------------------------------------------------------------------------- sources
 class ModelSource:
     """Where one expert's (or the base's) parameters come from. The calibrator asks a source for its
-    config, its tower's parameter shapes, one block at a time, and a tower to enter a stack with."""
+    config, its tower's parameter shapes, one block at a time, and a tower to enter a stack with.
+    `layer_map` (the merged model's, bound by `make_source`) says where the tower and its blocks are;
+    `reference` is the merged model, whose blocks are the skeletons of a checkpoint's blocks."""
 
     argument: str
     config: Any
     name: str | None
+    layer_map: LayerMap
 
-    def tower_shapes(self, layer_map: Any, reference: nn.Module) -> dict[str, tuple[int, ...]]:
+    def tower_shapes(self, reference: nn.Module) -> dict[str, tuple[int, ...]]:
         raise NotImplementedError
 
-    def block(self, layer_map: Any, reference: nn.Module, stack: int, index: int, device: torch.device) -> nn.Module:
+    def block(self, reference: nn.Module, stack: int, index: int, device: torch.device) -> nn.Module:
         """Block `index` of stack `stack`, on `device`, in eval mode; never the caller's module moved."""
         raise NotImplementedError
 
     @contextlib.contextmanager
-    def entry_tower(self, layer_map: Any, reference: nn.Module) -> Iterator[nn.Module]:
+    def entry_tower(self, reference: nn.Module) -> Iterator[nn.Module]:
         """A tower whose input path (everything before the first block of each stack) is this model's."""
         raise NotImplementedError
         yield
@@ -85,11 +79,11 @@ class ModelSource:
     def modules_for_eval(self) -> list[nn.Module]:
         return []
 
-    def digest(self, layer_map: Any, reference: nn.Module) -> Any:
+    def digest(self, reference: nn.Module) -> Any:
         """Something that changes when the model's weights change (for resume fingerprints)."""
         raise NotImplementedError
 
-    def check_finite(self, layer_map: Any, reference: nn.Module) -> None:
+    def check_finite(self, reference: nn.Module) -> None:
         """Refuse NaN/Inf in the weights the calibration will read, where that costs no extra read (a
         model in memory); a checkpoint's tensors are checked when they are read (`_finite`)."""
 
@@ -107,30 +101,31 @@ class ModelSource:
 class InMemorySource(ModelSource):
     """A model object the caller handed over (or one loaded whole, for non-safetensors checkpoints)."""
 
-    def __init__(self, model: nn.Module, argument: str, name: str | None = None) -> None:
+    def __init__(self, model: nn.Module, argument: str, layer_map: LayerMap, name: str | None = None) -> None:
         from .architectures import model_config
 
         self.model, self.argument, self.config = model, argument, model_config(model)
+        self.layer_map = layer_map
         self.name = name or getattr(self.config, "_name_or_path", None) or None
 
-    def tower_shapes(self, layer_map: Any, reference: nn.Module) -> dict[str, tuple[int, ...]]:
-        return {k: tuple(v.shape) for k, v in layer_map.tower(self.model).state_dict().items()}
+    def tower_shapes(self, reference: nn.Module) -> dict[str, tuple[int, ...]]:
+        return {k: tuple(v.shape) for k, v in self.layer_map.tower(self.model).state_dict().items()}
 
-    def block(self, layer_map: Any, reference: nn.Module, stack: int, index: int, device: torch.device) -> nn.Module:
-        return block_on_device(layer_map.stacks(layer_map.tower(self.model))[stack].blocks[index], device)
+    def block(self, reference: nn.Module, stack: int, index: int, device: torch.device) -> nn.Module:
+        return block_on_device(self.layer_map.stacks(self.layer_map.tower(self.model))[stack].blocks[index], device)
 
     @contextlib.contextmanager
-    def entry_tower(self, layer_map: Any, reference: nn.Module) -> Iterator[nn.Module]:
-        yield layer_map.tower(self.model)
+    def entry_tower(self, reference: nn.Module) -> Iterator[nn.Module]:
+        yield self.layer_map.tower(self.model)
 
     def modules_for_eval(self) -> list[nn.Module]:
         return [self.model]
 
-    def digest(self, layer_map: Any, reference: nn.Module) -> Any:
-        return layer_map.tower(self.model).state_dict()
+    def digest(self, reference: nn.Module) -> Any:
+        return self.layer_map.tower(self.model).state_dict()
 
-    def check_finite(self, layer_map: Any, reference: nn.Module) -> None:
-        for key, value in layer_map.tower(self.model).state_dict().items():
+    def check_finite(self, reference: nn.Module) -> None:
+        for key, value in self.layer_map.tower(self.model).state_dict().items():
             self._finite(key, value)
 
 
@@ -140,11 +135,12 @@ class CheckpointSource(ModelSource):
     with this checkpoint's tensors loaded into them."""
 
     def __init__(
-        self, folder: str | None, argument: str, name: str, config: Any = None, files: dict[str, str] | None = None
+        self, folder: str | None, argument: str, name: str, layer_map: LayerMap, config: Any = None,
+        files: dict[str, str] | None = None,
     ) -> None:
         """A transformers checkpoint `folder` (config and safetensors found there), or a library
         checkpoint given by its `config` and `files` (state-dict key → safetensors file)."""
-        self.folder, self.argument, self.name = folder, argument, name
+        self.folder, self.argument, self.name, self.layer_map = folder, argument, name, layer_map
         if config is None:
             from transformers import AutoConfig
 
@@ -157,17 +153,17 @@ class CheckpointSource(ModelSource):
         self._key_map: dict[str, str] | None = None
 
     # -- keys
-    def _keys(self, layer_map: Any, reference: nn.Module) -> dict[str, str]:
+    def _keys(self, reference: nn.Module) -> dict[str, str]:
         """Tower-relative parameter name → checkpoint key (prefix as the checkpoint has it, ties resolved)."""
         if self._key_map is not None:
             return self._key_map
-        tower = layer_map.tower(reference)
+        tower = self.layer_map.tower(reference)
         names = list(tower.state_dict().keys())
         tied: dict[str, str] = {}
         for cls in type(reference).__mro__:
             tied.update(getattr(cls, "_tied_weights_keys", None) or {})
         optional = [name for name in names if _is_non_persistent(tower, name)]
-        mapping, errors = tower_key_map(names, self._tensors.keys(), layer_map.checkpoint_prefixes, tied, optional)
+        mapping, errors = tower_key_map(names, self._tensors.keys(), self.layer_map.checkpoint_prefixes, tied, optional)
         if mapping is None:
             raise ValueError(
                 f"`{self.argument}` ({self.name}) lacks parameters of the merged model's tower ({'; '.join(errors)})."
@@ -178,21 +174,21 @@ class CheckpointSource(ModelSource):
     def _read(self, key: str) -> torch.Tensor:
         return self._tensors.read(key)
 
-    def tower_shapes(self, layer_map: Any, reference: nn.Module) -> dict[str, tuple[int, ...]]:
-        return {name: self._tensors.shape(key) for name, key in self._keys(layer_map, reference).items()}
+    def tower_shapes(self, reference: nn.Module) -> dict[str, tuple[int, ...]]:
+        return {name: self._tensors.shape(key) for name, key in self._keys(reference).items()}
 
-    def digest(self, layer_map: Any, reference: nn.Module) -> Any:
+    def digest(self, reference: nn.Module) -> Any:
         from .checkpointing import file_digest
 
         files = sorted(set(self._tensors.files.values()))
         return [(os.path.basename(f), file_digest(f)) for f in files]
 
     # -- blocks and entry
-    def block(self, layer_map: Any, reference: nn.Module, stack: int, index: int, device: torch.device) -> nn.Module:
-        tower = layer_map.tower(reference)
-        skeleton = layer_map.stacks(tower)[stack].blocks[index]
+    def block(self, reference: nn.Module, stack: int, index: int, device: torch.device) -> nn.Module:
+        tower = self.layer_map.tower(reference)
+        skeleton = self.layer_map.stacks(tower)[stack].blocks[index]
         prefix = _qualified_name(tower, skeleton)
-        keys = self._keys(layer_map, reference)
+        keys = self._keys(reference)
         if any(p.is_meta for p in skeleton.parameters()):  # an offloaded block of a dispatched merged model
             return self._block_into_copy(skeleton, prefix, keys).to(device).eval()
         # The checkpoint's tensors become the copy's own: safetensors hands out views of its memory map,
@@ -237,16 +233,16 @@ class CheckpointSource(ModelSource):
         return clone
 
     @contextlib.contextmanager
-    def entry_tower(self, layer_map: Any, reference: nn.Module) -> Iterator[nn.Module]:
+    def entry_tower(self, reference: nn.Module) -> Iterator[nn.Module]:
         from .parameters import ModelParameters
 
-        tower = layer_map.tower(reference)
+        tower = self.layer_map.tower(reference)
         parameters = ModelParameters(reference)  # also reaches accelerate-offloaded parameters
-        block_params = {id(p) for stack in layer_map.stacks(tower) for p in stack.blocks.parameters()}
-        keys = self._keys(layer_map, reference)
+        block_params = {id(p) for stack in self.layer_map.stacks(tower) for p in stack.blocks.parameters()}
+        keys = self._keys(reference)
         saved: list[tuple[str, torch.Tensor]] = []
         try:
-            tower_prefix = layer_map.tower_prefix(reference)
+            tower_prefix = self.layer_map.tower_prefix(reference)
             for name, param in tower.named_parameters():
                 if id(param) in block_params:
                     continue
@@ -270,18 +266,19 @@ class LoraSource(ModelSource):
             raise ValueError(f"`{argument}` is a LoRA adapter: pass the model it was trained on as `base_model`.")
         self.adapter = LoraAdapter(folder, argument)
         self.base, self.argument, self.name, self.config = base, argument, name, base.config
+        self.layer_map = base.layer_map
         self._paths: dict[str, str] | None = None
 
-    def _module_paths(self, layer_map: Any, reference: nn.Module) -> dict[str, str]:
+    def _module_paths(self, reference: nn.Module) -> dict[str, str]:
         """Tower-relative module path → the adapter's module path, for every adapted module."""
         if self._paths is not None:
             return self._paths
-        tower = layer_map.tower(reference)
-        within = layer_map.tower_prefix(reference)
-        _, qualified = lora_module_paths(self.adapter, reference, layer_map, within=within)
+        tower = self.layer_map.tower(reference)
+        within = self.layer_map.tower_prefix(reference)
+        _, qualified = lora_module_paths(self.adapter, reference, self.layer_map, within=within)
         paths = {path[len(within) + 1:] if within else path: module for module, path in qualified.items()}
         block_modules = {
-            _qualified_name(tower, block) for stack in layer_map.stacks(tower) for block in stack.blocks
+            _qualified_name(tower, block) for stack in self.layer_map.stacks(tower) for block in stack.blocks
         }
         outside = [
             p for p, module in paths.items()
@@ -292,16 +289,16 @@ class LoraSource(ModelSource):
         self._paths = paths
         return paths
 
-    def tower_shapes(self, layer_map: Any, reference: nn.Module) -> dict[str, tuple[int, ...]]:
-        self._module_paths(layer_map, reference)  # checks the adapter against the tower
-        return self.base.tower_shapes(layer_map, reference)
+    def tower_shapes(self, reference: nn.Module) -> dict[str, tuple[int, ...]]:
+        self._module_paths(reference)  # checks the adapter against the tower
+        return self.base.tower_shapes(reference)
 
-    def block(self, layer_map: Any, reference: nn.Module, stack: int, index: int, device: torch.device) -> nn.Module:
-        tower = layer_map.tower(reference)
-        prefix = _qualified_name(tower, layer_map.stacks(tower)[stack].blocks[index]) + "."
-        block = copy.deepcopy(self.base.block(layer_map, reference, stack, index, device))  # never the base's own
+    def block(self, reference: nn.Module, stack: int, index: int, device: torch.device) -> nn.Module:
+        tower = self.layer_map.tower(reference)
+        prefix = _qualified_name(tower, self.layer_map.stacks(tower)[stack].blocks[index]) + "."
+        block = copy.deepcopy(self.base.block(reference, stack, index, device))  # never the base's own
         with torch.no_grad():
-            for path, adapter_path in self._module_paths(layer_map, reference).items():
+            for path, adapter_path in self._module_paths(reference).items():
                 if path.startswith(prefix):
                     module = block.get_submodule(path[len(prefix):])
                     if adapter_path in self.adapter.modules:
@@ -312,17 +309,17 @@ class LoraSource(ModelSource):
         return block.eval()
 
     @contextlib.contextmanager
-    def entry_tower(self, layer_map: Any, reference: nn.Module) -> Iterator[nn.Module]:
+    def entry_tower(self, reference: nn.Module) -> Iterator[nn.Module]:
         """The base's input path, with the adapter's trained biases outside the blocks (e.g. a
         pre-LayerNorm's, `bias="all"`) written in for the duration and restored after."""
         from .parameters import ModelParameters
 
-        with self.base.entry_tower(layer_map, reference) as tower:
+        with self.base.entry_tower(reference) as tower:
             parameters = ModelParameters(tower)  # also reaches accelerate-offloaded parameters
-            blocks = {_qualified_name(tower, b) for stack in layer_map.stacks(tower) for b in stack.blocks}
+            blocks = {_qualified_name(tower, b) for stack in self.layer_map.stacks(tower) for b in stack.blocks}
             saved: list[tuple[str, torch.Tensor]] = []
             try:
-                for path, adapter_path in self._module_paths(layer_map, reference).items():
+                for path, adapter_path in self._module_paths(reference).items():
                     if adapter_path in self.adapter.biases and not any(path.startswith(b + ".") for b in blocks):
                         saved.append((f"{path}.bias", parameters.read(f"{path}.bias").clone()))
                         parameters.write(f"{path}.bias", self.adapter.bias(adapter_path))
@@ -334,24 +331,29 @@ class LoraSource(ModelSource):
     def modules_for_eval(self) -> list[nn.Module]:
         return self.base.modules_for_eval()
 
-    def check_finite(self, layer_map: Any, reference: nn.Module) -> None:
+    def check_finite(self, reference: nn.Module) -> None:
         """Nothing more to check: the adapter's tensors were checked when it was opened, the base is
         checked as `base_model`."""
 
-    def digest(self, layer_map: Any, reference: nn.Module) -> Any:
-        return {"adapter": self.adapter.digest(), "base": self.base.digest(layer_map, reference)}
+    def digest(self, reference: nn.Module) -> Any:
+        return {"adapter": self.adapter.digest(), "base": self.base.digest(reference)}
 
 
 def make_source(
-    source: ModelSource | nn.Module | str | os.PathLike, argument: str, base: ModelSource | None = None
+    source: ModelSource | nn.Module | str | os.PathLike,
+    argument: str,
+    layer_map: LayerMap,
+    base: ModelSource | None = None,
 ) -> ModelSource:
     """A model → used in memory; a folder or hub id with safetensors → read lazily, one block at a
     time (also open_clip's `local-dir:` / `hf-hub:` checkpoints); a LoRA adapter folder → the base plus
-    the adapter's deltas, per block; a checkpoint without safetensors → loaded whole (as `load_model`)."""
+    the adapter's deltas, per block; a checkpoint without safetensors → loaded whole (as `load_model`).
+    The source finds its tower and blocks by `layer_map`, the merged model's (a `ModelSource` given
+    keeps its own)."""
     if isinstance(source, ModelSource):
         return source
     if isinstance(source, nn.Module):
-        return InMemorySource(source, argument)
+        return InMemorySource(source, argument, layer_map)
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(
             f"`{argument}` must be a PreTrainedModel, a local path or a hub id, got {type(source).__name__}."
@@ -361,10 +363,10 @@ def make_source(
     if checkpoint.adapter is not None:
         return LoraSource(checkpoint.adapter, argument, name, base)
     if checkpoint.library is not None and checkpoint.lazy:
-        return CheckpointSource(None, argument, name, checkpoint.library.describe(), checkpoint.files)
+        return CheckpointSource(None, argument, name, layer_map, checkpoint.library.describe(), checkpoint.files)
     if checkpoint.lazy:
-        return CheckpointSource(checkpoint.folder, argument, name, files=checkpoint.files)
-    return InMemorySource(load_checkpoint(checkpoint, argument), argument, name)
+        return CheckpointSource(checkpoint.folder, argument, name, layer_map, files=checkpoint.files)
+    return InMemorySource(load_checkpoint(checkpoint, argument), argument, layer_map, name)
 
 
 def _qualified_name(root: nn.Module, module: nn.Module) -> str:

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 
 from torch import Tensor, nn
 
-from .streams import StopForward, module_input
+from .pipeline.streams import StopForward, module_input
 
 
 class InputCapture(dict):

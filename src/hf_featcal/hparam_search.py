@@ -193,9 +193,9 @@ def tune_featcal(
     kwargs = {"show_progress": False, **dict(calibrator_kwargs or {})}
     # Prepared once for the whole grid: the model sources (folders and hub ids resolved, LoRA adapters
     # opened, bin-only checkpoints loaded) and the batches (one set per distinct sampling setting).
-    base_source = None if base_model is None else make_source(base_model, "base_model")
-    expert_sources = {task: make_source(expert, f"experts[{task!r}]", base_source) for task, expert in experts.items()}
     layer_map = get_layer_map(merged_model, "merged_model")
+    base_source = None if base_model is None else make_source(base_model, "base_model", layer_map)
+    expert_sources = {task: make_source(expert, f"experts[{task!r}]", layer_map, base_source) for task, expert in experts.items()}
     main_input_name, merged_config = layer_map.main_input_name, layer_map.tower_config(model_config(merged_model))
     prepared: dict[tuple[Any, ...], dict[str, Any]] = {}
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .experts import config_field
+from .model_io import config_field
 
 REPORT_NAME = "featcal_drift_report.json"
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ..streams import StreamBatch, capture_first_block_inputs
+from ..pipeline.streams import StreamBatch, capture_first_block_inputs
 from .mha import attention_out_proj_called
 
 LINEAR = "linear"

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..streams import StreamBatch
+from ..pipeline.streams import StreamBatch
 from .base import LayerMap, Stack, register_layer_map
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..streams import StreamBatch, capture_first_block_inputs
+from ..pipeline.streams import StreamBatch, capture_first_block_inputs
 from .base import LayerMap, Stack, register_layer_map
 
 # Positions of the block inputs inside `StreamBatch.args` (the hidden state is not among them).

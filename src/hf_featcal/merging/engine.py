@@ -8,7 +8,7 @@ tensor, the result cast back to the base tensor's dtype), `merge_task_vectors` w
 experts are never modified.
 
 Inputs.  The base and each expert may be an in-memory model or a local folder / hub id.  A base
-given by path is loaded with its checkpoint's class (``hf_featcal.experts.load_model``) and merged
+given by path is loaded with its checkpoint's class (``hf_featcal.model_io.load_model``) and merged
 in place (it is ours), an in-memory base is deep-copied.  Experts given by path are read lazily
 with ``safetensors.safe_open``, one tensor at a time (sharded checkpoints via
 ``model.safetensors.index.json``), so memory stays near one model (the result, plus the caller's
@@ -171,7 +171,7 @@ def _open_expert(
     layer_map = family_layer_map(merged)
     if checkpoint is not None and checkpoint.lazy:
         if layer_map is not None:  # the calibrator's check, on the config and shapes alone
-            check_compatible(make_source(source, argument), layer_map, merged, model_config(merged))
+            check_compatible(make_source(source, argument, layer_map), layer_map, merged, model_config(merged))
         tensors = stack.enter_context(LazyTensors(checkpoint.files, argument))  # files open until the merge ends
         shapes = {key: tensors.shape(key) for key in tensors.keys() if tensors.is_floating(key)}
         fetch = tensors.read
@@ -179,7 +179,7 @@ def _open_expert(
     else:
         model = source if isinstance(source, nn.Module) else load_model(source, argument)
         if layer_map is not None:
-            check_compatible(InMemorySource(model, argument), layer_map, merged, model_config(merged))
+            check_compatible(InMemorySource(model, argument, layer_map), layer_map, merged, model_config(merged))
         state = _float_state(model)
         shapes = {k: tuple(v.shape) for k, v in state.items()}
         fetch = state.__getitem__

@@ -1,5 +1,6 @@
 """Stage *accumulate*: per-task weighted sums of one block's captured module inputs, folded into
-task sums at the end of each task (the accumulators are in `hf_featcal.statistics`)."""
+task sums at the end of each task (the accumulators are in `hf_featcal.statistics`). Capture drives
+one `TaskPass` per task: begun with the task's expert block, fed each captured batch, finished."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import Tensor, nn
 
 from ..architectures import LAYER_NORM, ModuleSpec
 from ..statistics import LinearGroupStatistics, LinearTargets, NormStatistics
-from ..streams import StreamBatch
+from .streams import StreamBatch
 from .context import RunContext
 from .plan import BlockPlan
 
@@ -123,6 +124,44 @@ def pooled_weighting(weights: Tensor, pooled_token_index: int, other_token_weigh
     factor = torch.full_like(weights, other_token_weight)
     factor[:, pooled_token_index] = 1.0
     return weights * factor
+
+
+@dataclass
+class TaskPass:
+    """One task's pass over a block: the expert's parameters solved towards (`targets`), the groups
+    whose right-hand sides come from the expert modules' outputs (`from_outputs`), and the block's
+    statistics each captured batch is added to."""
+
+    ctx: RunContext
+    plan: BlockPlan
+    statistics: BlockStatistics
+    expert_block: nn.Module
+    targets: dict[str, LinearTargets]
+    from_outputs: dict[tuple[str, bool, str], tuple[str, ...]]
+
+    @classmethod
+    def begin(
+        cls, ctx: RunContext, plan: BlockPlan, statistics: BlockStatistics, expert_block: nn.Module,
+        student: list[StreamBatch] | None,
+    ) -> TaskPass:
+        """`student`: the task's student stream, where the expert modules' outputs may be captured
+        (None: a statistics-only pass, whose expert forward stops before them)."""
+        targets = expert_targets(plan, statistics, expert_block)
+        from_outputs = {} if student is None else output_groups(ctx, plan, statistics, expert_block, student)
+        return cls(ctx, plan, statistics, expert_block, targets, from_outputs)
+
+    @property
+    def output_modules(self) -> set[str]:
+        """The expert modules whose outputs `add` needs."""
+        return {name for names in self.from_outputs.values() for name in names}
+
+    def add(self, xs: Mapping[str, Tensor], xe: Mapping[str, Tensor], state: StreamBatch, ye: Mapping[str, Tensor]) -> None:
+        """One captured batch (see `accumulate`)."""
+        accumulate(self.ctx, self.plan, self.statistics, xs, xe, state, self.targets, ye, self.from_outputs)
+
+    def finish(self) -> None:
+        """The task's sums folded into the task sums (see `finish_task`)."""
+        finish_task(self.ctx, self.statistics, self.expert_block, self.targets)
 
 
 def finish_task(ctx: RunContext, statistics: BlockStatistics, expert_block: nn.Module, targets: dict[str, LinearTargets]) -> None:

@@ -13,7 +13,7 @@ from ..checkpointing import CheckpointFolder, fingerprint
 from ..experts import ModelSource
 from .context import RunContext
 from .drift import DriftLog
-from .enter import Streams
+from .streams import Streams
 
 
 @dataclass
@@ -50,8 +50,8 @@ def open_checkpoint(
             ("tasks", tasks),
             ("data", data_digest),
             ("merged", ctx.parameters.named(tower_parameter_names)),
-            *[(f"expert.{task}", source.digest(ctx.layer_map, ctx.model)) for task, source in experts.items()],
-            ("base", None if base is None else base.digest(ctx.layer_map, ctx.model)),
+            *[(f"expert.{task}", source.digest(ctx.model)) for task, source in experts.items()],
+            ("base", None if base is None else base.digest(ctx.model)),
         ]
     )
     return CheckpointFolder(path, digest, ctx.process.process_index, ctx.process.is_main_process, ctx.device)

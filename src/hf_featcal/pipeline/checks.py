@@ -3,7 +3,7 @@ name the offending argument (and task and batch)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from ..data import Batch, batch_size_of
 from ..experts import ModelSource
 from ..hooks import eval_mode
 from .context import RunContext
+from .streams import TaskStreams
 
 
 def check_tasks(experts: Any, calibration_data: Any) -> list[str]:
@@ -56,7 +57,7 @@ def check_compatible(source: ModelSource, layer_map: LayerMap, model: nn.Module,
         detail = ", ".join(f"{k}: merged {a!r} vs {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"`{argument}` has a different configuration from the merged model ({detail}).")
     mine = {k: tuple(v.shape) for k, v in layer_map.tower(model).state_dict().items()}
-    other_shapes = source.tower_shapes(other_map, model)
+    other_shapes = source.tower_shapes(model)
     missing = sorted(set(mine) - set(other_shapes))
     if missing:
         raise ValueError(f"`{argument}` lacks parameters of the merged model's tower: {missing[:5]}.")
@@ -69,17 +70,24 @@ def check_compatible(source: ModelSource, layer_map: LayerMap, model: nn.Module,
         )
 
 
-def check_batches_enter_model(ctx: RunContext, batches: Mapping[str, list[Batch]]) -> None:
+def check_batches_enter_model(
+    ctx: RunContext, batches: Mapping[str, list[Batch]], keep: Callable[[int], bool] = lambda index: True
+) -> TaskStreams:
     """Every batch of every task, before any block is touched: the keys the layer map needs, tensors
     (not arrays or lists) of consistent batch size, integer token ids inside the vocabulary, a
-    forward through the merged model's input path, and at least one weighted token per task."""
+    forward through the merged model's input path, and at least one weighted token per task.
+
+    Returns what that forward gives, the student stream entering the first stack (parked), of the
+    batches whose index `keep` accepts (this process's shard): `enter_stack` takes it as it is."""
     lm, model = ctx.layer_map, ctx.model
+    entered: TaskStreams = {}
     tower = ctx.tower
     device = ctx.input_device(tower)
     vocabulary = _vocabulary_size(model)
     with eval_mode(model), torch.no_grad():
         for task, task_batches in batches.items():
             weighted = 0.0
+            entered[task] = []
             for index, batch in enumerate(task_batches):
                 where = f"calibration_data[{task!r}] batch {index}"
                 try:
@@ -96,11 +104,14 @@ def check_batches_enter_model(ctx: RunContext, batches: Mapping[str, list[Batch]
                     ) from err
                 if state.weights is not None:
                     weighted += float(state.weights.sum())
+                if keep(index):
+                    entered[task].append(ctx.park(state))
             if weighted <= 0:
                 raise ValueError(
                     f"calibration_data[{task!r}] has no weighted token: every position is padding (attention_mask 0) "
                     "or excluded (labels -100 / loss_mask 0), so there is nothing to calibrate on."
                 )
+    return entered
 
 
 _TOKEN_KEYS = ("input_ids", "decoder_input_ids")

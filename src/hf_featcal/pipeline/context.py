@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,10 +20,24 @@ from ..architectures import LayerMap
 from ..config import FeatCalConfig
 from ..experts import module_device
 from ..parameters import ModelParameters
-from ..streams import StreamBatch
+from .streams import StreamBatch
 
 #: Kept under the facade's module name, so logging set up for `hf_featcal.calibrator` still applies.
 LOGGER = logging.getLogger("hf_featcal.calibrator")
+
+
+#: hf_featcal's folder: a warning points at the first frame outside it
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The `stacklevel` that makes a warning its caller issues point at the first frame outside
+    hf_featcal, the user's line that called into the library, however many of the library's frames
+    lie between (Python 3.12's `skip_file_prefixes`; this package supports older versions)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1
 
 
 class FeatCalWarning(UserWarning):

@@ -1,16 +1,16 @@
-"""Stage *drift*: per task and block, the mean distance of the merged streams from the expert's, and
-the relative distance of what the task's head reads."""
+"""Stage *drift*: the merged-as-given stream through each block, and per task and block the mean
+distance of the merged streams from the expert's, and the relative distance of what the task's head reads."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
-from ..streams import StreamBatch
 from .accumulate import pooled_weighting
 from .context import RunContext
-from .enter import Streams
+from .streams import StreamBatch, Streams, TaskStreams
 
 #: The stages of a task's entry: the absolute drift and the head's relative drift, before and after.
 DRIFT_STAGES = ("before", "after", "head_before", "head_after")
@@ -78,3 +78,20 @@ def record_drift(ctx: RunContext, drift: DriftLog, streams: Streams, pooled_toke
         )
         for stage, value in zip(DRIFT_STAGES, (before, after, head_before, head_after), strict=True):
             entry.setdefault(stage, []).append(value)
+
+
+def advance_given(
+    ctx: RunContext, block: nn.Module, block_index: int, streams: Streams, student: TaskStreams | None = None
+) -> TaskStreams:
+    """The merged-as-given stream leaving `block` as given (run before its solutions are written). Its
+    batches are the student's until a block is calibrated: with `student`, the student batches leaving
+    an unchanged block, those stay shared; every other batch runs through the block, hooks off."""
+    given = {}
+    with ctx.precision():
+        for task, states in streams.given.items():
+            entering = streams.student[task]
+            given[task] = [
+                student[task][b] if student is not None and state is entering[b] else ctx.run_block(block, block_index, state)
+                for b, state in enumerate(states)
+            ]
+    return given

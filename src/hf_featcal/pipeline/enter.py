@@ -1,34 +1,17 @@
-"""Stage *enter streams*: every task's batches enter a stack, through the merged model or an expert.
-
-Three streams per task flow between blocks: the *student* (the merged model with the blocks
-calibrated so far), the *expert* (the task's expert) and, for the drift report, the merged model
-*as given*, which coincides with the student (the same batch objects) until a block is calibrated.
-"""
+"""Stage *enter streams*: every task's batches enter a stack, through the merged model or an expert
+(the three streams are described in `pipeline/streams.py`)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from accelerate.utils import send_to_device
 
 from ..data import Batch
 from ..experts import ModelSource, module_device
-from ..streams import StreamBatch
 from .context import RunContext
-
-#: task → that task's batches of one stream
-TaskStreams = dict[str, list[StreamBatch]]
-
-
-@dataclass
-class Streams:
-    """The streams entering the next block (`given` is None without a drift report)."""
-
-    student: TaskStreams | None = None
-    expert: TaskStreams | None = None
-    given: TaskStreams | None = None
+from .streams import StreamBatch, Streams, TaskStreams
 
 
 def enter_stack(
@@ -38,10 +21,14 @@ def enter_stack(
     batches: Mapping[str, list[Batch]],
     experts: Mapping[str, ModelSource],
     drift: bool,
+    student: TaskStreams | None = None,
 ) -> Streams:
-    """Every stream entering stack `stack_index` (`streams`: the same streams leaving the previous stack)."""
+    """Every stream entering stack `stack_index` (`streams`: the same streams leaving the previous
+    stack; `student`: the student stream when it has entered already, as the first stack's has where
+    `check_batches_enter_model` ran the merged model's input path on the batches)."""
     tasks = list(experts)
-    student = {t: enter(ctx, None, stack_index, streams.student, batches[t], t) for t in tasks}
+    if student is None:
+        student = {t: enter(ctx, None, stack_index, streams.student, batches[t], t) for t in tasks}
     expert = {t: enter(ctx, experts[t], stack_index, streams.expert, batches[t], t) for t in tasks}
     given = None
     if drift:
@@ -61,7 +48,7 @@ def enter(
     a source's own input path."""
     states = []
     merged = ctx.tower
-    entry = contextlib.nullcontext(merged) if source is None else source.entry_tower(ctx.layer_map, ctx.model)
+    entry = contextlib.nullcontext(merged) if source is None else source.entry_tower(ctx.model)
     with entry as tower:
         merged_tower = tower is merged  # also for experts read from files
         source_device = ctx.input_device(tower) if merged_tower else module_device(tower)

@@ -1,14 +1,23 @@
-"""Stage *propagate*: the student stream through the calibrated block, hooks off."""
+"""Stage *propagate*: the student stream through the block, calibrated or left as it is, hooks off."""
 
 from __future__ import annotations
+
+import contextlib
 
 from torch import nn
 
 from .context import RunContext
-from .enter import TaskStreams
+from .plan import BlockPlan
+from .streams import TaskStreams
 
 
-def propagate(ctx: RunContext, block: nn.Module, block_index: int, student: TaskStreams) -> TaskStreams:
-    """Every task's student batches through `block` (already calibrated), parked for the next block."""
-    with ctx.precision():
-        return {task: [ctx.run_block(block, block_index, state) for state in states] for task, states in student.items()}
+def propagate(ctx: RunContext, block: nn.Module, plan: BlockPlan, student: TaskStreams) -> TaskStreams:
+    """Every task's student batches through `block` (calibrated by now, or with nothing solved in it),
+    parked for the next block."""
+    # a block with nothing solved runs as capture runs the expert's, in the layer map's capture
+    # context: the student and expert streams of an unchanged block are computed alike
+    alike = contextlib.nullcontext() if plan.calibrating else ctx.layer_map.capture_context(block)
+    with ctx.precision(), alike:
+        return {
+            task: [ctx.run_block(block, plan.block_index, state) for state in states] for task, states in student.items()
+        }

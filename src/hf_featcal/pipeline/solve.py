@@ -7,7 +7,6 @@ import warnings
 
 from torch import Tensor, nn
 
-from ..experts import ModelSource
 from ..solver import (
     SINGULAR_RTOL,
     anchor,
@@ -20,27 +19,20 @@ from ..solver import (
     solve_scale_only_norm,
 )
 from .accumulate import BlockStatistics
-from .context import FeatCalWarning, RunContext, check_finite
+from .context import FeatCalWarning, RunContext, check_finite, user_stacklevel
 from .plan import BlockPlan
 from .write import BlockUpdates, read_spec
 
-#: `warnings.warn` frames up to the caller of `FeatCalCalibrator.calibrate()`:
-#: solve_block ← _solve_and_write ← _calibrate_block ← _sweep ← calibrate ← caller
-_WARNING_STACKLEVEL = 6
-
-
 def solve_block(
-    ctx: RunContext, plan: BlockPlan, block: nn.Module, statistics: BlockStatistics, base: ModelSource | None
+    ctx: RunContext, plan: BlockPlan, block: nn.Module, statistics: BlockStatistics, base_block: nn.Module | None
 ) -> BlockUpdates:
-    """The new weight (and bias) of every module of the plan; each Linear's solve is logged in
-    `ctx.solve_log`. Raises FeatCalError on non-finite features."""
+    """The new weight (and bias) of every module of the plan, anchored between the merged block's and
+    `base_block`'s (the base model's block on the device; None: at the merged weights); each Linear's
+    solve is logged in `ctx.solve_log`. Raises FeatCalError on non-finite features."""
     cfg = ctx.config
     lam, eps, rho = cfg.lambda_ratio, cfg.epsilon, cfg.anchor_rho
     linear, norms = statistics.linear, statistics.norms
     where = ctx.where(plan.stack_index, plan.block_index)
-    base_block = None
-    if base is not None:
-        base_block = base.block(ctx.layer_map, ctx.model, plan.stack_index, plan.block_index, ctx.device)
 
     specs = {s.name: s for s in plan.specs}
 
@@ -64,7 +56,7 @@ def solve_block(
                 f"{stats.dim} (each token counted by its weight, summed over tasks); the solution there is "
                 "set by the ridge: give more calibration examples.",
                 FeatCalWarning,
-                stacklevel=_WARNING_STACKLEVEL,
+                stacklevel=user_stacklevel(),
             )
         elif not ridge_settles_null_directions(stats.gram_sum, lam + eps) and gram_is_singular(stats.gram_sum, work=work):
             warnings.warn(
@@ -72,7 +64,7 @@ def solve_block(
                 f"below {SINGULAR_RTOL:g} of its norm: the solution in its null directions is set by ε and "
                 "round-off, not by the data or the anchor; raise lambda_ratio.",
                 FeatCalWarning,
-                stacklevel=_WARNING_STACKLEVEL,
+                stacklevel=user_stacklevel(),
             )
         weights, info = solve_linear_weights(
             stats.gram_sum, [stats.rhs_sum[name] for name in names], [anchor_of(name, "weight") for name in names], lam, eps,

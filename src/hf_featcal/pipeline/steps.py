@@ -16,7 +16,7 @@ from torch import nn
 
 from ..hooks import capture_module_inputs
 from .context import FeatCalError, RunContext
-from .enter import Streams
+from .streams import Streams
 from .plan import BlockPlan
 
 

@@ -54,7 +54,7 @@ def prepare_recipe_inputs(recipe: Recipe, *, evaluate: bool = True, log: Callabl
     """Load a recipe's base, processing classes, zero-shot text tower (when `evaluate` and the recipe
     evaluates) and calibration data — the steps `run_recipe` (and `hf-featcal compare RECIPE`) take
     before merging."""
-    from ..experts import load_model
+    from ..model_io import load_model
 
     family = recipe.model_family
     log(f"Loading the base model {recipe.base} ...")

@@ -1,4 +1,11 @@
-"""Feature streams: capture a stream's input to a block, and the per-batch state carried between blocks."""
+"""The streams between blocks: one batch of one stream (`StreamBatch`), every task's student,
+expert and merged-as-given batches entering the next block (`Streams`), and the capture of a
+stream's input to a block (layer maps enter a stack with it).
+
+Three streams per task flow between blocks: the *student* (the merged model with the blocks
+calibrated so far), the *expert* (the task's expert) and, for the drift report, the merged model
+*as given*, which coincides with the student (the same batch objects) until a block is calibrated.
+"""
 
 from __future__ import annotations
 
@@ -51,6 +58,19 @@ class StreamBatch:
             weights=pin(self.weights),
             extras={k: pin(v) for k, v in self.extras.items()},
         )
+
+
+#: task → that task's batches of one stream
+TaskStreams = dict[str, list[StreamBatch]]
+
+
+@dataclass
+class Streams:
+    """The streams entering the next block (`given` is None without a drift report)."""
+
+    student: TaskStreams | None = None
+    expert: TaskStreams | None = None
+    given: TaskStreams | None = None
 
 
 class StopForward(Exception):
