@@ -98,6 +98,9 @@ _KIND_TEXT = {
     "mapping": "",
     "list": "[<name>, ...]",
     "bool": "true | false",
+    # a choice whose names a registry fills (model families) before they are registered: the schema alone
+    # does not know them
+    "choice": "<a registered name>",
 }
 
 
