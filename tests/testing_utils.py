@@ -103,7 +103,7 @@ def assert_same_up_to_rounding(actual, expected, rtol: float = SAME_RESULT_RTOL)
     pairs_a = list(actual.items() if isinstance(actual, dict) else actual)
     pairs_e = list(expected.items() if isinstance(expected, dict) else expected)
     assert [n for n, _ in pairs_a] == [n for n, _ in pairs_e], "the two models name their tensors differently"
-    for (name, a), (_, e) in zip(pairs_a, pairs_e):
+    for (name, a), (_, e) in zip(pairs_a, pairs_e, strict=True):
         assert a.shape == e.shape and a.dtype == e.dtype, (name, a.shape, e.shape, a.dtype, e.dtype)
         if not e.is_floating_point():
             assert torch.equal(a, e), name

@@ -21,19 +21,17 @@ from accelerate import Accelerator, PartialState
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .architectures import LayerMap, get_layer_map, model_config, supported_model_types
-from .architectures import model_type_of
+from ._kernels.gemm import gemm_library
+from ._kernels.memory import reuse_freed_memory
+from .architectures import LayerMap, get_layer_map, model_config, model_type_of, supported_model_types
 from .architectures.auto import infer_layer_map
 from .checkpointing import fingerprint
 from .config import FeatCalConfig
-from ._kernels.gemm import gemm_library
-from ._kernels.memory import reuse_freed_memory
 from .data import Batch, batch_size_of, prepare_batches, text_length_limit
 from .devices import usable_device
 from .experts import ModelSource, make_source
 from .hooks import eval_mode
 from .model_io import ModelLike
-from .restore import restore_on_failure
 from .parameters import ModelParameters
 from .pipeline.accumulate import BlockStatistics
 from .pipeline.capture import capture_block
@@ -41,6 +39,7 @@ from .pipeline.checkpoint import open_checkpoint, resume, save_block
 from .pipeline.checks import (
     check_batches_enter_model,
     check_compatible,
+    check_forward_dtype,
     check_not_empty,
     check_tasks,
 )
@@ -51,11 +50,11 @@ from .pipeline.plan import BlockPlan, Plan, block_parameter_names, plan_blocks, 
 from .pipeline.propagate import propagate
 from .pipeline.solve import solve_block
 from .pipeline.steps import forward_order, module_steps
-from .pipeline.checks import check_forward_dtype
+from .pipeline.streams import Streams, TaskStreams
 from .pipeline.write import write_block
 from .report import DriftReport, build_model_card
+from .restore import restore_on_failure
 from .saving import check_writable_folder
-from .pipeline.streams import Streams, TaskStreams
 
 __all__ = ["FeatCalCalibrator", "FeatCalError", "FeatCalWarning"]
 

@@ -649,7 +649,7 @@ class _ProgressBars:
         self.quiet = quiet
         self.restore: list[Callable[[], None]] = []
 
-    def __enter__(self) -> "_ProgressBars":
+    def __enter__(self) -> _ProgressBars:
         if not self.quiet:
             return self
         import datasets
@@ -774,7 +774,13 @@ def _calibrate(
     from .model_io import load_model
     from .pipeline.checks import check_forward_dtype
     from .recipes import (
-        RecipeError, build_calibrator, calibrate_merged, load_calibration_data, parse_calibration, push_run, save_run,
+        RecipeError,
+        build_calibrator,
+        calibrate_merged,
+        load_calibration_data,
+        parse_calibration,
+        push_run,
+        save_run,
     )
     from .schema import recipe_keys
 
@@ -1010,10 +1016,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     widths = [max(5, len(t)) for t in tasks]
 
     def row(name: str, scores: dict[str, float]) -> str:
-        cells = " | ".join(f"{100 * scores[t]:{w}.1f}" for t, w in zip(tasks, widths))
+        cells = " | ".join(f"{100 * scores[t]:{w}.1f}" for t, w in zip(tasks, widths, strict=True))
         return f"| {name:<27} | {cells} | {100 * sum(scores.values()) / len(scores):5.1f} |"
 
-    print(f"| {'model':<27} | " + " | ".join(f"{t:>{w}}" for t, w in zip(tasks, widths)) + " |  mean |")
+    print(f"| {'model':<27} | " + " | ".join(f"{t:>{w}}" for t, w in zip(tasks, widths, strict=True)) + " |  mean |")
     print("|" + "-" * 29 + "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|------:|")
     print(row("experts (own task)", scenario.evaluate_experts()))
     print(row(f"Task Arithmetic ({args.scaling_factor:g})", merged_scores))
@@ -1023,13 +1029,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     assert report is not None
     print("\nFeature drift ‖h_merged − h_expert‖ per token, per block (before → after)\n")
     for task, stages in report.tasks.items():
-        cells = ", ".join(f"{b:.3f} → {a:.3f}" for b, a in zip(stages["before"], stages["after"]))
+        cells = ", ".join(f"{b:.3f} → {a:.3f}" for b, a in zip(stages["before"], stages["after"], strict=True))
         print(f"  {task:<9} {cells}")
     if ridge:
         print(f"\n{ridge} module groups had input directions without data (their solution there is set by the ridge).")
-    from .scenarios.base import quiet_transformers
-
     from .saving import atomic_folder
+    from .scenarios.base import quiet_transformers
 
     with quiet_transformers(), atomic_folder(args.output_dir, "--output-dir", inputs=calibrator.input_folders(),
                                              overwrite=bool(args.overwrite)) as folder:  # one save, plot included

@@ -156,7 +156,7 @@ def _merge(method: str, params: Mapping[str, Any], base: nn.Module, experts: Map
     return merge_models(base, experts, method, **params)
 
 
-def compare_post_merging(
+def compare_post_merging(  # noqa: C901 - one loop over the grid; each row's failure and drift is one branch
     base: nn.Module,
     experts: Mapping[str, nn.Module],
     calibration_data: Mapping[str, Any],
@@ -330,9 +330,9 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
 
     The experts are held in memory (RegMean runs each expert's own forward; the ceiling row
     evaluates each expert on its own task)."""
-    from .saving import check_writable_folder
     from .model_io import load_model
     from .recipes import RecipeError, check_fast_mode, prepare_recipe_inputs, recipe_evaluator
+    from .saving import check_writable_folder
 
     say = log if log is not None else (lambda message: None)
     if recipe.evaluation is None:

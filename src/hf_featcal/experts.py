@@ -16,12 +16,12 @@ from .model_io import (
     LazyTensors,
     LoraAdapter,
     load_checkpoint,
+    load_model,  # noqa: F401 - documented as importable from here (docs/api.md)
     lora_module_paths,
     resolve_checkpoint,
     safetensors_files,
     tower_key_map,
 )
-from .model_io import load_model  # noqa: F401 - documented as importable from here (docs/api.md)
 
 
 def block_on_device(block: nn.Module, device: torch.device) -> nn.Module:
@@ -146,7 +146,7 @@ class CheckpointSource(ModelSource):
 
             try:
                 config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 raise ValueError(f"`{argument}`: cannot load a model config from {name!r}: {err}") from err
         self.config = config
         self._tensors = LazyTensors(safetensors_files(folder, argument) if files is None else files, argument)

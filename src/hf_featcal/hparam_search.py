@@ -114,7 +114,7 @@ def _grid_points(grid: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Any]]
             if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) == 0:
                 raise ValueError(f"`grid[{name!r}]` must be a non-empty list of values, got {values!r}.")
         names = list(grid)
-        return [dict(zip(names, combo)) for combo in itertools.product(*(grid[n] for n in names))]
+        return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*(grid[n] for n in names))]
     if isinstance(grid, (str, bytes)) or not isinstance(grid, Sequence) or len(grid) == 0:
         raise ValueError("`grid` must be a mapping field -> list of values, or a non-empty list of dicts.")
     points = []
@@ -218,7 +218,7 @@ def tune_featcal(
     best_index: int | None = None
     best_score = math.nan
     best_model: nn.Module | None = None
-    for index, (point, config) in enumerate(zip(points, configs)):
+    for index, (point, config) in enumerate(zip(points, configs, strict=True)):
         start = time.perf_counter()
         candidate = copy.deepcopy(merged_model)
         calibrated = FeatCalCalibrator(candidate, base_source, expert_sources, batches_for(config), config, **kwargs).calibrate()

@@ -12,9 +12,9 @@ from torch import Tensor, nn
 
 from ..architectures import LAYER_NORM, ModuleSpec
 from ..statistics import LinearGroupStatistics, LinearTargets, NormStatistics
-from .streams import StreamBatch
 from .context import RunContext
 from .plan import BlockPlan
+from .streams import StreamBatch
 
 
 @dataclass

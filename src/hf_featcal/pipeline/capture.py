@@ -12,8 +12,8 @@ from ..experts import ModelSource
 from ..hooks import capture_module_inputs, capture_module_outputs, eval_mode
 from .accumulate import BlockStatistics, TaskPass, new_statistics
 from .context import RunContext
-from .streams import StopForward, Streams, TaskStreams
 from .plan import BlockPlan
+from .streams import StopForward, Streams, TaskStreams
 
 
 @dataclass

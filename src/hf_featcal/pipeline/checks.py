@@ -97,7 +97,7 @@ def check_batches_enter_model(
                     raise ValueError(f"{where}: {err}") from None
                 try:
                     state = lm.enter_stack(tower, send_to_device(batch, device), 0, None)
-                except Exception as err:  # noqa: BLE001 - re-raised with the task and batch named
+                except Exception as err:
                     raise ValueError(
                         f"calibration_data[{task!r}]: the merged model cannot take its batches (batch {index}, "
                         f"keys {sorted(batch)}): {type(err).__name__}: {err}"

@@ -23,6 +23,7 @@ from .context import FeatCalWarning, RunContext, check_finite, user_stacklevel
 from .plan import BlockPlan
 from .write import BlockUpdates, read_spec
 
+
 def solve_block(
     ctx: RunContext, plan: BlockPlan, block: nn.Module, statistics: BlockStatistics, base_block: nn.Module | None
 ) -> BlockUpdates:

@@ -16,8 +16,8 @@ from torch import nn
 
 from ..hooks import capture_module_inputs
 from .context import FeatCalError, RunContext
-from .streams import Streams
 from .plan import BlockPlan
+from .streams import Streams
 
 
 def forward_order(ctx: RunContext, plan: BlockPlan, block: nn.Module, streams: Streams) -> list[str]:
