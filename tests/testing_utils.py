@@ -28,7 +28,8 @@ def tiny_vision_config(**overrides) -> CLIPVisionConfig:
 def tiny_clip_config(**vision_overrides) -> CLIPConfig:
     text = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64,
                 bos_token_id=0, eos_token_id=1, pad_token_id=1, max_position_embeddings=16)
-    return CLIPConfig(vision_config=tiny_vision_config(**vision_overrides).to_dict(), text_config=text, projection_dim=8)
+    return CLIPConfig(vision_config=tiny_vision_config(**vision_overrides).to_dict(), text_config=text,
+                      projection_dim=8)
 
 
 def randomise_norms(model: torch.nn.Module, generator: torch.Generator, scale: float = 0.2) -> None:

@@ -181,7 +181,8 @@ class FeatCalCalibrator:
         # device, its result is kept as the student stream entering the first stack (each batch runs it once)
         device = self.context.input_device(self.context.tower)
         reuse = device == self.context.device
-        entered = check_batches_enter_model(self.context, self.batches, keep=lambda index: reuse and index % world == rank)
+        entered = check_batches_enter_model(self.context, self.batches,
+                                            keep=lambda index: reuse and index % world == rank)
         self._entered: tuple[torch.device, TaskStreams] | None = (device, entered) if reuse else None
         self._plans: Plan = plan_blocks(self.layer_map, selection)
         if checkpoint_dir is not None:
@@ -297,7 +298,8 @@ class FeatCalCalibrator:
             )
         return self.model
 
-    def save_model(self, output_dir: str | os.PathLike, *, processing_class: Any = None, overwrite: bool = False) -> None:
+    def save_model(self, output_dir: str | os.PathLike, *, processing_class: Any = None,
+                   overwrite: bool = False) -> None:
         """Save the calibrated model with its processing class, model card, drift report and FeatCal
         config in one folder (on the main process only), so that the folder loads as it is with the Auto
         classes, `pipeline(...)` and tools such as lm-evaluation-harness.

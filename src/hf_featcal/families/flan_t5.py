@@ -49,7 +49,8 @@ class FlanT5Family(ModelFamily):
             )
         spec.glue_task = glue_task
         spec.max_input_length = v.integer(entry.get("max_input_length", 512), key("max_input_length"), 1, optional=True)
-        spec.max_target_length = v.integer(entry.get("max_target_length", 32), key("max_target_length"), 1, optional=True)
+        spec.max_target_length = v.integer(entry.get("max_target_length", 32), key("max_target_length"), 1,
+                                           optional=True)
 
     def dataset_to_dict(self, spec: DatasetSpec, calibration: bool) -> dict[str, Any]:
         if not calibration:

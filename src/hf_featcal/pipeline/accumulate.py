@@ -155,7 +155,8 @@ class TaskPass:
         """The expert modules whose outputs `add` needs."""
         return {name for names in self.from_outputs.values() for name in names}
 
-    def add(self, xs: Mapping[str, Tensor], xe: Mapping[str, Tensor], state: StreamBatch, ye: Mapping[str, Tensor]) -> None:
+    def add(self, xs: Mapping[str, Tensor], xe: Mapping[str, Tensor], state: StreamBatch,
+            ye: Mapping[str, Tensor]) -> None:
         """One captured batch (see `accumulate`)."""
         accumulate(self.ctx, self.plan, self.statistics, xs, xe, state, self.targets, ye, self.from_outputs)
 
@@ -164,7 +165,8 @@ class TaskPass:
         finish_task(self.ctx, self.statistics, self.expert_block, self.targets)
 
 
-def finish_task(ctx: RunContext, statistics: BlockStatistics, expert_block: nn.Module, targets: dict[str, LinearTargets]) -> None:
+def finish_task(ctx: RunContext, statistics: BlockStatistics, expert_block: nn.Module,
+                targets: dict[str, LinearTargets]) -> None:
     """Fold the task's sums (reduced across processes) into the task sums."""
     for stats in statistics.linear.values():
         stats.finish_task(targets, ctx.reduce)

@@ -128,7 +128,8 @@ def _vocabulary_size(model: nn.Module) -> int | None:
     return embedding.num_embeddings if isinstance(embedding, nn.Embedding) else None
 
 
-def _check_batch_tensors(batch: Mapping[str, Any], layer_map: LayerMap, model: nn.Module, vocabulary: int | None) -> None:
+def _check_batch_tensors(batch: Mapping[str, Any], layer_map: LayerMap, model: nn.Module,
+                         vocabulary: int | None) -> None:
     """Cheap checks of one batch's model inputs (ValueError naming the key): tensors, one batch size,
     integer token ids in [0, vocabulary), labels -100 or token ids where the model reads them as targets."""
     main = layer_map.main_input_name

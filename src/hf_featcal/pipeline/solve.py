@@ -75,7 +75,8 @@ def solve_block(
             old = read_spec(ctx.parameters, block, specs[name], "weight").to(ctx.device)
             decrease = linear_objective_decrease(stats.gram_sum, old, weight, lam, eps, factor=info.factor)
             ctx.solve_log.append(
-                {"block": where, "module": name, "method": info.method, "damping": info.damping, "objective_decrease": decrease}
+                {"block": where, "module": name, "method": info.method, "damping": info.damping,
+                 "objective_decrease": decrease}
             )
             ctx.logger.info(
                 "%s %s: objective J(merged) − J(calibrated) = %.4g (%s%s)", where, name, decrease, info.method,
@@ -99,6 +100,7 @@ def solve_block(
             updates[name] = {"weight": gamma, "bias": beta}
         else:
             updates[name] = {
-                "weight": solve_scale_only_norm(stats.second_moment_sum, stats.gamma_target_sum, anchor_of(name, "weight"), lam, eps)
+                "weight": solve_scale_only_norm(stats.second_moment_sum, stats.gamma_target_sum,
+                                                anchor_of(name, "weight"), lam, eps)
             }
     return updates

@@ -55,7 +55,8 @@ def _select(ds: Any, num: int | None, seed: int) -> Any:
     return ds.shuffle(seed=seed).select(range(num))
 
 
-def prepare_calibration(family: str, task: str, spec: DatasetSpec, processing: Mapping[str, Any] | None, seed: int) -> Any:
+def prepare_calibration(family: str, task: str, spec: DatasetSpec, processing: Mapping[str, Any] | None,
+                        seed: int) -> Any:
     """One task's calibration ``Dataset``: loaded, shuffled with `seed`, cut to ``spec.num_examples``
     and prepared the way the family's calibrator input needs (`ModelFamily.prepare_calibration`)."""
     ds = _select(load_dataset_spec(spec, what=f"calibration.tasks.{task}"), spec.num_examples, seed)

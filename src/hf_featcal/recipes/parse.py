@@ -174,7 +174,8 @@ def load_recipe(path: str | os.PathLike, overrides: Mapping[str, Any] | None = N
     for key, value in (overrides or {}).items():
         data[key] = value
     default_output = os.path.join("outputs", Path(path).stem)
-    return parse_recipe(data, base_dir=os.path.dirname(os.path.abspath(path)), source=path, default_output_dir=default_output)
+    return parse_recipe(data, base_dir=os.path.dirname(os.path.abspath(path)), source=path,
+                        default_output_dir=default_output)
 
 
 def load_yaml(stream: Any) -> Any:
@@ -328,7 +329,8 @@ def _parse_compare(v: KeyChecker, section: Any) -> CompareSpec:
         merges = defaults
     else:
         if not isinstance(raw, Mapping) or not raw:
-            raise v.error("compare.merges", f"must be a non-empty mapping method -> parameters (or null), got {show(raw)}")
+            raise v.error("compare.merges",
+                          f"must be a non-empty mapping method -> parameters (or null), got {show(raw)}")
         for method, params in raw.items():
             path = f"compare.merges.{method}"
             if method not in defaults:
@@ -340,7 +342,8 @@ def _parse_compare(v: KeyChecker, section: Any) -> CompareSpec:
             checked = {}
             for key, value in params.items():
                 if key not in declared:
-                    raise v.error(f"{path}.{key}", f"unknown parameter for method {method!r}; valid: {list(declared) or 'none'}")
+                    raise v.error(f"{path}.{key}",
+                                  f"unknown parameter for method {method!r}; valid: {list(declared) or 'none'}")
                 try:
                     checked[key] = declared[key].check(value)
                 except ValueError as err:
@@ -352,7 +355,8 @@ def _parse_compare(v: KeyChecker, section: Any) -> CompareSpec:
         offered = POST_MERGING_STEPS
         for i, step in enumerate(steps):
             if step not in offered:
-                raise v.error(f"compare.post_merging[{i}]", f"unknown post-merging step {step!r}; this build offers {list(offered)}")
+                raise v.error(f"compare.post_merging[{i}]",
+                              f"unknown post-merging step {step!r}; this build offers {list(offered)}")
             if step in steps[:i]:
                 raise v.error(f"compare.post_merging[{i}]", f"step {step!r} is listed twice")
     return CompareSpec(merges=merges, post_merging=steps)
@@ -416,9 +420,11 @@ def parse_calibration(
         _check_entry_keys(v, entry, path, allowed, family)
         merged = {**default, **entry}
         if "dataset" not in merged or merged["dataset"] is None:
-            raise v.error(path, f"no calibration dataset for expert {task!r}: give {path} or calibration.default.dataset")
+            raise v.error(path,
+                          f"no calibration dataset for expert {task!r}: give {path} or calibration.default.dataset")
         keys = {k: (f"{path}.{k}" if k in entry else f"calibration.default.{k}") for k in merged}
-        specs[task] = _dataset_spec(v, task, merged, keys, path, family, default_split=recipe_key("calibration.default.split").default,
+        specs[task] = _dataset_spec(v, task, merged, keys, path, family,
+                                    default_split=recipe_key("calibration.default.split").default,
                                     default_num=default_num_examples, section="calibration.default")
     return specs
 
@@ -470,7 +476,8 @@ def _dataset_spec(
     config = sub(entry.get("config"))
     split = v.checked(key("split"), sub(entry.get("split", default_split)), declared["split"],
                       optional=model_family.split_optional)
-    num = v.checked(key("num_examples"), entry.get("num_examples", default_num), recipe_key("calibration.default.num_examples"))
+    num = v.checked(key("num_examples"), entry.get("num_examples", default_num),
+                    recipe_key("calibration.default.num_examples"))
     if local is not None and split is not None:
         splits = _local_splits(local)
         if splits is not None and split not in splits:
@@ -587,7 +594,8 @@ def _parse_evaluation(  # noqa: C901 - one flat check per key of the evaluation 
     model_family.check_evaluation(v, eval_tasks, class_names, templates)
 
     max_samples = v.checked("evaluation.max_samples", section.get("max_samples"))
-    batch_size = v.checked("evaluation.batch_size", section.get("batch_size", model_family.default_evaluation_batch_size))
+    batch_size = v.checked("evaluation.batch_size",
+                           section.get("batch_size", model_family.default_evaluation_batch_size))
     clip_model = section.get("clip_model")
     if clip_model is not None:
         clip_model = v.source(clip_model, "evaluation.clip_model", kind="model")
