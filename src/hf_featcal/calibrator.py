@@ -129,6 +129,7 @@ class FeatCalCalibrator:
         self.show_progress = show_progress
 
         tasks = check_tasks(experts, calibration_data)
+        assert experts is not None and calibration_data is not None  # check_tasks refuses a missing mapping
         gemm_library()  # a bad HF_FEATCAL_CPU_GEMM is refused here, before anything is loaded
         self.tasks = tasks
         self._calibration_data = {task: calibration_data[task] for task in tasks}  # for `input_folders`
@@ -287,6 +288,7 @@ class FeatCalCalibrator:
         self._calibrated = True
         rising = [] if report is None else report.rising_tasks()
         if rising:
+            assert report is not None  # only a report has rising tasks
             stages = {task: report.tasks[task] for task in rising}
             moves = ", ".join(f"{t}: {s['head_before'][-1]:.2%} → {s['head_after'][-1]:.2%}" for t, s in stages.items())
             warnings.warn(
@@ -427,6 +429,7 @@ class FeatCalCalibrator:
         )
         resumed = None if checkpoint is None else resume(ctx, checkpoint)
         if resumed is not None:
+            assert checkpoint is not None  # only a checkpoint folder resumes
             done, streams, drift = resumed.finished_blocks, resumed.streams, resumed.drift
             ctx.logger.info("resuming from %s after block %d of %d", checkpoint.path, done, total)
         progress = tqdm(total=total, initial=done, desc="FeatCal", disable=not self.show_progress, unit="block")
@@ -489,6 +492,7 @@ class FeatCalCalibrator:
                 with ctx.timed("solving"):
                     self._solve_and_write(step, block, statistics)
         note("propagating")
+        assert streams.student is not None  # every stack is entered with a student stream
         with ctx.timed("propagating"):
             student = propagate(ctx, block, plan, streams.student)
         if drift is not None and given is None:  # an unchanged block: the batches shared with the student stay shared
