@@ -204,7 +204,9 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "",
     ),
     "syrk_diagonal_blocks_mirrored_wrong": (
-        "_kernels/gram.py", "block.copy_(block.triu().add_(block.triu(1).mT))", "block.copy_(block.triu().add_(block.tril(-1)))"
+        "_kernels/gram.py",
+        "block.copy_(block.triu().add_(block.triu(1).mT))",
+        "block.copy_(block.triu().add_(block.tril(-1)))",
     ),
     "syrk_other_triangle": ("_kernels/mkl_products.py", 'b"L", b"N" if transpose', 'b"U", b"N" if transpose'),
     "gram_norm_off_diagonal_once": ("_kernels/gram.py", "total += 2.0 * float(rows.dot(rows))",

@@ -59,7 +59,8 @@ def task_arithmetic(base: torch.nn.Module, experts: dict, scaling: float = 0.3) 
     with torch.no_grad():
         for name, value in merged.state_dict().items():
             if value.is_floating_point():
-                value.copy_(base_sd[name] + scaling * sum(e.state_dict()[name] - base_sd[name] for e in experts.values()))
+                value.copy_(base_sd[name]
+                            + scaling * sum(e.state_dict()[name] - base_sd[name] for e in experts.values()))
     return merged
 
 

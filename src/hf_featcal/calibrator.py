@@ -110,7 +110,8 @@ class FeatCalCalibrator:
         if not isinstance(config, FeatCalConfig):
             raise TypeError(f"`config` must be a FeatCalConfig, got {type(config).__name__}.")
         if not isinstance(model, nn.Module):
-            raise TypeError(f"`model` must be the merged model (a PreTrainedModel or a supported open_clip model), got {type(model).__name__}.")
+            raise TypeError("`model` must be the merged model (a PreTrainedModel or a supported open_clip model), "
+                            f"got {type(model).__name__}.")
         self.model = model
         if allow_inferred_layer_map and model_type_of(model) not in supported_model_types():
             layer_map: LayerMap = infer_layer_map(model)
@@ -199,7 +200,8 @@ class FeatCalCalibrator:
             self.batches = {task: batches[rank::world] for task, batches in self.batches.items()}
 
         if merge_info is None:  # recorded by hf_featcal.merging on the config, or on a config-less model
-            merge_info = getattr(getattr(model, "config", None), "hf_featcal_merge", None) or getattr(model, "hf_featcal_merge", None)
+            merge_info = (getattr(getattr(model, "config", None), "hf_featcal_merge", None)
+                          or getattr(model, "hf_featcal_merge", None))
         self.merge_info = merge_info
         #: Saved with the model by `save_model` / `push_to_hub` (as `Trainer` saves its processing class).
         self.processing_class = processing_class
@@ -352,7 +354,8 @@ class FeatCalCalibrator:
         the base, the experts (and LoRA adapters), local calibration datasets and `checkpoint_dir`.
         A save into, inside or around any of them is refused (`hf_featcal.saving.check_output_dir`)."""
         folders: dict[str, str] = {}
-        merged_from = getattr(getattr(self.model, "config", None), "_name_or_path", None) or getattr(self.model, "name_or_path", None)
+        merged_from = (getattr(getattr(self.model, "config", None), "_name_or_path", None)
+                       or getattr(self.model, "name_or_path", None))
         if isinstance(merged_from, str) and os.path.isdir(merged_from):
             folders["model"] = merged_from
         sources = {**({"base_model": self.base} if self.base is not None else {}),
@@ -425,7 +428,8 @@ class FeatCalCalibrator:
         streams, done = Streams(), 0
         entered = self._take_entered()
         checkpoint = None if self.checkpoint_dir is None else open_checkpoint(
-            ctx, self.checkpoint_dir, self.tasks, self._data_digest, self._tower_parameter_names(), self.experts, self.base
+            ctx, self.checkpoint_dir, self.tasks, self._data_digest, self._tower_parameter_names(), self.experts,
+            self.base,
         )
         resumed = None if checkpoint is None else resume(ctx, checkpoint)
         if resumed is not None:
@@ -443,7 +447,8 @@ class FeatCalCalibrator:
                     progress.set_postfix_str(f"entering {stack.name}")
                     with ctx.timed("entering stacks"):
                         streams = enter_stack(
-                            ctx, si, streams, self.batches, self.experts, drift is not None, entered if si == 0 else None
+                            ctx, si, streams, self.batches, self.experts, drift is not None,
+                            entered if si == 0 else None,
                         )
                 for bi, block in enumerate(stack.blocks):
                     flat += 1

@@ -113,7 +113,7 @@ examples:
 
 Built-in CLIP tasks: sun397, stanford-cars, resisc45, eurosat, svhn, gtsrb, mnist, dtd.
 GLUE tasks: cola, mnli, mrpc, qnli, qqp, rte, sst2, stsb.
-"""
+"""  # noqa: E501 - a whole example command, as a user copies it
 
 _RUN_EPILOG = """\
 examples:
@@ -224,7 +224,8 @@ def _add_featcal_options(parser: argparse.ArgumentParser) -> None:
 
     group = parser.add_argument_group("FeatCal settings (default: the authors' demo values)")
     group.add_argument("--featcal-config", metavar="FILE",
-                       help="a featcal_config.json (or a JSON/YAML mapping of FeatCalConfig fields); the options below override it")
+                       help="a featcal_config.json (or a JSON/YAML mapping of FeatCalConfig fields); the options "
+                            "below override it")
     fields = {f.name: f for f in dataclasses.fields(FeatCalConfig)}
     for name, metavar in _FEATCAL_OPTIONS.items():
         field = fields[name]
@@ -280,7 +281,9 @@ def _add_recipe_options(
         if key.kind == "bool":  # a switch: given → True, absent → None (the recipe's or the default)
             parser.add_argument(key.flag, dest=dest_prefix + name, action="store_true", default=None, help=_help(text))
             continue
-        kwargs: dict[str, Any] = {"dest": dest_prefix + name, "metavar": key.metavar or ("N" if key.kind == "int" else name.upper()), "help": _help(text)}
+        kwargs: dict[str, Any] = {"dest": dest_prefix + name,
+                                  "metavar": key.metavar or ("N" if key.kind == "int" else name.upper()),
+                                  "help": _help(text)}
         if key.kind not in ("model", "dataset"):  # those are resolved (local path or hub id) by the command
             kwargs["type"] = _recipe_value(key)
         parser.add_argument(key.flag, required=name in required, **kwargs)
@@ -420,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a task; repeat for several")
     p.add_argument("--family", choices=family_names(), help="model family (default: from the model)")
     p.add_argument("--data", type=_task_value, action="append", default=[], metavar="TASK=DATASET",
-                   help="evaluation dataset of TASK: hub id or save_to_disk folder (default: the task's built-in dataset)")
+                   help="evaluation dataset of TASK: hub id or save_to_disk folder (default: the task's built-in "
+                        "dataset)")
     p.add_argument("--data-config", type=_task_value, action="append", default=[], metavar="TASK=NAME",
                    help="dataset config name of TASK (hub datasets)")
     _add_recipe_options(p, "evaluation", ("split", "max_samples", "batch_size"), dest_prefix=_EVALUATION_DEST)
@@ -490,7 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merges", nargs="+", metavar="METHOD",
                    help="only these merge methods (default: all; a recipe's compare.merges)")
     p.add_argument("--post-merging", nargs="+", metavar="STEP",
-                   help="only these post-merging steps (default: all this build offers; a recipe's compare.post_merging)")
+                   help="only these post-merging steps (default: all this build offers; a recipe's "
+                        "compare.post_merging)")
     demo = p.add_argument_group("--demo options")
     demo.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
                       help=f"where the built scenario is cached (default {DEFAULT_CACHE_DIR})")
@@ -633,7 +638,8 @@ def _processing(family: ModelFamily, candidates: Sequence[str | None]) -> dict[s
         except (OSError, ValueError, TypeError) as err:
             errors.append(f"{source}: {err}")
     what = family.processing_name
-    raise CLIError(f"no {what} found (tried {[c for c in candidates if c]}); pass --processor. " + " | ".join(errors)[:500])
+    raise CLIError(f"no {what} found (tried {[c for c in candidates if c]}); pass --processor. "
+                   + " | ".join(errors)[:500])
 
 
 def _maybe_processing(family: ModelFamily | None, sources: Sequence[str | None]) -> dict[str, Any] | None:
@@ -825,7 +831,8 @@ def _calibrate(
         print(run.calibrator.report.summary_markdown())
     if ridge:
         print(f"\n{ridge} module groups had input directions without data (their solution there is set by the ridge).")
-    print(f"\nCalibrated in {run.timings['calibrate']:.1f} s; saved model, model card and drift report to {args.output_dir}"
+    print(f"\nCalibrated in {run.timings['calibrate']:.1f} s; saved model, model card and drift report to "
+          f"{args.output_dir}"
           + (f" (plot: {plot})" if plot else ""))
     pushed = push_run(args.output_dir, args.push_to_hub, private=args.private, log=_log)
     if pushed:
@@ -839,14 +846,16 @@ def _evaluation_spec(args: argparse.Namespace, family: ModelFamily) -> Any:
     v = _validator()
     data = _pairs(args.data, "--data")
     configs = _pairs(args.data_config, "--data-config")
-    class_names = {t: [n.strip() for n in names.split(",") if n.strip()] for t, names in _pairs(args.class_names, "--class-names").items()}
+    class_names = {t: [n.strip() for n in names.split(",") if n.strip()]
+                   for t, names in _pairs(args.class_names, "--class-names").items()}
     templates: dict[str, list[str]] = {}
     for task, template in args.template:
         if "{c}" not in template:
             raise CLIError(f"--template {task}=...: the template must contain the placeholder {{c}}, got {template!r}")
         templates.setdefault(task, []).append(template)
     tasks = list(dict.fromkeys(args.tasks))
-    for option, mapping in (("--data", data), ("--data-config", configs), ("--class-names", class_names), ("--template", templates)):
+    for option, mapping in (("--data", data), ("--data-config", configs), ("--class-names", class_names),
+                            ("--template", templates)):
         for task in mapping:
             if task not in tasks:
                 raise CLIError(f"{option} {task}=...: {task!r} is not among the --task values {tasks}")
@@ -893,10 +902,12 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     start = time.perf_counter()
-    scores, details = evaluate_model(family.name, model, spec, processing=processing, clip_model=clip_model, device=device)
+    scores, details = evaluate_model(family.name, model, spec, processing=processing, clip_model=clip_model,
+                                     device=device)
     metric = family.evaluation_label
     splits = ", ".join(sorted({spec.datasets[t].split or "" for t in spec.tasks}))
-    print(f"{metric} (%), split {splits}" + (f", random subsets of at most {spec.max_samples} examples per task" if spec.max_samples else "") + "\n")
+    print(f"{metric} (%), split {splits}"
+          + (f", random subsets of at most {spec.max_samples} examples per task" if spec.max_samples else "") + "\n")
     print(scores_table({os.path.basename(os.path.normpath(args.model)) or args.model: scores}, spec.tasks))
     print(f"\n({time.perf_counter() - start:.1f} s)")
     if args.output_json:
@@ -1067,7 +1078,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from .compare import DEFAULT_MERGES, post_merging_steps
 
     if args.demo == (args.recipe is not None):
-        raise CLIError("give either --demo or a RECIPE file (not both)" if args.demo else "give --demo or a RECIPE file")
+        raise CLIError("give either --demo or a RECIPE file (not both)" if args.demo
+                       else "give --demo or a RECIPE file")
     if args.merges:
         unknown = [m for m in args.merges if m not in DEFAULT_MERGES]
         if unknown:
@@ -1103,7 +1115,8 @@ def _compare_demo(args: argparse.Namespace, merges: list[str] | None, steps: lis
                           merges=merges, post_merging=steps, scenario_overrides=overrides, scenario=name, log=_log)
     print(f"Test accuracy (%) on {words}; last-block drift ‖h_merged − h_expert‖ per token\n")
     print(result.to_markdown())
-    print(f"({time.perf_counter() - start:.1f} s) Saved comparison.md, comparison.json and comparison.png to {output_dir}/")
+    print(f"({time.perf_counter() - start:.1f} s) Saved comparison.md, comparison.json and comparison.png to "
+          f"{output_dir}/")
     return _compare_status(result)
 
 
@@ -1146,7 +1159,8 @@ def _compare_recipe(args: argparse.Namespace, merges: list[str] | None, steps: l
     splits = ", ".join(sorted({recipe.evaluation.datasets[t].split or "" for t in recipe.evaluation.tasks}))
     limit = recipe.evaluation.max_samples
     subset = f", random subsets of at most {limit} examples per task" if limit else ""
-    print(f"\n{recipe.family.score_label} (%), split {splits}{subset}; last-block drift ‖h_merged − h_expert‖ per token\n")
+    print(f"\n{recipe.family.score_label} (%), split {splits}{subset}; last-block drift ‖h_merged − h_expert‖ per "
+          "token\n")
     print(result.to_markdown())
     if ridge:
         print(f"{ridge} module groups had input directions without data (set by the ridge).")

@@ -63,7 +63,8 @@ def check_merges(merges: Mapping[str, Mapping[str, Any]] | Sequence[str] | None)
         checked[method] = {}
         for name, value in params.items():
             if name not in declared:
-                raise ValueError(f"`merges[{method!r}]`: unknown parameter {name!r}; valid: {list(declared) or 'none'}.")
+                raise ValueError(f"`merges[{method!r}]`: unknown parameter {name!r}; valid: "
+                                 f"{list(declared) or 'none'}.")
             try:
                 checked[method][name] = declared[name].check(value)
             except ValueError as err:
@@ -80,7 +81,8 @@ def check_calibration_tasks(experts: Mapping[str, Any], calibration_data: Any) -
     for task in experts:
         data = calibration_data[task]
         if hasattr(data, "__len__") and not isinstance(data, (str, bytes, Mapping)) and len(data) == 0:
-            raise ValueError(f"calibration_data[{task!r}] is empty: every merge and FeatCal need examples of each task.")
+            raise ValueError(f"calibration_data[{task!r}] is empty: every merge and FeatCal need examples of each "
+                             "task.")
 
 
 def markdown_cell(text: str) -> str:
@@ -216,7 +218,8 @@ def compare_post_merging(  # noqa: C901 - one loop over the grid; each row's fai
         missing = [t for t in wanted if not isinstance(values, Mapping) or t not in values]
         if missing:
             raise ValueError(f"`evaluate` returned no score for the tasks {missing} of {what} "
-                             f"(it returned {sorted(values) if isinstance(values, Mapping) else type(values).__name__}).")
+                             "(it returned "
+                             f"{sorted(values) if isinstance(values, Mapping) else type(values).__name__}).")
         return values
 
     def score(model: nn.Module) -> dict[str, float]:
@@ -228,7 +231,8 @@ def compare_post_merging(  # noqa: C901 - one loop over the grid; each row's fai
     def finish(row: str, start: float) -> None:
         result.seconds[row] = round(time.perf_counter() - start, 2)
         if log is not None:
-            shown = f"mean {result.scores[row]['mean']:.2f}" if row in result.scores else f"failed ({result.errors[row]})"
+            shown = (f"mean {result.scores[row]['mean']:.2f}" if row in result.scores
+                     else f"failed ({result.errors[row]})")
             log(f"{row}: {shown} [{result.seconds[row]:.1f} s]")
 
     start = time.perf_counter()

@@ -195,7 +195,8 @@ def tune_featcal(
     # opened, bin-only checkpoints loaded) and the batches (one set per distinct sampling setting).
     layer_map = get_layer_map(merged_model, "merged_model")
     base_source = None if base_model is None else make_source(base_model, "base_model", layer_map)
-    expert_sources = {task: make_source(expert, f"experts[{task!r}]", layer_map, base_source) for task, expert in experts.items()}
+    expert_sources = {task: make_source(expert, f"experts[{task!r}]", layer_map, base_source)
+                      for task, expert in experts.items()}
     main_input_name, merged_config = layer_map.main_input_name, layer_map.tower_config(model_config(merged_model))
     prepared: dict[tuple[Any, ...], dict[str, Any]] = {}
 

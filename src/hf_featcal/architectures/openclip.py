@@ -152,7 +152,8 @@ class OpenCLIPVisionLayerMap(LayerMap):
     def records_processing(self, processing_class: Any, output_dir: str) -> bool:
         # a torchvision transform or an open_clip tokenizer: open_clip_config.json holds its settings
         module = type(processing_class).__module__
-        return module.startswith(("open_clip.", "torchvision.")) and os.path.isfile(os.path.join(output_dir, CONFIG_NAME))
+        return (module.startswith(("open_clip.", "torchvision."))
+                and os.path.isfile(os.path.join(output_dir, CONFIG_NAME)))
 
     def pipeline_tag(self, model: nn.Module) -> str | None:
         return "zero-shot-image-classification" if hasattr(model, "encode_text") else "image-feature-extraction"

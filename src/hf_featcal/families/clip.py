@@ -59,4 +59,5 @@ class CLIPFamily(ZeroShotImageFamily):
     def check_evaluation_processing(self, processing: Mapping[str, Any]) -> None:
         if processing.get("processor") is None:
             raise FamilyUsageError(
-                "CLIP zero-shot evaluation needs a tokenizer with the image processor (a CLIPProcessor); pass --processor")
+                "CLIP zero-shot evaluation needs a tokenizer with the image processor (a CLIPProcessor); pass "
+                "--processor")

@@ -150,7 +150,8 @@ def _check_batch_tensors(batch: Mapping[str, Any], layer_map: LayerMap, model: n
         for key in ("attention_mask", "token_type_ids"):
             mask = batch.get(key)  # a 2-D mask is per token (other ranks are custom attention masks)
             if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape != batch[main].shape:
-                raise ValueError(f"{key!r} has shape {tuple(batch[key].shape)}, expected {main!r}'s {tuple(batch[main].shape)}")
+                raise ValueError(f"{key!r} has shape {tuple(batch[key].shape)}, expected {main!r}'s "
+                                 f"{tuple(batch[main].shape)}")
     targets = "labels" in layer_map.required_batch_keys(model)  # labels are token ids (teacher forcing)
     for key in (*_TOKEN_KEYS, *(("labels",) if targets else ())):
         value = batch.get(key)
@@ -160,9 +161,11 @@ def _check_batch_tensors(batch: Mapping[str, Any], layer_map: LayerMap, model: n
             raise ValueError(f"{key!r} must hold integer token ids, got dtype {value.dtype}")
         ids = value[value != -100] if key == "labels" else value
         if ids.numel() and int(ids.min()) < 0:
-            raise ValueError(f"{key!r} holds the negative token id {int(ids.min())}" + (" (only -100 marks ignored labels)" if key == "labels" else ""))
+            raise ValueError(f"{key!r} holds the negative token id {int(ids.min())}"
+                             + (" (only -100 marks ignored labels)" if key == "labels" else ""))
         if vocabulary is not None and ids.numel() and int(ids.max()) >= vocabulary:
-            raise ValueError(f"{key!r} holds the token id {int(ids.max())}, outside the model's vocabulary of {vocabulary}")
+            raise ValueError(f"{key!r} holds the token id {int(ids.max())}, outside the model's vocabulary of "
+                             f"{vocabulary}")
     if main == "pixel_values" and isinstance(batch.get(main), Tensor) and not batch[main].is_floating_point():
         raise ValueError(f"'pixel_values' must be floating point, got dtype {batch[main].dtype}")
 
@@ -183,6 +186,7 @@ def check_forward_dtype(config: Any, models: Mapping[str, nn.Module] | Iterable[
         if other:
             raise ValueError(
                 f"FeatCalConfig.forward_dtype={config.forward_dtype!r} cannot run `{argument}`, whose weights are "
-                f"{' and '.join(other)}: autocast would mix {other[0]} weights with {config.forward_dtype} activations. "
+                f"{' and '.join(other)}: autocast would mix {other[0]} weights with {config.forward_dtype} "
+                "activations. "
                 f"Set forward_dtype={other[0]!r} (or None, exact mode), or load the model in float32."
             )

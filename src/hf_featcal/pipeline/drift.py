@@ -58,14 +58,16 @@ def stream_drifts(
             distances = torch.linalg.vector_norm(torch.sub(m.hidden.to(e_hidden.dtype), e_hidden), dim=-1).double()
             totals[i] += (distances * mask).sum()
             counts[i] += mask.sum()
-            head = m.weights if pooled_token_index is None else pooled_weighting(m.weights, pooled_token_index, other_weight)
+            head = (m.weights if pooled_token_index is None
+                    else pooled_weighting(m.weights, pooled_token_index, other_weight))
             head = head.to(torch.float64)
             head_totals[i] += (distances * head).sum()
             head_sizes[i] += (e_sizes * head).sum()
     reduced = ctx.reduce([*totals, *counts, *head_totals, *head_sizes])
     n = len(merged)
     drifts = [float(total / count) for total, count in zip(reduced[:n], reduced[n : 2 * n], strict=True)]
-    heads = [float(total / size) if float(size) > 0 else 0.0 for total, size in zip(reduced[2 * n : 3 * n], reduced[3 * n :], strict=True)]
+    heads = [float(total / size) if float(size) > 0 else 0.0
+             for total, size in zip(reduced[2 * n : 3 * n], reduced[3 * n :], strict=True)]
     return drifts, heads
 
 
@@ -91,7 +93,8 @@ def advance_given(
         for task, states in streams.given.items():
             entering = streams.student[task]
             given[task] = [
-                student[task][b] if student is not None and state is entering[b] else ctx.run_block(block, block_index, state)
+                student[task][b] if student is not None and state is entering[b]
+                else ctx.run_block(block, block_index, state)
                 for b, state in enumerate(states)
             ]
     return given

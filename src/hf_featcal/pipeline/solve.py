@@ -59,7 +59,8 @@ def solve_block(
                 FeatCalWarning,
                 stacklevel=user_stacklevel(),
             )
-        elif not ridge_settles_null_directions(stats.gram_sum, lam + eps) and gram_is_singular(stats.gram_sum, work=work):
+        elif (not ridge_settles_null_directions(stats.gram_sum, lam + eps)
+              and gram_is_singular(stats.gram_sum, work=work)):
             warnings.warn(
                 f"{where}, modules {names}: the input Gram is numerically singular and λ + ε = {lam + eps:.3g} is "
                 f"below {SINGULAR_RTOL:g} of its norm: the solution in its null directions is set by ε and "
@@ -68,7 +69,8 @@ def solve_block(
                 stacklevel=user_stacklevel(),
             )
         weights, info = solve_linear_weights(
-            stats.gram_sum, [stats.rhs_sum[name] for name in names], [anchor_of(name, "weight") for name in names], lam, eps,
+            stats.gram_sum, [stats.rhs_sum[name] for name in names], [anchor_of(name, "weight") for name in names],
+            lam, eps,
             work=work,
         )
         for name, weight in zip(names, weights, strict=True):
@@ -85,7 +87,8 @@ def solve_block(
             update = {"weight": weight}
             if specs[name].value(block, "bias") is not None and cfg.calibrate_bias:
                 update["bias"] = solve_linear_bias(
-                    weight, stats.bias_target_sum[name], stats.student_mean_sum, stats.scale_sum, anchor_of(name, "bias"), lam
+                    weight, stats.bias_target_sum[name], stats.student_mean_sum, stats.scale_sum,
+                    anchor_of(name, "bias"), lam,
                 )
             updates[name] = update
     for (name, _), stats in norms.items():

@@ -38,7 +38,8 @@ def load_dataset_spec(spec: DatasetSpec, *, what: str = "dataset") -> Any:
             ) from None
         if isinstance(ds, hf_datasets.DatasetDict):
             if spec.split not in ds:
-                raise ValueError(f"{what}: the local DatasetDict {spec.dataset!r} has no split {spec.split!r} (it has {list(ds)})")
+                raise ValueError(f"{what}: the local DatasetDict {spec.dataset!r} has no split {spec.split!r} (it has "
+                                 f"{list(ds)})")
             ds = ds[spec.split]
         if len(ds) == 0:
             raise ValueError(f"{what}: the local dataset {spec.dataset!r} (split {spec.split!r}) has 0 rows")

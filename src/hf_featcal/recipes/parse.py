@@ -246,7 +246,8 @@ def parse_recipe(
         featcal_section = {}
     featcal = parse_featcal(v, featcal_section, "featcal")
     explicit_samples = isinstance(featcal_section, Mapping) and "num_samples_per_task" in featcal_section
-    default_num = featcal.num_samples_per_task if explicit_samples else recipe_key("calibration.default.num_examples").default
+    default_num = (featcal.num_samples_per_task if explicit_samples
+                   else recipe_key("calibration.default.num_examples").default)
     featcal = dataclasses.replace(featcal, num_samples_per_task=None)
 
     calibration = parse_calibration(v, data["calibration"], family, tasks, default_num)
@@ -387,7 +388,8 @@ def parse_featcal(v: KeyChecker | None, section: Any, path: str = "featcal") -> 
 
 # ---------------------------------------------------------------------------- calibration
 #: Calibration data keys every family takes (the others belong to the families that list them).
-_COMMON_DATA_KEYS = tuple(k for k in _CALIBRATION_DATA if not any(k in f.calibration_data_keys for f in iter_families()))
+_COMMON_DATA_KEYS = tuple(k for k in _CALIBRATION_DATA
+                          if not any(k in f.calibration_data_keys for f in iter_families()))
 
 
 def parse_calibration(
@@ -508,7 +510,8 @@ def _local_splits(path: str) -> list[str] | None:
 
 # ----------------------------------------------------------------------------- evaluation
 #: Evaluation keys only some families take (`ModelFamily.evaluation_keys`).
-_FAMILY_EVALUATION_KEYS = tuple(k for k in recipe_keys("evaluation") if any(k in f.evaluation_keys for f in iter_families()))
+_FAMILY_EVALUATION_KEYS = tuple(k for k in recipe_keys("evaluation")
+                                if any(k in f.evaluation_keys for f in iter_families()))
 
 
 def _parse_evaluation(  # noqa: C901 - one flat check per key of the evaluation section
@@ -550,7 +553,8 @@ def _parse_evaluation(  # noqa: C901 - one flat check per key of the evaluation 
         return raw
 
     datasets_raw = per_task_mapping("datasets")
-    class_names = {t: v.string_list(n, f"evaluation.class_names.{t}") for t, n in per_task_mapping("class_names").items()}
+    class_names = {t: v.string_list(n, f"evaluation.class_names.{t}")
+                   for t, n in per_task_mapping("class_names").items()}
     templates = {t: v.string_list(n, f"evaluation.templates.{t}") for t, n in per_task_mapping("templates").items()}
 
     specs: dict[str, DatasetSpec] = {}

@@ -275,7 +275,8 @@ def save_run(
             _append_to_card(folder, table, recipe)
         if recipe is not None:
             with open(os.path.join(folder, "featcal_recipe.yaml"), "w", encoding="utf-8") as handle:
-                handle.write(f"# The recipe of this run (from {recipe.source or 'a dict'}), resolved: hf-featcal run <this file>\n")
+                handle.write(f"# The recipe of this run (from {recipe.source or 'a dict'}), resolved: hf-featcal run "
+                             "<this file>\n")
                 yaml.safe_dump(recipe.to_dict(), handle, sort_keys=False, allow_unicode=True)
     return (None if plot_name is None else os.path.join(output_dir, plot_name)), table
 
