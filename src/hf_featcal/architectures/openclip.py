@@ -163,12 +163,13 @@ class OpenCLIPVisionLayerMap(LayerMap):
     def has_text_tower(self, model: nn.Module) -> bool:
         return hasattr(model, "encode_text")
 
-    def encode_prompts(self, clip_model: nn.Module, tokenizer: Any, prompts: list[str], device: Any,
+    # Any: open_clip models are reached through their own methods (encode_text, encode_image)
+    def encode_prompts(self, clip_model: Any, tokenizer: Any, prompts: list[str], device: Any,
                        max_length: int | None) -> torch.Tensor:
         # open_clip tokenizers return the padded token ids
         return clip_model.encode_text(tokenizer(prompts).to(device))
 
-    def image_embeddings(self, vision_model: nn.Module, pixel_values: torch.Tensor,
+    def image_embeddings(self, vision_model: Any, pixel_values: torch.Tensor,
                          clip_model: nn.Module | None) -> torch.Tensor:
         # CLIP.encode_image, or a bare VisionTransformer's projected output
         if hasattr(vision_model, "encode_image"):
