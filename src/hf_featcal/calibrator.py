@@ -92,8 +92,8 @@ class FeatCalCalibrator:
     def __init__(
         self,
         model: nn.Module,
-        base_model: ModelLike | None = None,
-        experts: Mapping[str, ModelLike] | None = None,
+        base_model: ModelLike | ModelSource | None = None,  # a ModelSource: opened already (hparam_search)
+        experts: Mapping[str, ModelLike | ModelSource] | None = None,
         calibration_data: Mapping[str, Any] | None = None,
         config: FeatCalConfig | None = None,
         data_collator: Callable[[list[dict]], Batch] | None = None,
