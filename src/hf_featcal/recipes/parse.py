@@ -296,7 +296,7 @@ def _parse_merge(v: KeyChecker, section: Any) -> MergeSpec:
     return validate_merge_spec(method, {k: val for k, val in section.items() if k != "method"}, v)
 
 
-def validate_merge_spec(method: str, params: Mapping[str, Any], validator: KeyChecker | None = None) -> MergeSpec:
+def validate_merge_spec(method: Any, params: Mapping[str, Any], validator: KeyChecker | None = None) -> MergeSpec:
     """Check a merge method and its parameters (also used by the CLI); returns a `MergeSpec`.
 
     Raises:
@@ -487,7 +487,7 @@ def _dataset_spec(
     spec = DatasetSpec(
         dataset=local or dataset,
         config=config,
-        split=split,  # type: ignore[arg-type]
+        split=split,
         num_examples=num,
         is_local=local is not None,
     )
@@ -607,7 +607,7 @@ def _parse_evaluation(  # noqa: C901 - one flat check per key of the evaluation 
         tasks=eval_tasks,
         datasets=specs,
         max_samples=max_samples,
-        batch_size=batch_size,  # type: ignore[arg-type]
+        batch_size=batch_size,
         class_names=class_names,
         templates=templates,
         clip_model=clip_model,

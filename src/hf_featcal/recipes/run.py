@@ -301,7 +301,7 @@ def build_calibrator(
     calibration: Mapping[str, Any],
     config: FeatCalConfig,
     model_family: ModelFamily,
-    processing: Mapping[str, Any] | None,
+    processing: Mapping[str, Any],
     *,
     device: Any = None,
     show_progress: bool = True,
