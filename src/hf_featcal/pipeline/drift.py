@@ -54,6 +54,7 @@ def stream_drifts(
         e_sizes = torch.linalg.vector_norm(e_hidden, dim=-1).double()
         for i, stream in enumerate(merged):
             m = ctx.fetch(stream[b])
+            assert m.weights is not None  # a stream's batches carry their token weights
             mask = (m.weights > 0).to(torch.float64)
             distances = torch.linalg.vector_norm(torch.sub(m.hidden.to(e_hidden.dtype), e_hidden), dim=-1).double()
             totals[i] += (distances * mask).sum()
@@ -74,6 +75,7 @@ def stream_drifts(
 def record_drift(ctx: RunContext, drift: DriftLog, streams: Streams, pooled_token_index: int | None = None) -> None:
     """Append each task's drift at the block's output (`streams`: the streams leaving the block;
     `pooled_token_index`: the token a head reads after this block, if it is a pooled stack's last)."""
+    assert streams.given is not None and streams.student is not None and streams.expert is not None  # with drift
     for task, entry in drift.tasks.items():
         (before, after), (head_before, head_after) = stream_drifts(
             ctx, [streams.given[task], streams.student[task]], streams.expert[task], pooled_token_index
@@ -89,6 +91,7 @@ def advance_given(
     batches are the student's until a block is calibrated: with `student`, the student batches leaving
     an unchanged block, those stay shared; every other batch runs through the block, hooks off."""
     given = {}
+    assert streams.given is not None and streams.student is not None  # the streams entering the block, with drift
     with ctx.precision():
         for task, states in streams.given.items():
             entering = streams.student[task]

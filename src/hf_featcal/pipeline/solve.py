@@ -47,6 +47,7 @@ def solve_block(
     updates: BlockUpdates = {}
     for stats in linear.values():
         names = list(stats.modules)
+        assert stats.gram_sum is not None and stats.student_mean_sum is not None  # summed over the tasks
         work = ctx.workspace(stats.gram_sum)  # the singularity test's and the solve's factorisations
         check_finite(stats.gram_sum, f"features entering {where}, module {', '.join(names)}")
         # tokens counted by their weights: the pooled last block's other tokens (weight 0.01) add
@@ -91,19 +92,22 @@ def solve_block(
                     anchor_of(name, "bias"), lam,
                 )
             updates[name] = update
-    for (name, _), stats in norms.items():
+    for (name, _), norm in norms.items():
         module = block.get_submodule(name)
-        check_finite(stats.second_moment_sum, f"features entering {where}, module {name}")
+        assert norm.second_moment_sum is not None and norm.gamma_target_sum is not None  # summed over tasks
+        check_finite(norm.second_moment_sum, f"features entering {where}, module {name}")
         has_bias = getattr(module, "bias", None) is not None
-        if stats.centered and has_bias:
+        if norm.centered and has_bias:
+            # the experts' norms have the merged one's bias
+            assert norm.mean_sum is not None and norm.beta_target_sum is not None
             gamma, beta = solve_layer_norm(
-                stats.second_moment_sum, stats.mean_sum, stats.gamma_target_sum, stats.beta_target_sum,
-                stats.num_tasks, anchor_of(name, "weight"), anchor_of(name, "bias"), lam, eps,
+                norm.second_moment_sum, norm.mean_sum, norm.gamma_target_sum, norm.beta_target_sum,
+                norm.num_tasks, anchor_of(name, "weight"), anchor_of(name, "bias"), lam, eps,
             )
             updates[name] = {"weight": gamma, "bias": beta}
         else:
             updates[name] = {
-                "weight": solve_scale_only_norm(stats.second_moment_sum, stats.gamma_target_sum,
+                "weight": solve_scale_only_norm(norm.second_moment_sum, norm.gamma_target_sum,
                                                 anchor_of(name, "weight"), lam, eps)
             }
     return updates
