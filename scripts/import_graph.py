@@ -31,7 +31,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     )),
     ("architectures: the layer maps", ("architectures", "architectures.*")),
     ("checkpoints and model sources", ("model_io", "saving", "experts")),
-    ("calibration stages, drift report, evaluation", ("pipeline.*", "report", "plotting", "evaluation", "evaluation.*")),
+    ("calibration stages, drift report, evaluation",
+     ("pipeline.*", "report", "plotting", "evaluation", "evaluation.*")),
     ("the library: calibrator, merging, search", (
         "", "calibrator", "merging", "merging.*", "regmean", "hparam_search", "tuning",
     )),

@@ -204,10 +204,13 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "",
     ),
     "syrk_diagonal_blocks_mirrored_wrong": (
-        "_kernels/gram.py", "block.copy_(block.triu().add_(block.triu(1).mT))", "block.copy_(block.triu().add_(block.tril(-1)))"
+        "_kernels/gram.py",
+        "block.copy_(block.triu().add_(block.triu(1).mT))",
+        "block.copy_(block.triu().add_(block.tril(-1)))",
     ),
     "syrk_other_triangle": ("_kernels/mkl_products.py", 'b"L", b"N" if transpose', 'b"U", b"N" if transpose'),
-    "gram_norm_off_diagonal_once": ("_kernels/gram.py", "total += 2.0 * float(rows.dot(rows))", "total += float(rows.dot(rows))"),
+    "gram_norm_off_diagonal_once": ("_kernels/gram.py", "total += 2.0 * float(rows.dot(rows))",
+                                    "total += float(rows.dot(rows))"),
     "gram_norm_float32_whole_matrix": (
         "_kernels/gram.py",
         "    return total**0.5\n",
@@ -225,8 +228,10 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     "cpu_memory_run_thresholds_kept_after": (
         "_kernels/memory.py", "AFTER_MMAP_THRESHOLD = 32 << 20", "AFTER_MMAP_THRESHOLD = 64 << 20",
     ),
-    "cpu_memory_inner_exit_resets": ("_kernels/memory.py", "        if _depth == 0:\n            libc.mallopt(_M_TRIM", "        if True:\n            libc.mallopt(_M_TRIM"),
-    "drift_without_padding_mask": ("pipeline/drift.py", "totals[i] += (distances * mask).sum()", "totals[i] += distances.sum()"),
+    "cpu_memory_inner_exit_resets": ("_kernels/memory.py", "        if _depth == 0:\n            libc.mallopt(_M_TRIM",
+                                     "        if True:\n            libc.mallopt(_M_TRIM"),
+    "drift_without_padding_mask": ("pipeline/drift.py", "totals[i] += (distances * mask).sum()",
+                                   "totals[i] += distances.sum()"),
 }
 
 DEFAULT_TESTS = ["tests/test_reference_blockwise.py", "tests/test_t5.py", "tests/test_llm.py",

@@ -12,6 +12,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import pytest
 import torch
+
 from testing_utils import build_clip_setting
 
 # Tiny models: one thread avoids oversubscription on small matmuls (and CI machines are 2-core).

@@ -96,7 +96,8 @@ def test_calibrate_tunes_the_allocator_while_it_runs(clip_setting, reuse):
     seen = []
     model = copy.deepcopy(merged)
     model.encoder.layers[0].register_forward_pre_hook(lambda module, args: seen.append(memory.active()))
-    calibrator = FeatCalCalibrator(model, base, experts, data, FeatCalConfig(reuse_freed_cpu_memory=reuse), device="cpu")
+    calibrator = FeatCalCalibrator(model, base, experts, data, FeatCalConfig(reuse_freed_cpu_memory=reuse),
+                                   device="cpu")
     seen.clear()  # (the constructor's input checks forward a batch before the run)
     calibrator.calibrate()
     assert seen and set(seen) == {reuse}

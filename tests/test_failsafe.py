@@ -358,8 +358,8 @@ def _folder_with_stale_index(tmp_path, name, expert_a, expert_b, keep_shards: bo
 
 @pytest.mark.parametrize("keep_shards", [False, True])
 def test_a_stale_shard_index_loses_to_the_single_file_as_in_transformers(clip_setting, tmp_path, keep_shards):
-    from hf_featcal.model_io import safetensors_files
     from hf_featcal.merging import task_arithmetic
+    from hf_featcal.model_io import safetensors_files
     from testing_utils import assert_same_up_to_rounding
     from testing_utils import task_arithmetic as reference_task_arithmetic
 

@@ -135,8 +135,10 @@ def test_sources_and_batches_are_prepared_once_for_the_grid(scenario, tmp_path, 
     }
     resolved, batched = [], []
     original_resolve, original_prepare = experts_module.resolve_checkpoint, search_module.prepare_batches
-    monkeypatch.setattr(experts_module, "resolve_checkpoint", lambda name, *a, **k: resolved.append(name) or original_resolve(name, *a, **k))
-    monkeypatch.setattr(search_module, "prepare_batches", lambda task, *a, **k: batched.append(task) or original_prepare(task, *a, **k))
+    monkeypatch.setattr(experts_module, "resolve_checkpoint",
+                        lambda name, *a, **k: resolved.append(name) or original_resolve(name, *a, **k))
+    monkeypatch.setattr(search_module, "prepare_batches",
+                        lambda task, *a, **k: batched.append(task) or original_prepare(task, *a, **k))
     merged = scenario.task_arithmetic(0.3)
     grid = [{"lambda_ratio": 0.05}, {"lambda_ratio": 0.5}, {"lambda_ratio": 0.05, "batch_size": 8}]
     scores = {}

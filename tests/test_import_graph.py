@@ -75,7 +75,8 @@ def test_no_circle_passes_and_a_new_circle_fails(import_graph, one_floor, tmp_pa
 
 def test_an_import_from_a_lower_floor_to_a_higher_one_fails(import_graph, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(import_graph, "FLOORS", [("low", ("", "core", "core.*")), ("high", ("runner",))])
-    src = _package(tmp_path, {"core/__init__.py": "", "core/solve.py": "x = 1\n", "runner.py": "from .core.solve import x\n"})
+    src = _package(tmp_path,
+                   {"core/__init__.py": "", "core/solve.py": "x = 1\n", "runner.py": "from .core.solve import x\n"})
     assert import_graph.main(["--src", str(src)]) == 0  # downward only
     (src / "hf_featcal" / "core" / "solve.py").write_text("def f():\n    from ..runner import y\n")
     assert import_graph.main(["--src", str(src)]) == 1

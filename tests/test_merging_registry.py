@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import CLIPVisionModel
 
-from testing_utils import build_clip_setting
 from hf_featcal import cli, merging, recipes, schema
 from hf_featcal.compare import check_merges, compare_post_merging, default_merges
 from hf_featcal.config import FeatCalConfig
 from hf_featcal.merging import MERGE_CONFIG_ATTRIBUTE, merge_methods, merge_models, registry
+from testing_utils import build_clip_setting
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 

@@ -220,9 +220,9 @@ def tiny_model_name(tmp_path):
 
 
 def test_open_clip_folders_read_lazily_saved_the_open_clip_way(generator, tmp_path, tiny_model_name, monkeypatch):
-    from hf_featcal.merging import engine as merging_engine
     from hf_featcal.architectures.openclip import CONFIG_NAME, WEIGHTS_NAME, OpenCLIPVisionLayerMap, load_open_clip
     from hf_featcal.experts import CheckpointSource
+    from hf_featcal.merging import engine as merging_engine
     from hf_featcal.merging import task_arithmetic
 
     base = load_open_clip(tiny_model_name)

@@ -28,7 +28,8 @@ def tiny_vision_config(**overrides) -> CLIPVisionConfig:
 def tiny_clip_config(**vision_overrides) -> CLIPConfig:
     text = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64,
                 bos_token_id=0, eos_token_id=1, pad_token_id=1, max_position_embeddings=16)
-    return CLIPConfig(vision_config=tiny_vision_config(**vision_overrides).to_dict(), text_config=text, projection_dim=8)
+    return CLIPConfig(vision_config=tiny_vision_config(**vision_overrides).to_dict(), text_config=text,
+                      projection_dim=8)
 
 
 def randomise_norms(model: torch.nn.Module, generator: torch.Generator, scale: float = 0.2) -> None:
@@ -58,7 +59,8 @@ def task_arithmetic(base: torch.nn.Module, experts: dict, scaling: float = 0.3) 
     with torch.no_grad():
         for name, value in merged.state_dict().items():
             if value.is_floating_point():
-                value.copy_(base_sd[name] + scaling * sum(e.state_dict()[name] - base_sd[name] for e in experts.values()))
+                value.copy_(base_sd[name]
+                            + scaling * sum(e.state_dict()[name] - base_sd[name] for e in experts.values()))
     return merged
 
 
@@ -103,7 +105,7 @@ def assert_same_up_to_rounding(actual, expected, rtol: float = SAME_RESULT_RTOL)
     pairs_a = list(actual.items() if isinstance(actual, dict) else actual)
     pairs_e = list(expected.items() if isinstance(expected, dict) else expected)
     assert [n for n, _ in pairs_a] == [n for n, _ in pairs_e], "the two models name their tensors differently"
-    for (name, a), (_, e) in zip(pairs_a, pairs_e):
+    for (name, a), (_, e) in zip(pairs_a, pairs_e, strict=True):
         assert a.shape == e.shape and a.dtype == e.dtype, (name, a.shape, e.shape, a.dtype, e.dtype)
         if not e.is_floating_point():
             assert torch.equal(a, e), name

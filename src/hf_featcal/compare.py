@@ -63,7 +63,8 @@ def check_merges(merges: Mapping[str, Mapping[str, Any]] | Sequence[str] | None)
         checked[method] = {}
         for name, value in params.items():
             if name not in declared:
-                raise ValueError(f"`merges[{method!r}]`: unknown parameter {name!r}; valid: {list(declared) or 'none'}.")
+                raise ValueError(f"`merges[{method!r}]`: unknown parameter {name!r}; valid: "
+                                 f"{list(declared) or 'none'}.")
             try:
                 checked[method][name] = declared[name].check(value)
             except ValueError as err:
@@ -80,7 +81,8 @@ def check_calibration_tasks(experts: Mapping[str, Any], calibration_data: Any) -
     for task in experts:
         data = calibration_data[task]
         if hasattr(data, "__len__") and not isinstance(data, (str, bytes, Mapping)) and len(data) == 0:
-            raise ValueError(f"calibration_data[{task!r}] is empty: every merge and FeatCal need examples of each task.")
+            raise ValueError(f"calibration_data[{task!r}] is empty: every merge and FeatCal need examples of each "
+                             "task.")
 
 
 def markdown_cell(text: str) -> str:
@@ -156,7 +158,7 @@ def _merge(method: str, params: Mapping[str, Any], base: nn.Module, experts: Map
     return merge_models(base, experts, method, **params)
 
 
-def compare_post_merging(
+def compare_post_merging(  # noqa: C901 - one loop over the grid; each row's failure and drift is one branch
     base: nn.Module,
     experts: Mapping[str, nn.Module],
     calibration_data: Mapping[str, Any],
@@ -216,7 +218,8 @@ def compare_post_merging(
         missing = [t for t in wanted if not isinstance(values, Mapping) or t not in values]
         if missing:
             raise ValueError(f"`evaluate` returned no score for the tasks {missing} of {what} "
-                             f"(it returned {sorted(values) if isinstance(values, Mapping) else type(values).__name__}).")
+                             "(it returned "
+                             f"{sorted(values) if isinstance(values, Mapping) else type(values).__name__}).")
         return values
 
     def score(model: nn.Module) -> dict[str, float]:
@@ -228,7 +231,8 @@ def compare_post_merging(
     def finish(row: str, start: float) -> None:
         result.seconds[row] = round(time.perf_counter() - start, 2)
         if log is not None:
-            shown = f"mean {result.scores[row]['mean']:.2f}" if row in result.scores else f"failed ({result.errors[row]})"
+            shown = (f"mean {result.scores[row]['mean']:.2f}" if row in result.scores
+                     else f"failed ({result.errors[row]})")
             log(f"{row}: {shown} [{result.seconds[row]:.1f} s]")
 
     start = time.perf_counter()
@@ -330,9 +334,9 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
 
     The experts are held in memory (RegMean runs each expert's own forward; the ceiling row
     evaluates each expert on its own task)."""
-    from .saving import check_writable_folder
     from .model_io import load_model
     from .recipes import RecipeError, check_fast_mode, prepare_recipe_inputs, recipe_evaluator
+    from .saving import check_writable_folder
 
     say = log if log is not None else (lambda message: None)
     if recipe.evaluation is None:

@@ -16,12 +16,12 @@ from .model_io import (
     LazyTensors,
     LoraAdapter,
     load_checkpoint,
+    load_model,  # noqa: F401 - documented as importable from here (docs/api.md)
     lora_module_paths,
     resolve_checkpoint,
     safetensors_files,
     tower_key_map,
 )
-from .model_io import load_model  # noqa: F401 - documented as importable from here (docs/api.md)
 
 
 def block_on_device(block: nn.Module, device: torch.device) -> nn.Module:
@@ -146,7 +146,7 @@ class CheckpointSource(ModelSource):
 
             try:
                 config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 raise ValueError(f"`{argument}`: cannot load a model config from {name!r}: {err}") from err
         self.config = config
         self._tensors = LazyTensors(safetensors_files(folder, argument) if files is None else files, argument)
@@ -199,7 +199,8 @@ class CheckpointSource(ModelSource):
             for name, tensor in list(skeleton.named_parameters()) + list(skeleton.named_buffers()):
                 value = self._block_tensor(keys, prefix, name, tensor)
                 if value is not None:
-                    memo[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value
+                    memo[id(tensor)] = (nn.Parameter(value, tensor.requires_grad) if isinstance(tensor, nn.Parameter)
+                                        else value)
         return copy.deepcopy(skeleton, memo).to(device).eval()
 
     def _block_tensor(self, keys: dict[str, str], prefix: str, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
@@ -285,7 +286,8 @@ class LoraSource(ModelSource):
             if module in self.adapter.modules and not any(p.startswith(b + ".") for b in block_modules)
         ]
         if outside:
-            raise ValueError(f"`{self.argument}`: the adapter adapts modules outside the blocks {outside[:3]}; not supported.")
+            raise ValueError(f"`{self.argument}`: the adapter adapts modules outside the blocks {outside[:3]}; not "
+                             "supported.")
         self._paths = paths
         return paths
 

@@ -114,7 +114,7 @@ def _grid_points(grid: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Any]]
             if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) == 0:
                 raise ValueError(f"`grid[{name!r}]` must be a non-empty list of values, got {values!r}.")
         names = list(grid)
-        return [dict(zip(names, combo)) for combo in itertools.product(*(grid[n] for n in names))]
+        return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*(grid[n] for n in names))]
     if isinstance(grid, (str, bytes)) or not isinstance(grid, Sequence) or len(grid) == 0:
         raise ValueError("`grid` must be a mapping field -> list of values, or a non-empty list of dicts.")
     points = []
@@ -195,7 +195,8 @@ def tune_featcal(
     # opened, bin-only checkpoints loaded) and the batches (one set per distinct sampling setting).
     layer_map = get_layer_map(merged_model, "merged_model")
     base_source = None if base_model is None else make_source(base_model, "base_model", layer_map)
-    expert_sources = {task: make_source(expert, f"experts[{task!r}]", layer_map, base_source) for task, expert in experts.items()}
+    expert_sources = {task: make_source(expert, f"experts[{task!r}]", layer_map, base_source)
+                      for task, expert in experts.items()}
     main_input_name, merged_config = layer_map.main_input_name, layer_map.tower_config(model_config(merged_model))
     prepared: dict[tuple[Any, ...], dict[str, Any]] = {}
 
@@ -205,7 +206,8 @@ def tune_featcal(
             processing_class = kwargs.get("processing_class")
             max_length = text_length_limit(config.max_length, merged_config, processing_class)
             prepared[key] = {
-                task: prepare_batches(task, data, main_input_name=main_input_name, num_samples=config.num_samples_per_task,
+                task: prepare_batches(task, data, main_input_name=main_input_name,
+                                      num_samples=config.num_samples_per_task,
                                       batch_size=config.batch_size, seed=config.seed,
                                       data_collator=kwargs.get("data_collator"), processing_class=processing_class,
                                       max_length=max_length)
@@ -218,10 +220,11 @@ def tune_featcal(
     best_index: int | None = None
     best_score = math.nan
     best_model: nn.Module | None = None
-    for index, (point, config) in enumerate(zip(points, configs)):
+    for index, (point, config) in enumerate(zip(points, configs, strict=True)):
         start = time.perf_counter()
         candidate = copy.deepcopy(merged_model)
-        calibrated = FeatCalCalibrator(candidate, base_source, expert_sources, batches_for(config), config, **kwargs).calibrate()
+        calibrated = FeatCalCalibrator(candidate, base_source, expert_sources, batches_for(config), config,
+                                       **kwargs).calibrate()
         score = validation_fn(calibrated)
         if isinstance(score, bool) or not isinstance(score, Real):
             try:

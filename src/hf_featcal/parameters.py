@@ -36,7 +36,8 @@ class ModelParameters:
         for module_name, module in model.named_modules():
             for hook in _offload_hooks(module):
                 weights = hook.weights_map
-                dataset, prefix = (weights.dataset, weights.prefix) if isinstance(weights, PrefixedDataset) else (weights, "")
+                dataset, prefix = ((weights.dataset, weights.prefix) if isinstance(weights, PrefixedDataset)
+                                   else (weights, ""))
                 writable = dataset.state_dict if isinstance(dataset, OffloadedWeightsLoader) else dataset
                 for name, _ in module.named_parameters(recurse=False):
                     qualified = f"{module_name}.{name}" if module_name else name

@@ -185,7 +185,8 @@ def onednn_linears(root: nn.Module) -> Iterator[None]:
     try:
         if gemm_library() == "onednn":
             for module in root.modules():
-                if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and "forward" not in module.__dict__:
+                if (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+                        and "forward" not in module.__dict__):
                     module.forward = _onednn_forward(module)  # an instance attribute shadows the method
                     patched.append(module)
         yield

@@ -57,7 +57,9 @@ class CLIPVisionLayerMap(LayerMap):
         """Whether `model` can embed zero-shot prompts."""
         return hasattr(model, "get_text_features")
 
-    def encode_prompts(self, clip_model: nn.Module, tokenizer: Any, prompts: list[str], device: Any,
+    # Any: the models are reached through their classes' own methods and submodules (get_text_features,
+    # visual_projection), which nn.Module's typing does not know.
+    def encode_prompts(self, clip_model: Any, tokenizer: Any, prompts: list[str], device: Any,
                        max_length: int | None) -> torch.Tensor:
         """Unnormalised text embeddings ``[len(prompts), dim]`` of `clip_model`'s text tower."""
         enc = tokenizer(prompts, padding=True, truncation=max_length is not None, max_length=max_length,
@@ -65,8 +67,8 @@ class CLIPVisionLayerMap(LayerMap):
         inputs = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
         return features(clip_model.get_text_features(**inputs), "text_embeds")
 
-    def image_embeddings(self, vision_model: nn.Module, pixel_values: torch.Tensor,
-                         clip_model: nn.Module | None) -> torch.Tensor:
+    def image_embeddings(self, vision_model: Any, pixel_values: torch.Tensor,
+                         clip_model: Any) -> torch.Tensor:
         """Projected (unnormalised) image embeddings ``[batch, dim]``: ``get_image_features`` of a
         ``CLIPModel``, ``image_embeds`` of a ``CLIPVisionModelWithProjection``, else the base
         ``clip_model.visual_projection`` of a bare tower's pooled output."""
@@ -78,10 +80,10 @@ class CLIPVisionLayerMap(LayerMap):
             return image_embeds
         self.check_vision_model(vision_model, clip_model)
         pooled = features(out, "pooler_output")
-        projection = clip_model.visual_projection  # type: ignore[union-attr]
+        projection = clip_model.visual_projection  # check_vision_model refused a missing clip_model
         return projection(pooled.to(device=projection.weight.device, dtype=projection.weight.dtype))
 
-    def check_vision_model(self, vision_model: nn.Module, clip_model: nn.Module | None) -> None:
+    def check_vision_model(self, vision_model: nn.Module, clip_model: Any) -> None:
         """Refuse a bare tower whose pooled output `clip_model`'s ``visual_projection`` cannot map."""
         tower, projection = vision_parts(vision_model)
         if projection is not None:
@@ -111,7 +113,7 @@ def features(output: Any, *names: str) -> torch.Tensor:
     raise TypeError(f"cannot find embeddings ({', '.join((*names, 'pooler_output'))}) in {type(output).__name__}")
 
 
-def vision_parts(vision_model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
+def vision_parts(vision_model: Any) -> tuple[nn.Module, nn.Module | None]:
     """(tower, own projection or None) of a CLIPModel / CLIPVisionModelWithProjection / CLIPVisionModel."""
     if hasattr(vision_model, "visual_projection") and hasattr(vision_model, "vision_model"):
         return vision_model.vision_model, vision_model.visual_projection

@@ -152,7 +152,8 @@ class OpenCLIPVisionLayerMap(LayerMap):
     def records_processing(self, processing_class: Any, output_dir: str) -> bool:
         # a torchvision transform or an open_clip tokenizer: open_clip_config.json holds its settings
         module = type(processing_class).__module__
-        return module.startswith(("open_clip.", "torchvision.")) and os.path.isfile(os.path.join(output_dir, CONFIG_NAME))
+        return (module.startswith(("open_clip.", "torchvision."))
+                and os.path.isfile(os.path.join(output_dir, CONFIG_NAME)))
 
     def pipeline_tag(self, model: nn.Module) -> str | None:
         return "zero-shot-image-classification" if hasattr(model, "encode_text") else "image-feature-extraction"
@@ -162,12 +163,13 @@ class OpenCLIPVisionLayerMap(LayerMap):
     def has_text_tower(self, model: nn.Module) -> bool:
         return hasattr(model, "encode_text")
 
-    def encode_prompts(self, clip_model: nn.Module, tokenizer: Any, prompts: list[str], device: Any,
+    # Any: open_clip models are reached through their own methods (encode_text, encode_image)
+    def encode_prompts(self, clip_model: Any, tokenizer: Any, prompts: list[str], device: Any,
                        max_length: int | None) -> torch.Tensor:
         # open_clip tokenizers return the padded token ids
         return clip_model.encode_text(tokenizer(prompts).to(device))
 
-    def image_embeddings(self, vision_model: nn.Module, pixel_values: torch.Tensor,
+    def image_embeddings(self, vision_model: Any, pixel_values: torch.Tensor,
                          clip_model: nn.Module | None) -> torch.Tensor:
         # CLIP.encode_image, or a bare VisionTransformer's projected output
         if hasattr(vision_model, "encode_image"):

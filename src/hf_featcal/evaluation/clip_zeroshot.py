@@ -32,7 +32,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -41,7 +41,6 @@ from ..architectures import layer_map_or_none
 from ..architectures.clip import CLIPVisionLayerMap, vision_parts
 from ..experts import module_device, module_dtype
 from ._datasets import local_split
-from .results import EvaluationResults
 from .clip_templates import (
     CLIP_CLASS_NAMES,
     CLIP_DATASETS,
@@ -53,6 +52,7 @@ from .clip_templates import (
     CLIP_TASKS,
     CLIP_TEMPLATES,
 )
+from .results import EvaluationResults
 
 if TYPE_CHECKING:  # pragma: no cover
     from datasets import Dataset
@@ -72,8 +72,8 @@ __all__ = [
     "evaluate_clip_zeroshot",
 ]
 
-PathLike = Union[str, os.PathLike]
-Template = Union[str, Callable[[str], str]]
+PathLike = str | os.PathLike
+Template = str | Callable[[str], str]
 
 _PLACEHOLDER = "{c}"
 
@@ -571,7 +571,7 @@ def _check_mapping_keys(mapping: Mapping[str, Any] | None, argument: str, tasks:
     return out
 
 
-def evaluate_clip_zeroshot(
+def evaluate_clip_zeroshot(  # noqa: C901 - one branch per kind of vision model and per optional input
     vision_model: nn.Module,
     clip_model: CLIPModel | None,
     processor: Any,
@@ -702,6 +702,6 @@ def evaluate_clip_zeroshot(
             results.num_examples[spec.name] = len(predictions)
             results.predictions[spec.name] = predictions
     finally:
-        for m, was_training in zip(models, training):
+        for m, was_training in zip(models, training, strict=True):
             m.train(was_training)
     return results

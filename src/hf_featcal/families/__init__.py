@@ -9,6 +9,7 @@ its import below. Importing this package loads no heavy library (``hf-featcal --
 
 from __future__ import annotations
 
+from . import clip, flan_t5, open_clip  # noqa: F401 - each registers its family
 from .base import (
     FamilyUsageError,
     ModelFamily,
@@ -20,7 +21,6 @@ from .base import (
     register_family,
     source_schemes,
 )
-from . import clip, flan_t5, open_clip  # noqa: F401,E402 - each registers its family
 
 __all__ = [
     "FamilyUsageError",

@@ -125,7 +125,11 @@ class ModelFamily:
         """Fields only evaluation datasets have."""
 
     def check_evaluation(
-        self, v: KeyChecker, tasks: Sequence[str], class_names: Mapping[str, list[str]], templates: Mapping[str, list[str]]
+        self,
+        v: KeyChecker,
+        tasks: Sequence[str],
+        class_names: Mapping[str, list[str]],
+        templates: Mapping[str, list[str]],
     ) -> None:
         """Family checks of a recipe's ``evaluation`` section."""
 

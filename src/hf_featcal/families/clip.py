@@ -35,7 +35,7 @@ class CLIPFamily(ZeroShotImageFamily):
             out["processor"] = None
         return out
 
-    def command_text_model(self, model, clip_source, load):  # type: ignore[override]
+    def command_text_model(self, model, clip_source, load):
         if clip_source is not None:
             return load(clip_source, "--clip-model")
         if not hasattr(model, "get_text_features"):
@@ -43,7 +43,7 @@ class CLIPFamily(ZeroShotImageFamily):
                 f"--model is a {type(model).__name__} (no text tower): pass --clip-model, the base CLIPModel")
         return None
 
-    def recipe_text_model(self, base, evaluation, processing, load):  # type: ignore[override]
+    def recipe_text_model(self, base, evaluation, processing, load):
         if evaluation.clip_model is not None:
             clip_model = load(evaluation.clip_model, "evaluation.clip_model")
             if processing.get("processor") is None:
@@ -59,4 +59,5 @@ class CLIPFamily(ZeroShotImageFamily):
     def check_evaluation_processing(self, processing: Mapping[str, Any]) -> None:
         if processing.get("processor") is None:
             raise FamilyUsageError(
-                "CLIP zero-shot evaluation needs a tokenizer with the image processor (a CLIPProcessor); pass --processor")
+                "CLIP zero-shot evaluation needs a tokenizer with the image processor (a CLIPProcessor); pass "
+                "--processor")

@@ -36,7 +36,7 @@ class FlanT5Family(ModelFamily):
     def calibration_processing_class(self, processing: Mapping[str, Any]) -> Any:
         return processing["tokenizer"]
 
-    def complete_dataset_spec(self, v, task, spec, entry, key, substitute, keys, fallback) -> None:  # type: ignore[override]
+    def complete_dataset_spec(self, v, task, spec, entry, key, substitute, keys, fallback) -> None:
         from ..evaluation.glue import GLUE_TASKS
 
         glue_task = substitute(entry.get("glue_task", task))
@@ -49,7 +49,8 @@ class FlanT5Family(ModelFamily):
             )
         spec.glue_task = glue_task
         spec.max_input_length = v.integer(entry.get("max_input_length", 512), key("max_input_length"), 1, optional=True)
-        spec.max_target_length = v.integer(entry.get("max_target_length", 32), key("max_target_length"), 1, optional=True)
+        spec.max_target_length = v.integer(entry.get("max_target_length", 32), key("max_target_length"), 1,
+                                           optional=True)
 
     def dataset_to_dict(self, spec: DatasetSpec, calibration: bool) -> dict[str, Any]:
         if not calibration:
@@ -75,18 +76,18 @@ class FlanT5Family(ModelFamily):
         )
         return ds.select_columns(["input_ids", "attention_mask", "labels"])
 
-    def check_evaluate_options(self, *, class_names, templates, clip_model) -> None:  # type: ignore[override]
+    def check_evaluate_options(self, *, class_names, templates, clip_model) -> None:
         if class_names or templates or clip_model:
             raise FamilyUsageError("--class-names, --template and --clip-model are only for CLIP models")
 
-    def evaluation_source(self, task, data, configs, class_names):  # type: ignore[override]
+    def evaluation_source(self, task, data, configs, class_names):
         from ..evaluation.glue import GLUE_TASKS
 
         if task not in GLUE_TASKS:
             raise FamilyUsageError(f"--task {task}: not a GLUE task {list(GLUE_TASKS)}")
         return data.get(task, "nyu-mll/glue"), configs.get(task, task), task
 
-    def evaluate_task(self, model, task, ds, data_spec, spec, *, processing, clip_model=None, device=None):  # type: ignore[override]
+    def evaluate_task(self, model, task, ds, data_spec, spec, *, processing, clip_model=None, device=None):
         from ..evaluation.glue import evaluate_glue
 
         glue_task = data_spec.glue_task or task

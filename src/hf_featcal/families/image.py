@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .base import FamilyUsageError, ModelFamily
 
@@ -20,13 +20,13 @@ class ZeroShotImageFamily(ModelFamily):
     score_label = "zero-shot top-1 accuracy"
     calibration_data_keys = ("image_column",)
     evaluation_data_keys = ("dataset", "config", "split", "image_column", "label_column")
-    evaluation_keys = ("class_names", "templates")
+    evaluation_keys: ClassVar[tuple[str, ...]] = ("class_names", "templates")
     default_evaluation_batch_size = 64
 
     def calibration_processing_class(self, processing: Mapping[str, Any]) -> Any:
         return processing["image"]
 
-    def complete_dataset_spec(self, v, task, spec, entry, key, substitute, keys, fallback) -> None:  # type: ignore[override]
+    def complete_dataset_spec(self, v, task, spec, entry, key, substitute, keys, fallback) -> None:
         spec.image_column = v.string(entry.get("image_column"), key("image_column"), optional=True)
 
     def dataset_to_dict(self, spec: DatasetSpec, calibration: bool) -> dict[str, Any]:
@@ -43,7 +43,7 @@ class ZeroShotImageFamily(ModelFamily):
     def finish_evaluation_spec(self, v: KeyChecker, spec: DatasetSpec, entry: Mapping[str, Any], path: str) -> None:
         spec.label_column = v.string(entry.get("label_column"), f"{path}.label_column", optional=True)
 
-    def check_evaluation(self, v, tasks, class_names, templates) -> None:  # type: ignore[override]
+    def check_evaluation(self, v, tasks, class_names, templates) -> None:
         from ..evaluation.clip_templates import CLIP_CLASS_NAMES, CLIP_TASK_ALIASES
 
         for task in tasks:
@@ -86,7 +86,7 @@ class ZeroShotImageFamily(ModelFamily):
         ds = images_from_column(ds.select_columns([column]), column, f"calibration.tasks.{task}")
         return ds.rename_column(column, "image") if column != "image" else ds
 
-    def evaluation_source(self, task, data, configs, class_names):  # type: ignore[override]
+    def evaluation_source(self, task, data, configs, class_names):
         from ..evaluation.clip_templates import CLIP_CLASS_NAMES, CLIP_DATASETS, CLIP_TASK_ALIASES
 
         name = task if task in CLIP_CLASS_NAMES else CLIP_TASK_ALIASES.get(task)
@@ -112,7 +112,7 @@ class ZeroShotImageFamily(ModelFamily):
                 ds = ds.rename_column(given, wanted)
         return ds
 
-    def evaluate_task(self, model, task, ds, data_spec, spec, *, processing, clip_model=None, device=None):  # type: ignore[override]
+    def evaluate_task(self, model, task, ds, data_spec, spec, *, processing, clip_model=None, device=None):
         from ..evaluation.clip_zeroshot import evaluate_clip_zeroshot
 
         processor = processing.get("processor")

@@ -31,18 +31,18 @@ class OpenCLIPFamily(ZeroShotImageFamily):
         tokenizer, preprocess = load_open_clip_processing(source)
         return {"image": preprocess, "processor": (tokenizer, preprocess)}
 
-    def check_evaluate_options(self, *, class_names, templates, clip_model) -> None:  # type: ignore[override]
+    def check_evaluate_options(self, *, class_names, templates, clip_model) -> None:
         if clip_model:
             raise FamilyUsageError(
                 "--clip-model is only for transformers CLIP models (an open_clip model uses its own text tower)")
 
-    def command_text_model(self, model, clip_source, load):  # type: ignore[override]
+    def command_text_model(self, model, clip_source, load):
         if not hasattr(model, "encode_text"):
             raise FamilyUsageError(
                 f"--model is an open_clip {type(model).__name__} without a text tower: evaluate the full CLIP")
         return None
 
-    def recipe_text_model(self, base, evaluation, processing, load):  # type: ignore[override]
+    def recipe_text_model(self, base, evaluation, processing, load):
         if not hasattr(base, "encode_text"):
             raise ValueError(
                 f"evaluation: zero-shot evaluation needs a text tower: the base is a {type(base).__name__}; "

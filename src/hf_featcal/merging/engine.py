@@ -169,7 +169,9 @@ def _open_expert(
     if checkpoint is not None and checkpoint.adapter is not None:
         return _open_lora_expert(name, LoraAdapter(checkpoint.adapter, argument), merged, base_state, canonical)
     layer_map = family_layer_map(merged)
+    fetch: Callable[[str], torch.Tensor]
     if checkpoint is not None and checkpoint.lazy:
+        assert not isinstance(source, nn.Module)  # only a path or hub id resolves to a checkpoint
         if layer_map is not None:  # the calibrator's check, on the config and shapes alone
             check_compatible(make_source(source, argument, layer_map), layer_map, merged, model_config(merged))
         tensors = stack.enter_context(LazyTensors(checkpoint.files, argument))  # files open until the merge ends
@@ -357,7 +359,7 @@ def kth_largest_magnitude(magnitudes: Callable[[], Iterator[torch.Tensor]], k: i
     high, rank = _select_bin(high_hist, k)
     low_hist = torch.zeros(_LOW_BINS, dtype=torch.int64)
     for bits in bit_patterns():
-        low = bits[(bits >> 16) == high] & 0xFFFF
-        low_hist += torch.bincount(low.long(), minlength=_LOW_BINS).cpu()
+        low_bits = bits[(bits >> 16) == high] & 0xFFFF
+        low_hist += torch.bincount(low_bits.long(), minlength=_LOW_BINS).cpu()
     low, _ = _select_bin(low_hist, rank)
     return torch.tensor([(high << 16) | low], dtype=torch.int32).view(torch.float32).item()

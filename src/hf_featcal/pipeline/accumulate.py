@@ -6,15 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ..architectures import LAYER_NORM, ModuleSpec
 from ..statistics import LinearGroupStatistics, LinearTargets, NormStatistics
-from .streams import StreamBatch
 from .context import RunContext
 from .plan import BlockPlan
+from .streams import StreamBatch
 
 
 @dataclass
@@ -29,7 +30,7 @@ class BlockStatistics:
 
 def new_statistics(ctx: RunContext, plan: BlockPlan, block: nn.Module) -> BlockStatistics:
     """Empty accumulators for every statistics group of the block's plan."""
-    kw = {"dtype": ctx.compute_dtype, "device": ctx.device}
+    kw: dict[str, Any] = {"dtype": ctx.compute_dtype, "device": ctx.device}
     linear = {}
     specs = {s.name: s for s in plan.specs}
     for key, names in plan.linear_groups.items():
@@ -41,7 +42,7 @@ def new_statistics(ctx: RunContext, plan: BlockPlan, block: nn.Module) -> BlockS
         )
     norms = {}
     for name, weighted in plan.norms:
-        module = block.get_submodule(name)
+        module: Any = block.get_submodule(name)  # Any: a norm's weight, by its class
         kind = next(s.kind for s in plan.specs if s.name == name)
         norms[(name, weighted)] = NormStatistics(
             name, module.weight.shape[0], centered=kind == LAYER_NORM, norm_eps=ctx.layer_map.norm_eps(module), **kw
@@ -104,10 +105,13 @@ def accumulate(
     for key, stats in statistics.linear.items():
         source, weighted, _ = key
         weights = module_weights(ctx, plan, stats.modules[0], weighted, state)
-        outputs = {name: ye[name] for name in stats.modules} if from_outputs and key in from_outputs else None
+        outputs = None
+        if from_outputs and key in from_outputs:
+            assert ye is not None  # the expert's outputs are captured for these groups
+            outputs = {name: ye[name] for name in stats.modules}
         stats.accumulate_mixture(xs[source], xe[source], alpha, weights, targets, outputs)
-    for (name, weighted), stats in statistics.norms.items():
-        stats.accumulate(xs[name], module_weights(ctx, plan, name, weighted, state))
+    for (name, weighted), norm in statistics.norms.items():
+        norm.accumulate(xs[name], module_weights(ctx, plan, name, weighted, state))
 
 
 def module_weights(ctx: RunContext, plan: BlockPlan, name: str, weighted: bool, state: StreamBatch) -> Tensor:
@@ -116,6 +120,7 @@ def module_weights(ctx: RunContext, plan: BlockPlan, name: str, weighted: bool, 
     weights = ctx.layer_map.input_weights(name, state)
     if not weighted:
         return weights
+    assert plan.pooled_token_index is not None  # only a pooled stack's last block weights its tokens
     return pooled_weighting(weights, plan.pooled_token_index, ctx.config.final_block_token_weight)
 
 
@@ -155,7 +160,8 @@ class TaskPass:
         """The expert modules whose outputs `add` needs."""
         return {name for names in self.from_outputs.values() for name in names}
 
-    def add(self, xs: Mapping[str, Tensor], xe: Mapping[str, Tensor], state: StreamBatch, ye: Mapping[str, Tensor]) -> None:
+    def add(self, xs: Mapping[str, Tensor], xe: Mapping[str, Tensor], state: StreamBatch,
+            ye: Mapping[str, Tensor]) -> None:
         """One captured batch (see `accumulate`)."""
         accumulate(self.ctx, self.plan, self.statistics, xs, xe, state, self.targets, ye, self.from_outputs)
 
@@ -164,10 +170,11 @@ class TaskPass:
         finish_task(self.ctx, self.statistics, self.expert_block, self.targets)
 
 
-def finish_task(ctx: RunContext, statistics: BlockStatistics, expert_block: nn.Module, targets: dict[str, LinearTargets]) -> None:
+def finish_task(ctx: RunContext, statistics: BlockStatistics, expert_block: nn.Module,
+                targets: dict[str, LinearTargets]) -> None:
     """Fold the task's sums (reduced across processes) into the task sums."""
     for stats in statistics.linear.values():
         stats.finish_task(targets, ctx.reduce)
-    for (name, _), stats in statistics.norms.items():
-        module = expert_block.get_submodule(name)
-        stats.finish_task(module.weight.detach(), getattr(module, "bias", None), ctx.reduce)
+    for (name, _), norm in statistics.norms.items():
+        module: Any = expert_block.get_submodule(name)  # Any: a norm's weight and bias, by its class
+        norm.finish_task(module.weight.detach(), getattr(module, "bias", None), ctx.reduce)

@@ -12,8 +12,8 @@ from ..experts import ModelSource
 from ..hooks import capture_module_inputs, capture_module_outputs, eval_mode
 from .accumulate import BlockStatistics, TaskPass, new_statistics
 from .context import RunContext
-from .streams import StopForward, Streams, TaskStreams
 from .plan import BlockPlan
+from .streams import StopForward, Streams, TaskStreams
 
 
 @dataclass
@@ -47,6 +47,7 @@ def capture_block(
     statistics = new_statistics(ctx, plan, block) if calibrating else BlockStatistics()
     sources = plan.capture_sources
     last_source: str | None = None  # the last captured module in forward order, once seen
+    assert streams.student is not None and streams.expert is not None  # the block's entering streams
     new_expert: TaskStreams = {}
     for task, source in experts.items():
         note(f"{'collecting statistics' if calibrating else 'forwarding'} · {task}")
@@ -87,6 +88,7 @@ def capture_block(
                         except StopForward:
                             pass
                 if calibrating:
+                    assert state is not None  # the student's batch, fetched above when calibrating
                     with ctx.timed("statistics"):
                         sums.add(xs, xe, state, ye)
         for store in (xs, xe, ye):  # the last batch's captured tensors, consumed

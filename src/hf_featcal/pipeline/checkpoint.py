@@ -83,7 +83,12 @@ def _write_parameters(ctx: RunContext, parameters: dict[str, Tensor]) -> None:
 
 
 def save_block(
-    ctx: RunContext, folder: CheckpointFolder, finished_blocks: int, parameter_names: list[str], streams: Streams, drift: DriftLog | None
+    ctx: RunContext,
+    folder: CheckpointFolder,
+    finished_blocks: int,
+    parameter_names: list[str],
+    streams: Streams,
+    drift: DriftLog | None,
 ) -> None:
     """Commit one more finished block: its calibrated parameters and the streams entering the next."""
     folder.save(

@@ -97,7 +97,7 @@ def check_batches_enter_model(
                     raise ValueError(f"{where}: {err}") from None
                 try:
                     state = lm.enter_stack(tower, send_to_device(batch, device), 0, None)
-                except Exception as err:  # noqa: BLE001 - re-raised with the task and batch named
+                except Exception as err:
                     raise ValueError(
                         f"calibration_data[{task!r}]: the merged model cannot take its batches (batch {index}, "
                         f"keys {sorted(batch)}): {type(err).__name__}: {err}"
@@ -128,7 +128,8 @@ def _vocabulary_size(model: nn.Module) -> int | None:
     return embedding.num_embeddings if isinstance(embedding, nn.Embedding) else None
 
 
-def _check_batch_tensors(batch: Mapping[str, Any], layer_map: LayerMap, model: nn.Module, vocabulary: int | None) -> None:
+def _check_batch_tensors(batch: Mapping[str, Any], layer_map: LayerMap, model: nn.Module,
+                         vocabulary: int | None) -> None:
     """Cheap checks of one batch's model inputs (ValueError naming the key): tensors, one batch size,
     integer token ids in [0, vocabulary), labels -100 or token ids where the model reads them as targets."""
     main = layer_map.main_input_name
@@ -149,7 +150,8 @@ def _check_batch_tensors(batch: Mapping[str, Any], layer_map: LayerMap, model: n
         for key in ("attention_mask", "token_type_ids"):
             mask = batch.get(key)  # a 2-D mask is per token (other ranks are custom attention masks)
             if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape != batch[main].shape:
-                raise ValueError(f"{key!r} has shape {tuple(batch[key].shape)}, expected {main!r}'s {tuple(batch[main].shape)}")
+                raise ValueError(f"{key!r} has shape {tuple(batch[key].shape)}, expected {main!r}'s "
+                                 f"{tuple(batch[main].shape)}")
     targets = "labels" in layer_map.required_batch_keys(model)  # labels are token ids (teacher forcing)
     for key in (*_TOKEN_KEYS, *(("labels",) if targets else ())):
         value = batch.get(key)
@@ -159,9 +161,11 @@ def _check_batch_tensors(batch: Mapping[str, Any], layer_map: LayerMap, model: n
             raise ValueError(f"{key!r} must hold integer token ids, got dtype {value.dtype}")
         ids = value[value != -100] if key == "labels" else value
         if ids.numel() and int(ids.min()) < 0:
-            raise ValueError(f"{key!r} holds the negative token id {int(ids.min())}" + (" (only -100 marks ignored labels)" if key == "labels" else ""))
+            raise ValueError(f"{key!r} holds the negative token id {int(ids.min())}"
+                             + (" (only -100 marks ignored labels)" if key == "labels" else ""))
         if vocabulary is not None and ids.numel() and int(ids.max()) >= vocabulary:
-            raise ValueError(f"{key!r} holds the token id {int(ids.max())}, outside the model's vocabulary of {vocabulary}")
+            raise ValueError(f"{key!r} holds the token id {int(ids.max())}, outside the model's vocabulary of "
+                             f"{vocabulary}")
     if main == "pixel_values" and isinstance(batch.get(main), Tensor) and not batch[main].is_floating_point():
         raise ValueError(f"'pixel_values' must be floating point, got dtype {batch[main].dtype}")
 
@@ -182,6 +186,7 @@ def check_forward_dtype(config: Any, models: Mapping[str, nn.Module] | Iterable[
         if other:
             raise ValueError(
                 f"FeatCalConfig.forward_dtype={config.forward_dtype!r} cannot run `{argument}`, whose weights are "
-                f"{' and '.join(other)}: autocast would mix {other[0]} weights with {config.forward_dtype} activations. "
+                f"{' and '.join(other)}: autocast would mix {other[0]} weights with {config.forward_dtype} "
+                "activations. "
                 f"Set forward_dtype={other[0]!r} (or None, exact mode), or load the model in float32."
             )

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -34,7 +35,8 @@ def user_stacklevel() -> int:
     """The `stacklevel` that makes a warning its caller issues point at the first frame outside
     hf_featcal, the user's line that called into the library, however many of the library's frames
     lie between (Python 3.12's `skip_file_prefixes`; this package supports older versions)."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
         frame, level = frame.f_back, level + 1
     return level if frame is not None else 1

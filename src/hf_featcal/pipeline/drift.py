@@ -54,24 +54,28 @@ def stream_drifts(
         e_sizes = torch.linalg.vector_norm(e_hidden, dim=-1).double()
         for i, stream in enumerate(merged):
             m = ctx.fetch(stream[b])
+            assert m.weights is not None  # a stream's batches carry their token weights
             mask = (m.weights > 0).to(torch.float64)
             distances = torch.linalg.vector_norm(torch.sub(m.hidden.to(e_hidden.dtype), e_hidden), dim=-1).double()
             totals[i] += (distances * mask).sum()
             counts[i] += mask.sum()
-            head = m.weights if pooled_token_index is None else pooled_weighting(m.weights, pooled_token_index, other_weight)
+            head = (m.weights if pooled_token_index is None
+                    else pooled_weighting(m.weights, pooled_token_index, other_weight))
             head = head.to(torch.float64)
             head_totals[i] += (distances * head).sum()
             head_sizes[i] += (e_sizes * head).sum()
     reduced = ctx.reduce([*totals, *counts, *head_totals, *head_sizes])
     n = len(merged)
     drifts = [float(total / count) for total, count in zip(reduced[:n], reduced[n : 2 * n], strict=True)]
-    heads = [float(total / size) if float(size) > 0 else 0.0 for total, size in zip(reduced[2 * n : 3 * n], reduced[3 * n :], strict=True)]
+    heads = [float(total / size) if float(size) > 0 else 0.0
+             for total, size in zip(reduced[2 * n : 3 * n], reduced[3 * n :], strict=True)]
     return drifts, heads
 
 
 def record_drift(ctx: RunContext, drift: DriftLog, streams: Streams, pooled_token_index: int | None = None) -> None:
     """Append each task's drift at the block's output (`streams`: the streams leaving the block;
     `pooled_token_index`: the token a head reads after this block, if it is a pooled stack's last)."""
+    assert streams.given is not None and streams.student is not None and streams.expert is not None  # with drift
     for task, entry in drift.tasks.items():
         (before, after), (head_before, head_after) = stream_drifts(
             ctx, [streams.given[task], streams.student[task]], streams.expert[task], pooled_token_index
@@ -87,11 +91,13 @@ def advance_given(
     batches are the student's until a block is calibrated: with `student`, the student batches leaving
     an unchanged block, those stay shared; every other batch runs through the block, hooks off."""
     given = {}
+    assert streams.given is not None and streams.student is not None  # the streams entering the block, with drift
     with ctx.precision():
         for task, states in streams.given.items():
             entering = streams.student[task]
             given[task] = [
-                student[task][b] if student is not None and state is entering[b] else ctx.run_block(block, block_index, state)
+                student[task][b] if student is not None and state is entering[b]
+                else ctx.run_block(block, block_index, state)
                 for b, state in enumerate(states)
             ]
     return given

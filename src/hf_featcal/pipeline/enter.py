@@ -32,7 +32,8 @@ def enter_stack(
     expert = {t: enter(ctx, experts[t], stack_index, streams.expert, batches[t], t) for t in tasks}
     given = None
     if drift:
-        given = {t: (student[t] if stack_index == 0 else enter(ctx, None, stack_index, streams.given, batches[t], t)) for t in tasks}
+        given = {t: (student[t] if stack_index == 0 else enter(ctx, None, stack_index, streams.given, batches[t], t))
+                 for t in tasks}
     return Streams(student, expert, given)
 
 

@@ -61,6 +61,7 @@ def select_modules(layer_map: LayerMap, tower: nn.Module, config: FeatCalConfig)
     stacks = layer_map.stacks(tower)
     total_blocks = sum(len(s.blocks) for s in stacks)
     if config.layers_to_transform is not None:
+        assert isinstance(config.layers_to_transform, list)  # FeatCalConfig makes a single index a list
         bad = [i for i in config.layers_to_transform if not -total_blocks <= i < total_blocks]
         if bad:
             raise ValueError(

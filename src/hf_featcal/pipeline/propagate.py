@@ -19,5 +19,6 @@ def propagate(ctx: RunContext, block: nn.Module, plan: BlockPlan, student: TaskS
     alike = contextlib.nullcontext() if plan.calibrating else ctx.layer_map.capture_context(block)
     with ctx.precision(), alike:
         return {
-            task: [ctx.run_block(block, plan.block_index, state) for state in states] for task, states in student.items()
+            task: [ctx.run_block(block, plan.block_index, state) for state in states]
+            for task, states in student.items()
         }

@@ -23,6 +23,7 @@ from .context import FeatCalWarning, RunContext, check_finite, user_stacklevel
 from .plan import BlockPlan
 from .write import BlockUpdates, read_spec
 
+
 def solve_block(
     ctx: RunContext, plan: BlockPlan, block: nn.Module, statistics: BlockStatistics, base_block: nn.Module | None
 ) -> BlockUpdates:
@@ -46,6 +47,7 @@ def solve_block(
     updates: BlockUpdates = {}
     for stats in linear.values():
         names = list(stats.modules)
+        assert stats.gram_sum is not None and stats.student_mean_sum is not None  # summed over the tasks
         work = ctx.workspace(stats.gram_sum)  # the singularity test's and the solve's factorisations
         check_finite(stats.gram_sum, f"features entering {where}, module {', '.join(names)}")
         # tokens counted by their weights: the pooled last block's other tokens (weight 0.01) add
@@ -58,7 +60,8 @@ def solve_block(
                 FeatCalWarning,
                 stacklevel=user_stacklevel(),
             )
-        elif not ridge_settles_null_directions(stats.gram_sum, lam + eps) and gram_is_singular(stats.gram_sum, work=work):
+        elif (not ridge_settles_null_directions(stats.gram_sum, lam + eps)
+              and gram_is_singular(stats.gram_sum, work=work)):
             warnings.warn(
                 f"{where}, modules {names}: the input Gram is numerically singular and λ + ε = {lam + eps:.3g} is "
                 f"below {SINGULAR_RTOL:g} of its norm: the solution in its null directions is set by ε and "
@@ -67,14 +70,16 @@ def solve_block(
                 stacklevel=user_stacklevel(),
             )
         weights, info = solve_linear_weights(
-            stats.gram_sum, [stats.rhs_sum[name] for name in names], [anchor_of(name, "weight") for name in names], lam, eps,
+            stats.gram_sum, [stats.rhs_sum[name] for name in names], [anchor_of(name, "weight") for name in names],
+            lam, eps,
             work=work,
         )
         for name, weight in zip(names, weights, strict=True):
             old = read_spec(ctx.parameters, block, specs[name], "weight").to(ctx.device)
             decrease = linear_objective_decrease(stats.gram_sum, old, weight, lam, eps, factor=info.factor)
             ctx.solve_log.append(
-                {"block": where, "module": name, "method": info.method, "damping": info.damping, "objective_decrease": decrease}
+                {"block": where, "module": name, "method": info.method, "damping": info.damping,
+                 "objective_decrease": decrease}
             )
             ctx.logger.info(
                 "%s %s: objective J(merged) − J(calibrated) = %.4g (%s%s)", where, name, decrease, info.method,
@@ -83,21 +88,26 @@ def solve_block(
             update = {"weight": weight}
             if specs[name].value(block, "bias") is not None and cfg.calibrate_bias:
                 update["bias"] = solve_linear_bias(
-                    weight, stats.bias_target_sum[name], stats.student_mean_sum, stats.scale_sum, anchor_of(name, "bias"), lam
+                    weight, stats.bias_target_sum[name], stats.student_mean_sum, stats.scale_sum,
+                    anchor_of(name, "bias"), lam,
                 )
             updates[name] = update
-    for (name, _), stats in norms.items():
+    for (name, _), norm in norms.items():
         module = block.get_submodule(name)
-        check_finite(stats.second_moment_sum, f"features entering {where}, module {name}")
+        assert norm.second_moment_sum is not None and norm.gamma_target_sum is not None  # summed over tasks
+        check_finite(norm.second_moment_sum, f"features entering {where}, module {name}")
         has_bias = getattr(module, "bias", None) is not None
-        if stats.centered and has_bias:
+        if norm.centered and has_bias:
+            # the experts' norms have the merged one's bias
+            assert norm.mean_sum is not None and norm.beta_target_sum is not None
             gamma, beta = solve_layer_norm(
-                stats.second_moment_sum, stats.mean_sum, stats.gamma_target_sum, stats.beta_target_sum,
-                stats.num_tasks, anchor_of(name, "weight"), anchor_of(name, "bias"), lam, eps,
+                norm.second_moment_sum, norm.mean_sum, norm.gamma_target_sum, norm.beta_target_sum,
+                norm.num_tasks, anchor_of(name, "weight"), anchor_of(name, "bias"), lam, eps,
             )
             updates[name] = {"weight": gamma, "bias": beta}
         else:
             updates[name] = {
-                "weight": solve_scale_only_norm(stats.second_moment_sum, stats.gamma_target_sum, anchor_of(name, "weight"), lam, eps)
+                "weight": solve_scale_only_norm(norm.second_moment_sum, norm.gamma_target_sum,
+                                                anchor_of(name, "weight"), lam, eps)
             }
     return updates

@@ -16,8 +16,8 @@ from torch import nn
 
 from ..hooks import capture_module_inputs
 from .context import FeatCalError, RunContext
-from .streams import Streams
 from .plan import BlockPlan
+from .streams import Streams
 
 
 def forward_order(ctx: RunContext, plan: BlockPlan, block: nn.Module, streams: Streams) -> list[str]:
@@ -25,6 +25,7 @@ def forward_order(ctx: RunContext, plan: BlockPlan, block: nn.Module, streams: S
     (not yet calibrated) block. Every process uses the main process's order (the main process holds
     a batch of every task)."""
     lm, sources = ctx.layer_map, plan.capture_sources
+    assert streams.student is not None  # the block's entering streams
     batch = next((states[0] for states in streams.student.values() if states), None)
     order: list[str] | None = None
     if batch is not None:
@@ -41,6 +42,7 @@ def forward_order(ctx: RunContext, plan: BlockPlan, block: nn.Module, streams: S
             f"FeatCalConfig.granularity='module': in {ctx.where(plan.stack_index, plan.block_index)} the inputs of "
             f"{missing} were not seen in a forward pass, so their order is unknown."
         )
+    assert order is not None  # no source is missing
     return order
 
 

@@ -32,10 +32,10 @@ class StreamBatch:
     weights: Tensor | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
-    def with_hidden(self, hidden: Tensor) -> "StreamBatch":
+    def with_hidden(self, hidden: Tensor) -> StreamBatch:
         return replace(self, hidden=hidden)
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "StreamBatch":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> StreamBatch:
         """Every tensor of the batch (also inside args, kwargs and extras) on `device`."""
         from accelerate.utils import send_to_device
 
@@ -48,7 +48,7 @@ class StreamBatch:
             extras={k: move(v) for k, v in self.extras.items()},
         )
 
-    def pin_memory(self) -> "StreamBatch":
+    def pin_memory(self) -> StreamBatch:
         """The batch with every CPU tensor in page-locked memory (faster, asynchronous copies to a GPU)."""
         pin = lambda t: t.pin_memory() if isinstance(t, Tensor) and t.device.type == "cpu" else t  # noqa: E731
         return StreamBatch(

@@ -31,7 +31,8 @@ def write_spec(parameters: ModelParameters, block: nn.Module, spec: ModuleSpec, 
     parameters.set_module_value(module, name, value)
 
 
-def write_block(parameters: ModelParameters, block: nn.Module, specs: list[ModuleSpec], updates: BlockUpdates, where: str) -> None:
+def write_block(parameters: ModelParameters, block: nn.Module, specs: list[ModuleSpec], updates: BlockUpdates,
+                where: str) -> None:
     """Write a block's solutions, all or none: every value is checked finite before the first write."""
     for name, update in updates.items():
         for attr, value in update.items():

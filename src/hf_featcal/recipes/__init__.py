@@ -44,7 +44,14 @@ The package: `spec` (the spec dataclasses, `RecipeError`, `KeyChecker`), `parse`
 from __future__ import annotations
 
 from ..schema import render_recipe_schema
-from .load import EVALUATION_SUBSET_SEED, check_family, evaluate_model, load_dataset_spec, model_family_of, prepare_calibration
+from .load import (
+    EVALUATION_SUBSET_SEED,
+    check_family,
+    evaluate_model,
+    load_dataset_spec,
+    model_family_of,
+    prepare_calibration,
+)
 from .parse import (
     MERGE_PARAMETERS,
     Recipe,

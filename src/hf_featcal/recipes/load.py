@@ -38,7 +38,8 @@ def load_dataset_spec(spec: DatasetSpec, *, what: str = "dataset") -> Any:
             ) from None
         if isinstance(ds, hf_datasets.DatasetDict):
             if spec.split not in ds:
-                raise ValueError(f"{what}: the local DatasetDict {spec.dataset!r} has no split {spec.split!r} (it has {list(ds)})")
+                raise ValueError(f"{what}: the local DatasetDict {spec.dataset!r} has no split {spec.split!r} (it has "
+                                 f"{list(ds)})")
             ds = ds[spec.split]
         if len(ds) == 0:
             raise ValueError(f"{what}: the local dataset {spec.dataset!r} (split {spec.split!r}) has 0 rows")
@@ -55,7 +56,8 @@ def _select(ds: Any, num: int | None, seed: int) -> Any:
     return ds.shuffle(seed=seed).select(range(num))
 
 
-def prepare_calibration(family: str, task: str, spec: DatasetSpec, processing: Mapping[str, Any] | None, seed: int) -> Any:
+def prepare_calibration(family: str, task: str, spec: DatasetSpec, processing: Mapping[str, Any] | None,
+                        seed: int) -> Any:
     """One task's calibration ``Dataset``: loaded, shuffled with `seed`, cut to ``spec.num_examples``
     and prepared the way the family's calibrator input needs (`ModelFamily.prepare_calibration`)."""
     ds = _select(load_dataset_spec(spec, what=f"calibration.tasks.{task}"), spec.num_examples, seed)

@@ -174,7 +174,8 @@ def load_recipe(path: str | os.PathLike, overrides: Mapping[str, Any] | None = N
     for key, value in (overrides or {}).items():
         data[key] = value
     default_output = os.path.join("outputs", Path(path).stem)
-    return parse_recipe(data, base_dir=os.path.dirname(os.path.abspath(path)), source=path, default_output_dir=default_output)
+    return parse_recipe(data, base_dir=os.path.dirname(os.path.abspath(path)), source=path,
+                        default_output_dir=default_output)
 
 
 def load_yaml(stream: Any) -> Any:
@@ -201,7 +202,7 @@ def load_yaml(stream: Any) -> Any:
                         continue
             return super().construct_mapping(node, deep=deep)
 
-    return yaml.load(stream, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    return yaml.load(stream, Loader=UniqueKeyLoader)  # safe: a SafeLoader subclass
 
 
 def parse_recipe(
@@ -245,7 +246,8 @@ def parse_recipe(
         featcal_section = {}
     featcal = parse_featcal(v, featcal_section, "featcal")
     explicit_samples = isinstance(featcal_section, Mapping) and "num_samples_per_task" in featcal_section
-    default_num = featcal.num_samples_per_task if explicit_samples else recipe_key("calibration.default.num_examples").default
+    default_num = (featcal.num_samples_per_task if explicit_samples
+                   else recipe_key("calibration.default.num_examples").default)
     featcal = dataclasses.replace(featcal, num_samples_per_task=None)
 
     calibration = parse_calibration(v, data["calibration"], family, tasks, default_num)
@@ -294,7 +296,7 @@ def _parse_merge(v: KeyChecker, section: Any) -> MergeSpec:
     return validate_merge_spec(method, {k: val for k, val in section.items() if k != "method"}, v)
 
 
-def validate_merge_spec(method: str, params: Mapping[str, Any], validator: KeyChecker | None = None) -> MergeSpec:
+def validate_merge_spec(method: Any, params: Mapping[str, Any], validator: KeyChecker | None = None) -> MergeSpec:
     """Check a merge method and its parameters (also used by the CLI); returns a `MergeSpec`.
 
     Raises:
@@ -328,7 +330,8 @@ def _parse_compare(v: KeyChecker, section: Any) -> CompareSpec:
         merges = defaults
     else:
         if not isinstance(raw, Mapping) or not raw:
-            raise v.error("compare.merges", f"must be a non-empty mapping method -> parameters (or null), got {show(raw)}")
+            raise v.error("compare.merges",
+                          f"must be a non-empty mapping method -> parameters (or null), got {show(raw)}")
         for method, params in raw.items():
             path = f"compare.merges.{method}"
             if method not in defaults:
@@ -340,7 +343,8 @@ def _parse_compare(v: KeyChecker, section: Any) -> CompareSpec:
             checked = {}
             for key, value in params.items():
                 if key not in declared:
-                    raise v.error(f"{path}.{key}", f"unknown parameter for method {method!r}; valid: {list(declared) or 'none'}")
+                    raise v.error(f"{path}.{key}",
+                                  f"unknown parameter for method {method!r}; valid: {list(declared) or 'none'}")
                 try:
                     checked[key] = declared[key].check(value)
                 except ValueError as err:
@@ -352,7 +356,8 @@ def _parse_compare(v: KeyChecker, section: Any) -> CompareSpec:
         offered = POST_MERGING_STEPS
         for i, step in enumerate(steps):
             if step not in offered:
-                raise v.error(f"compare.post_merging[{i}]", f"unknown post-merging step {step!r}; this build offers {list(offered)}")
+                raise v.error(f"compare.post_merging[{i}]",
+                              f"unknown post-merging step {step!r}; this build offers {list(offered)}")
             if step in steps[:i]:
                 raise v.error(f"compare.post_merging[{i}]", f"step {step!r} is listed twice")
     return CompareSpec(merges=merges, post_merging=steps)
@@ -383,7 +388,8 @@ def parse_featcal(v: KeyChecker | None, section: Any, path: str = "featcal") -> 
 
 # ---------------------------------------------------------------------------- calibration
 #: Calibration data keys every family takes (the others belong to the families that list them).
-_COMMON_DATA_KEYS = tuple(k for k in _CALIBRATION_DATA if not any(k in f.calibration_data_keys for f in iter_families()))
+_COMMON_DATA_KEYS = tuple(k for k in _CALIBRATION_DATA
+                          if not any(k in f.calibration_data_keys for f in iter_families()))
 
 
 def parse_calibration(
@@ -416,9 +422,11 @@ def parse_calibration(
         _check_entry_keys(v, entry, path, allowed, family)
         merged = {**default, **entry}
         if "dataset" not in merged or merged["dataset"] is None:
-            raise v.error(path, f"no calibration dataset for expert {task!r}: give {path} or calibration.default.dataset")
+            raise v.error(path,
+                          f"no calibration dataset for expert {task!r}: give {path} or calibration.default.dataset")
         keys = {k: (f"{path}.{k}" if k in entry else f"calibration.default.{k}") for k in merged}
-        specs[task] = _dataset_spec(v, task, merged, keys, path, family, default_split=recipe_key("calibration.default.split").default,
+        specs[task] = _dataset_spec(v, task, merged, keys, path, family,
+                                    default_split=recipe_key("calibration.default.split").default,
                                     default_num=default_num_examples, section="calibration.default")
     return specs
 
@@ -470,7 +478,8 @@ def _dataset_spec(
     config = sub(entry.get("config"))
     split = v.checked(key("split"), sub(entry.get("split", default_split)), declared["split"],
                       optional=model_family.split_optional)
-    num = v.checked(key("num_examples"), entry.get("num_examples", default_num), recipe_key("calibration.default.num_examples"))
+    num = v.checked(key("num_examples"), entry.get("num_examples", default_num),
+                    recipe_key("calibration.default.num_examples"))
     if local is not None and split is not None:
         splits = _local_splits(local)
         if splits is not None and split not in splits:
@@ -478,7 +487,7 @@ def _dataset_spec(
     spec = DatasetSpec(
         dataset=local or dataset,
         config=config,
-        split=split,  # type: ignore[arg-type]
+        split=split,
         num_examples=num,
         is_local=local is not None,
     )
@@ -501,10 +510,11 @@ def _local_splits(path: str) -> list[str] | None:
 
 # ----------------------------------------------------------------------------- evaluation
 #: Evaluation keys only some families take (`ModelFamily.evaluation_keys`).
-_FAMILY_EVALUATION_KEYS = tuple(k for k in recipe_keys("evaluation") if any(k in f.evaluation_keys for f in iter_families()))
+_FAMILY_EVALUATION_KEYS = tuple(k for k in recipe_keys("evaluation")
+                                if any(k in f.evaluation_keys for f in iter_families()))
 
 
-def _parse_evaluation(
+def _parse_evaluation(  # noqa: C901 - one flat check per key of the evaluation section
     v: KeyChecker, section: Any, family: str, tasks: list[str], calibration: Mapping[str, DatasetSpec]
 ) -> EvaluationSpec:
     if section is True or section is None:
@@ -543,7 +553,8 @@ def _parse_evaluation(
         return raw
 
     datasets_raw = per_task_mapping("datasets")
-    class_names = {t: v.string_list(n, f"evaluation.class_names.{t}") for t, n in per_task_mapping("class_names").items()}
+    class_names = {t: v.string_list(n, f"evaluation.class_names.{t}")
+                   for t, n in per_task_mapping("class_names").items()}
     templates = {t: v.string_list(n, f"evaluation.templates.{t}") for t, n in per_task_mapping("templates").items()}
 
     specs: dict[str, DatasetSpec] = {}
@@ -587,7 +598,8 @@ def _parse_evaluation(
     model_family.check_evaluation(v, eval_tasks, class_names, templates)
 
     max_samples = v.checked("evaluation.max_samples", section.get("max_samples"))
-    batch_size = v.checked("evaluation.batch_size", section.get("batch_size", model_family.default_evaluation_batch_size))
+    batch_size = v.checked("evaluation.batch_size",
+                           section.get("batch_size", model_family.default_evaluation_batch_size))
     clip_model = section.get("clip_model")
     if clip_model is not None:
         clip_model = v.source(clip_model, "evaluation.clip_model", kind="model")
@@ -595,7 +607,7 @@ def _parse_evaluation(
         tasks=eval_tasks,
         datasets=specs,
         max_samples=max_samples,
-        batch_size=batch_size,  # type: ignore[arg-type]
+        batch_size=batch_size,
         class_names=class_names,
         templates=templates,
         clip_model=clip_model,

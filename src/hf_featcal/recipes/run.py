@@ -179,7 +179,8 @@ def check_fast_mode(recipe: Recipe, base: Any) -> None:
         raise RecipeError("featcal.forward_dtype", str(err), recipe.source) from None
 
 
-def merge_experts(base: Any, experts: Mapping[str, Any], merge: MergeSpec, *, log: Callable[[str], None] = print) -> Any:
+def merge_experts(base: Any, experts: Mapping[str, Any], merge: MergeSpec, *,
+                  log: Callable[[str], None] = print) -> Any:
     """Stage *merge*: ``merge_models(base, experts, method, **params)`` of a validated `MergeSpec`."""
     from ..merging import merge_models
 
@@ -262,17 +263,20 @@ def save_run(
         table = scores_table(rows, recipe.evaluation.tasks)
     if not run.calibrator.state.is_main_process:
         return None, table
-    with atomic_folder(output_dir, inputs={**run.calibrator.input_folders(), **(inputs or {})}, overwrite=overwrite) as folder:
+    with atomic_folder(output_dir, inputs={**run.calibrator.input_folders(), **(inputs or {})},
+                       overwrite=overwrite) as folder:
         plot_name = _write_calibrated(run.calibrator, folder, model_family, processing)
         if table is not None:
             assert recipe is not None
             with open(os.path.join(folder, "featcal_evaluation.json"), "w", encoding="utf-8") as handle:
-                json.dump({"before": run.before, "after": run.after, "details": run.details}, handle, indent=2, default=str)
+                json.dump({"before": run.before, "after": run.after, "details": run.details}, handle, indent=2,
+                          default=str)
                 handle.write("\n")
             _append_to_card(folder, table, recipe)
         if recipe is not None:
             with open(os.path.join(folder, "featcal_recipe.yaml"), "w", encoding="utf-8") as handle:
-                handle.write(f"# The recipe of this run (from {recipe.source or 'a dict'}), resolved: hf-featcal run <this file>\n")
+                handle.write(f"# The recipe of this run (from {recipe.source or 'a dict'}), resolved: hf-featcal run "
+                             "<this file>\n")
                 yaml.safe_dump(recipe.to_dict(), handle, sort_keys=False, allow_unicode=True)
     return (None if plot_name is None else os.path.join(output_dir, plot_name)), table
 
@@ -297,7 +301,7 @@ def build_calibrator(
     calibration: Mapping[str, Any],
     config: FeatCalConfig,
     model_family: ModelFamily,
-    processing: Mapping[str, Any] | None,
+    processing: Mapping[str, Any],
     *,
     device: Any = None,
     show_progress: bool = True,
@@ -333,7 +337,8 @@ def save_calibrated(
     return None if plot_name is None else os.path.join(output_dir, plot_name)
 
 
-def _write_calibrated(calibrator: Any, folder: str, model_family: ModelFamily, processing: Mapping[str, Any] | None) -> str | None:
+def _write_calibrated(calibrator: Any, folder: str, model_family: ModelFamily,
+                      processing: Mapping[str, Any] | None) -> str | None:
     """`calibrator.write_model_folder` and the drift plot into `folder`; returns the plot's file name."""
     from ..plotting import plot_drift
 
@@ -376,7 +381,8 @@ def run_recipe(
     merged = merge_experts(inputs.base, recipe.experts, recipe.merge, log=log)
     timings["merge"] = time.perf_counter() - clock
 
-    calibrator = build_calibrator(merged, inputs.base, recipe.experts, inputs.calibration, recipe.featcal, recipe.family,
+    calibrator = build_calibrator(merged, inputs.base, recipe.experts, inputs.calibration, recipe.featcal,
+                                  recipe.family,
                                   inputs.processing, device=device, show_progress=show_progress)
     run = calibrate_merged(calibrator, merged, recipe.family, inputs.processing,
                            evaluation=recipe.evaluation if evaluate else None, clip_model=inputs.clip_model, log=log)

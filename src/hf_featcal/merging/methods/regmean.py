@@ -15,7 +15,7 @@ features), run before the merge.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..params import MergeMethod, MergeParameter
@@ -50,7 +50,7 @@ def _check_arguments(base_model: Any, experts: Any, calibration_data: Any) -> No
 
 
 def expert_grams(
-    expert: nn.Module, batches: list[Mapping[str, Any]], *, dtype: torch.dtype | None = None
+    expert: nn.Module, batches: Sequence[Mapping[str, Any]], *, dtype: torch.dtype | None = None
 ) -> dict[tuple[int, int, str], Tensor]:
     """Σ w·x xᵀ of the input of every Linear spec inside the blocks of `expert`, over its own forward
     on `batches`, in `dtype` (default float64); keyed by (stack, block, spec name)."""
@@ -169,6 +169,7 @@ def regmean_merging(
                         weight = spec.value(expert_stacks[task].blocks[bi]).to(g.dtype)
                         lhs = g if lhs is None else lhs + g
                         rhs = g @ weight.T if rhs is None else rhs + g @ weight.T
+                    assert lhs is not None and rhs is not None  # there is at least one expert
                     solution, _ = symmetric_solve(lhs, rhs)
                     if not bool(torch.isfinite(solution).all()):
                         raise FloatingPointError(
