@@ -1,4 +1,5 @@
-"""Calibration data handling: iterables used as given, Datasets shuffled, cut and batched."""
+"""Calibration data handling: iterables used as given, Datasets drawn with the seed (or used whole, in
+order), cut and batched."""
 
 from __future__ import annotations
 
@@ -48,8 +49,7 @@ def test_dataset_with_images_and_processing_class(generator):
     processor = CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
     out = _prepare(dataset, batch_size=4, seed=1, processing_class=processor)
     assert [b["pixel_values"].shape for b in out] == [torch.Size([4, 3, 8, 8]), torch.Size([2, 3, 8, 8])]
-    shuffled = dataset.shuffle(seed=1)
-    want = processor(images=[shuffled[i]["image"] for i in range(4)], return_tensors="pt")["pixel_values"]
+    want = processor(images=[dataset[i]["image"] for i in range(4)], return_tensors="pt")["pixel_values"]  # in order
     assert torch.allclose(out[0]["pixel_values"], want)
 
 
@@ -63,8 +63,7 @@ def test_dataset_with_images_and_a_per_image_transform():
         return torch.as_tensor(np.asarray(image), dtype=torch.float32).permute(2, 0, 1) / 255
 
     out = _prepare(dataset, batch_size=3, seed=2, processing_class=preprocess)
-    shuffled = dataset.shuffle(seed=2)
-    want = torch.stack([preprocess(shuffled[i]["image"]) for i in range(5)])
+    want = torch.stack([preprocess(dataset[i]["image"]) for i in range(5)])  # num_samples None: all, in order
     assert [b["pixel_values"].shape[0] for b in out] == [3, 2]
     assert torch.equal(torch.cat([b["pixel_values"] for b in out]), want)
 
@@ -123,3 +122,38 @@ def test_text_columns_beside_token_ids_are_dropped_by_the_default_collator():
     out = _prepare(dataset, main_input_name="input_ids", batch_size=2, processing_class=tokenizer)
     assert set(out[0]) == {"input_ids", "attention_mask", "labels"}
     assert out[0]["labels"].shape == (2, 2) and (out[0]["labels"] == -100).sum() == 1
+
+
+def test_a_dataset_without_num_samples_is_used_whole_in_its_order(generator):
+    """num_samples None draws nothing: every row, in the Dataset's order (no shuffle)."""
+    pixels = torch.randn(7, 3, 8, 8, generator=generator)
+    dataset = Dataset.from_dict({"pixel_values": pixels.numpy(), "label": list(range(7))}).with_format("torch")
+    out = _prepare(dataset, num_samples=None, batch_size=3, seed=5)
+    assert torch.cat([b["labels"] for b in out]).tolist() == list(range(7))
+
+
+def test_a_recipes_calibration_data_are_drawn_once(tmp_path, monkeypatch, generator):
+    """Issue 30: the recipe path draws its examples once. `recipes.load.prepare_calibration` shuffles
+    with the seed and cuts; the calibrator's batching (num_samples_per_task None, as recipes set it)
+    takes those rows in that order: one shuffle in all, and the rows are the first `num_examples` of a
+    shuffle of the whole split with the seed."""
+    from hf_featcal.recipes.load import prepare_calibration
+    from hf_featcal.recipes.spec import DatasetSpec
+
+    pixels = torch.randn(20, 3, 8, 8, generator=generator)
+    Dataset.from_dict({"pixel_values": pixels.numpy()}).save_to_disk(str(tmp_path / "d"))
+    expected = Dataset.from_dict({"row": list(range(20))}).shuffle(seed=4)["row"][:9]
+    shuffles = []
+    original = Dataset.shuffle
+
+    def counting_shuffle(self, *args, **kwargs):
+        shuffles.append(kwargs.get("seed"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Dataset, "shuffle", counting_shuffle)
+    spec = DatasetSpec(dataset=str(tmp_path / "d"), split="train", num_examples=9, is_local=True)
+    prepared = prepare_calibration("clip", "t", spec, None, seed=4).with_format("torch")
+    batches = _prepare(prepared, num_samples=None, batch_size=4, seed=4)
+    assert shuffles == [4]
+    assert [b["pixel_values"].shape[0] for b in batches] == [4, 4, 1]
+    assert torch.allclose(torch.cat([b["pixel_values"] for b in batches]), pixels[expected])

@@ -88,8 +88,9 @@ def prepare_batches(
     """The calibration batches of one task.
 
     An iterable is used as given (each item one batch, examples taken in order, the last batch cut so
-    that at most `num_samples` are used). A `datasets.Dataset` is shuffled with `seed`, cut to
-    `num_samples` and batched by `batch_size` through `data_collator` and/or `processing_class`; a
+    that at most `num_samples` are used). A `datasets.Dataset` gives `sample_examples(data, num_samples,
+    seed)` (all rows in order with None, else `num_samples` drawn with `seed`), batched by `batch_size`
+    through `data_collator` and/or `processing_class`; a
     text column tokenised by `processing_class` is truncated to `max_length` tokens (None: not truncated).
     """
     if Dataset is not None and isinstance(data, Dataset):
@@ -149,6 +150,18 @@ def _has_length(data: Any) -> bool:
     return True
 
 
+def sample_examples(dataset: Any, num_samples: int | None, seed: int) -> Any:
+    """The examples of a `datasets.Dataset` a calibration uses: with `num_samples` None all of them, in
+    their order (FeatCal's statistics are sums over every token, so the order only moves round-off);
+    else `num_samples` of them drawn with `seed` (one shuffle, then the first ones). The one sampling
+    rule: recipes draw with it before preparing rows (so only the drawn ones are tokenised) and hand
+    the calibrator the result with `num_samples_per_task=None`, so their data are sampled once."""
+    if num_samples is None:
+        return dataset
+    dataset = dataset.shuffle(seed=seed)
+    return dataset.select(range(num_samples)) if num_samples < len(dataset) else dataset
+
+
 def _batches_from_dataset(
     task: str,
     dataset: Any,
@@ -162,9 +175,7 @@ def _batches_from_dataset(
 ) -> list[Batch]:
     if len(dataset) == 0:
         return []
-    dataset = dataset.shuffle(seed=seed)
-    if num_samples is not None and num_samples < len(dataset):
-        dataset = dataset.select(range(num_samples))
+    dataset = sample_examples(dataset, num_samples, seed)
     batches = []
     for start in range(0, len(dataset), batch_size):
         rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]

@@ -50,17 +50,14 @@ def load_dataset_spec(spec: DatasetSpec, *, what: str = "dataset") -> Any:
     return ds
 
 
-def _select(ds: Any, num: int | None, seed: int) -> Any:
-    if num is None or num >= len(ds):
-        return ds.shuffle(seed=seed) if num is not None else ds
-    return ds.shuffle(seed=seed).select(range(num))
-
-
 def prepare_calibration(family: str, task: str, spec: DatasetSpec, processing: Mapping[str, Any] | None,
                         seed: int) -> Any:
-    """One task's calibration ``Dataset``: loaded, shuffled with `seed`, cut to ``spec.num_examples``
-    and prepared the way the family's calibrator input needs (`ModelFamily.prepare_calibration`)."""
-    ds = _select(load_dataset_spec(spec, what=f"calibration.tasks.{task}"), spec.num_examples, seed)
+    """One task's calibration ``Dataset``: loaded, ``spec.num_examples`` drawn with `seed`
+    (`data.sample_examples`, the one draw: the calibrator takes them all, in this order) and prepared
+    the way the family's calibrator input needs (`ModelFamily.prepare_calibration`)."""
+    from ..data import sample_examples  # torch: loaded when a run prepares data, not for --help
+
+    ds = sample_examples(load_dataset_spec(spec, what=f"calibration.tasks.{task}"), spec.num_examples, seed)
     return get_family(family).prepare_calibration(task, ds, spec, processing)
 
 
