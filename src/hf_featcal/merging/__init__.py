@@ -22,9 +22,12 @@ from typing import TYPE_CHECKING, Any
 from .methods.average import simple_average
 from .methods.dare import dare_merging
 from .methods.dare_ties import dare_ties_merging
+from .methods.iso_c import iso_c_merging
+from .methods.iso_cts import iso_cts_merging
 from .methods.regmean import regmean_merging
 from .methods.task_arithmetic import task_arithmetic
 from .methods.ties import ties_merging
+from .methods.tsv_m import tsv_merging
 from .params import CALIBRATION_ARGUMENTS, MERGE_CONFIG_ATTRIBUTE, MergeMethod, MergeParameter
 from .registry import get_method, merge_methods, paper_defaults, register
 
@@ -41,6 +44,9 @@ __all__ = [
     "dare_merging",
     "dare_ties_merging",
     "regmean_merging",
+    "tsv_merging",
+    "iso_c_merging",
+    "iso_cts_merging",
     "merge_models",
     "find_key_prefix",
     "get_method",
