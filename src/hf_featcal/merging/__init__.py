@@ -8,6 +8,7 @@ RegMean, in mergekit's shape.
   CLI, recipes and `hf_featcal.compare` read the methods there.
 * `hf_featcal.merging.engine`: what the task-vector methods share (opening the base and the experts,
   lining their keys up, the per-tensor loop, sign election, radix select).
+* `hf_featcal.merging.svc`: `singular_value_calibration`, a data-free post-merging step (after any merge).
 
 Every merge function returns a *new* model (the base model and the experts are never modified) and
 records the merge as ``merged.config.hf_featcal_merge``; `merge_models` names the method by string.
@@ -27,6 +28,7 @@ from .methods.task_arithmetic import task_arithmetic
 from .methods.ties import ties_merging
 from .params import CALIBRATION_ARGUMENTS, MERGE_CONFIG_ATTRIBUTE, MergeMethod, MergeParameter
 from .registry import get_method, merge_methods, paper_defaults, register
+from .svc import singular_value_calibration
 
 if TYPE_CHECKING:
     from torch import nn
@@ -41,6 +43,7 @@ __all__ = [
     "dare_merging",
     "dare_ties_merging",
     "regmean_merging",
+    "singular_value_calibration",
     "merge_models",
     "find_key_prefix",
     "get_method",
