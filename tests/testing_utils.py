@@ -13,7 +13,7 @@ from transformers import CLIPConfig, CLIPVisionConfig, CLIPVisionModel
 #: The merge methods this build ships, in the registry's order (the tests that pin the CLI, schema and grid
 #: order compare against this one list).
 SHIPPED_METHODS = [
-    "average", "task_arithmetic", "ties", "dare", "dare_ties", "tsv_m", "iso_c", "iso_cts",
+    "average", "task_arithmetic", "ties", "dare", "dare_ties", "tsv_m", "iso_c", "iso_cts", "wudi",
     "regmean", "regmean_plusplus",
 ]
 

@@ -31,6 +31,7 @@ from .methods.regmean_plusplus import regmean_plusplus_merging
 from .methods.task_arithmetic import task_arithmetic
 from .methods.ties import ties_merging
 from .methods.tsv_m import tsv_merging
+from .methods.wudi import wudi_merging
 from .params import CALIBRATION_ARGUMENTS, MERGE_CONFIG_ATTRIBUTE, MergeMethod, MergeParameter
 from .registry import get_method, merge_methods, paper_defaults, register
 from .svc import singular_value_calibration
@@ -52,6 +53,7 @@ __all__ = [
     "tsv_merging",
     "iso_c_merging",
     "iso_cts_merging",
+    "wudi_merging",
     "singular_value_calibration",
     "merge_models",
     "find_key_prefix",

@@ -13,7 +13,7 @@ import importlib
 
 _METHOD_MODULES = (
     "average", "task_arithmetic", "ties", "dare", "dare_ties",  # data-free, element-wise
-    "tsv_m", "iso_c", "iso_cts",  # data-free, per-matrix SVD
+    "tsv_m", "iso_c", "iso_cts", "wudi",  # data-free, per matrix
     "regmean", "regmean_plusplus",  # calibration data
 )
 
