@@ -23,7 +23,7 @@ from hf_featcal.merging import (
     task_arithmetic,
     ties_merging,
 )
-from hf_featcal.merging.svc import SVC_ALPHA_BY_MERGE, svc_alpha_for
+from hf_featcal.merging.svc import svc_alpha_for
 from hf_featcal.recipes.parse import _parse_compare
 from hf_featcal.recipes.spec import KeyChecker
 from testing_utils import build_clip_setting, randomise_norms, tiny_clip_config, tiny_vision_config
@@ -265,7 +265,7 @@ def test_the_compare_grid_runs_svc_after_each_merge(clip_setting, generator):
     assert set(result.seconds) == set(result.scores)
     for method, params in (("task_arithmetic", {"scaling_factor": 0.3}),
                            ("ties", {"scaling_factor": 0.3, "density": 0.2})):
-        assert svc_alpha_for(method) == SVC_ALPHA_BY_MERGE[method] == 0.1  # FusionBench's configs
+        assert svc_alpha_for(method) == 0.1  # FusionBench's configs (singular_value_calibration/*.yaml)
         direct = evaluate(singular_value_calibration(merge_models(base, experts, method, **params), base, experts,
                                                      alpha=0.1))
         assert result.scores[f"{method}+svc"] == pytest.approx({**direct, "mean": sum(direct.values()) / 2},
@@ -310,3 +310,18 @@ def test_hf_featcal_merge_svc(tmp_path, capsys):
                          "--output-dir", str(tmp_path / "never")]) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "never").exists()
+
+
+def test_an_unknown_or_undeclared_merge_gets_svcs_default_alpha():
+    assert svc_alpha_for(None) == svc_alpha_for("no_such_merge") == 1.0
+    assert svc_alpha_for("iso_cts") == 0.2 and svc_alpha_for("simple_average") == 0.1  # an alias finds its method
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, 1])
+def test_a_method_declaring_a_bad_svc_alpha_is_refused_at_registration(bad):
+    import dataclasses
+
+    from hf_featcal.merging.registry import get_method
+
+    with pytest.raises(RuntimeError, match="svc_alpha must be a float > 0"):
+        dataclasses.replace(get_method("task_arithmetic"), svc_alpha=bad).check_declaration()

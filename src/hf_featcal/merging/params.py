@@ -114,6 +114,9 @@ class MergeMethod:
     paper_defaults: Mapping[str, Any] = field(default_factory=dict)
     needs_calibration_data: bool = False
     aliases: tuple[str, ...] = ()
+    #: α of Singular Value Calibration after this merge (FusionBench's SVC config for it; None: SVC's
+    #: default), what the compare grid and ``hf-featcal merge --svc`` use unless α is given
+    svc_alpha: float | None = None
 
     def declared(self) -> dict[str, MergeParameter]:
         """Name -> declaration of the method's parameters."""
@@ -148,3 +151,5 @@ class MergeMethod:
         if unknown:
             raise RuntimeError(f"merge method {self.name!r}: paper defaults for undeclared parameters {unknown}")
         self.check(**self.paper_defaults)
+        if self.svc_alpha is not None and not (isinstance(self.svc_alpha, float) and self.svc_alpha > 0):
+            raise RuntimeError(f"merge method {self.name!r}: svc_alpha must be a float > 0, got {self.svc_alpha!r}")

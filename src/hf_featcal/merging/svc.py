@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from ..model_io import ModelLike
     from .engine import Expert
 
-__all__ = ["SVC_ALPHA", "SVC_ALPHA_BY_MERGE", "SVC_REFERENCE", "singular_value_calibration", "svc_alpha_for"]
+__all__ = ["SVC_ALPHA", "SVC_REFERENCE", "singular_value_calibration", "svc_alpha_for"]
 
 SVC_REFERENCE = (
     "\"When Shared Knowledge Hurts: Spectral Over-Accumulation in Model Merging\" (arXiv 2602.05536, 2026); "
@@ -50,22 +50,21 @@ SVC_ALPHA = MergeParameter(
     metavar="α", interval=(0.0, math.inf, True, True),
 )
 
-#: α of FusionBench's SVC configs (``fusion_bench_config/method/singular_value_calibration/*.yaml``) by
-#: the merge SVC follows there; the compare grid and ``hf-featcal merge --svc`` use them. A merge it has
-#: no config for: TIES' and DARE's 0.1 for DARE-TIES, average's 0.1 for RegMean and RegMean++ (both
-#: average the experts' weights, least-squares-weighted), `SVC_ALPHA`'s default otherwise.
-SVC_ALPHA_BY_MERGE: dict[str, float] = {
-    "average": 0.1, "task_arithmetic": 0.1, "ties": 0.1, "dare": 0.1, "dare_ties": 0.1, "regmean": 0.1,
-    "regmean_plusplus": 0.1, "iso_c": 0.1, "iso_cts": 0.2, "tsv_m": 1.0, "wudi": 1.0,
-}
 
 # FusionBench's floor on ‖a_r^i‖², so that a task with no response along u_r gives s_r^i = 0
 _MIN_RESPONSE_NORM = 1e-12
 
 
 def svc_alpha_for(merge_method: str | None) -> float:
-    """The α SVC uses after `merge_method` (`SVC_ALPHA_BY_MERGE`; `SVC_ALPHA`'s default for another)."""
-    return SVC_ALPHA_BY_MERGE.get(merge_method or "", SVC_ALPHA.default)
+    """The α SVC uses after `merge_method`: the ``svc_alpha`` the method's file declares (FusionBench's
+    SVC config for that merge), else `SVC_ALPHA`'s default (also for None or an unknown name)."""
+    from .registry import get_method
+
+    try:
+        declared = get_method(merge_method).svc_alpha if merge_method else None
+    except KeyError:
+        declared = None
+    return SVC_ALPHA.default if declared is None else declared
 
 
 def singular_value_calibration(

@@ -42,4 +42,5 @@ METHOD = register(MergeMethod(
     "average", simple_average, summary="the mean of the experts",
     reference="Wortsman et al., ICML 2022, \"Model soups\" (the uniform soup)",
     aliases=("simple_average",),
+    svc_alpha=0.1,  # FusionBench's SVC config after this merge
 ))

@@ -149,4 +149,5 @@ METHOD = register(MergeMethod(
     reference="Yu et al., ICML 2024, \"Language Models are Super Mario: Absorbing Abilities from Homologous Models "
     "as a Free Lunch\"",
     parameters=DARE_PARAMETERS, paper_defaults={"scaling_factor": 0.3, "drop_rate": 0.9},
+    svc_alpha=0.1,  # FusionBench's SVC config after this merge
 ))

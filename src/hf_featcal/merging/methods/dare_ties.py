@@ -99,4 +99,5 @@ METHOD = register(MergeMethod(
     reference="Yu et al., ICML 2024 (DARE) with Yadav et al., NeurIPS 2023 (TIES-Merging)",
     parameters=(*DARE_PARAMETERS, dataclasses.replace(MERGE_FUNC, default="sum")),
     paper_defaults={"scaling_factor": 0.3, "drop_rate": 0.9},
+    svc_alpha=0.1,  # no FusionBench SVC config: TIES' and DARE's
 ))

@@ -138,4 +138,5 @@ METHOD = register(MergeMethod(
                        "subspace (the rest is split evenly among the tasks)", interval=(0.0, 1.0, False, False)),
     ),
     paper_defaults={"scaling_factor": 1.0, "common_space_fraction": 0.8},
+    svc_alpha=0.2,  # FusionBench's SVC config after this merge
 ))

@@ -293,4 +293,5 @@ METHOD = register(MergeMethod(
     reference="Jin et al., ICLR 2023, \"Dataless Knowledge Fusion by Merging Weights of Language Models\"",
     parameters=(reduction_parameter(0.9), gram_rule_parameter("sum")),
     paper_defaults={"reduction": 0.9, "gram_rule": "sum"}, needs_calibration_data=True,
+    svc_alpha=0.1,  # no FusionBench SVC config: average's (RegMean averages the experts, least-squares-weighted)
 ))

@@ -156,4 +156,5 @@ METHOD = register(MergeMethod(
               "for Model Merging\" (arXiv:2508.03121); FusionBench fusion_bench.method.regmean_plusplus",
     parameters=(reduction_parameter(0.95), gram_rule_parameter("token_mean")),
     paper_defaults={"reduction": 0.95, "gram_rule": "token_mean"}, needs_calibration_data=True,
+    svc_alpha=0.1,  # no FusionBench SVC config: average's, as RegMean
 ))

@@ -53,4 +53,5 @@ METHOD = register(MergeMethod(
     "task_arithmetic", task_arithmetic, summary="theta_0 + λ·(sum of the task vectors)",
     reference="Ilharco et al., ICLR 2023, \"Editing Models with Task Arithmetic\"",
     parameters=(SCALING_FACTOR,), paper_defaults={"scaling_factor": 0.3},
+    svc_alpha=0.1,  # FusionBench's SVC config after this merge
 ))

@@ -168,4 +168,5 @@ METHOD = register(MergeMethod(
         MERGE_FUNC,
     ),
     paper_defaults={"scaling_factor": 0.3, "density": 0.2},
+    svc_alpha=0.1,  # FusionBench's SVC config after this merge
 ))

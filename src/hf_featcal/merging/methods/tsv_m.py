@@ -98,4 +98,5 @@ METHOD = register(MergeMethod(
     reference="Gargiulo et al., CVPR 2025, \"Task Singular Vectors: Reducing Task Interference in Model Merging\"",
     parameters=(dataclasses.replace(SCALING_FACTOR, default=1.0),),
     paper_defaults={"scaling_factor": 1.0},
+    svc_alpha=1.0,  # FusionBench's SVC config after this merge
 ))

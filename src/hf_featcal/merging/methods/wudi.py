@@ -180,4 +180,5 @@ METHOD = register(MergeMethod(
         MergeParameter("lr", float, 1e-5, "Adam's learning rate", interval=(0.0, 1.0, True, False)),
     ),
     paper_defaults={"iter_num": 300, "lr": 1e-5},
+    svc_alpha=1.0,  # FusionBench's SVC config after this merge
 ))
