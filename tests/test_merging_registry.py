@@ -169,3 +169,13 @@ def test_reading_the_registry_loads_no_torch(code):
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True, env=env).stdout
     assert json.loads(out.strip().splitlines()[-1]) is False
+
+
+def test_every_method_and_post_merging_step_has_a_row_in_the_docs_table():
+    from hf_featcal.compare import post_merging_steps
+
+    docs = open(os.path.join(os.path.dirname(SRC), "docs", "merge-methods.md"), encoding="utf-8").read()
+    rows = {line.split("|")[1].strip().strip("`") for line in docs.splitlines() if line.startswith("| `")}
+    assert set(merge_methods()) <= rows, sorted(set(merge_methods()) - rows)
+    assert set(post_merging_steps()) <= rows, sorted(set(post_merging_steps()) - rows)
+    assert rows <= set(merge_methods()) | set(post_merging_steps()), "a row for something this build lacks"
