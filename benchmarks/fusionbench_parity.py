@@ -35,7 +35,7 @@ checkout's whatever the venv has installed. Run from anywhere, with any Python >
     python benchmarks/fusionbench_parity.py --no-venv                   # this interpreter has FusionBench
 
 It prints a markdown table and writes the rows as JSON to `outputs/fusionbench_parity.json` (`--output`).
-About a minute on 2 CPU cores once the venv exists (creating it downloads about 1 GB).
+About 1.5 minutes on 2 CPU cores once the venv exists (creating it downloads about 1 GB).
 """
 
 from __future__ import annotations
@@ -387,6 +387,7 @@ class Case:
     by_design: str = ""  # the whole row differs by design: why
     design_keys: Callable[[Setting, str], str | None] = field(default=lambda setting, key: None)
     skip: dict[str, str] = field(default_factory=dict)  # model -> why the row is not run on it
+    context: Callable[[Setting, Any], str] | None = None  # a fact about FusionBench's result, closing the verdict
 
     def ours(self, setting: Setting) -> Any:
         return self.run_ours(setting) if self.run_ours else ours_merge(setting, self.method, self.params)
@@ -409,6 +410,18 @@ def _ties_keeping_fusionbench_count(setting: Setting) -> Any:
     entries = sum(v.numel() for v in setting.base.state_dict().values() if v.is_floating_point())
     density = (int(0.2 * entries) + 1.5) / entries
     return ours_merge(setting, "ties", {"scaling_factor": 0.3, "density": density, "merge_func": "mean"})
+
+
+def _wudi_movement(setting: Setting, theirs: Any) -> str:
+    """How far FusionBench's optimiser steps moved its 2-D tensors from where they start (the task vectors' sum),
+    relative to the merge's change: the size of a difference the row would show if ours skipped them."""
+    base, experts = float_state(setting.base), [float_state(e) for e in setting.experts.values()]
+    moved = 0.0
+    for key, value in float_state(theirs).items():
+        if value.dim() == 2:
+            start = base[key] + sum(e[key] - base[key] for e in experts)
+            moved = max(moved, ((value - start).abs().max() / (value - base[key]).abs().max()).item())
+    return f"; its optimiser steps move its matrices by max rel {moved:.1e} from the task vectors' sum"
 
 
 def _lm_head_solved(setting: Setting, key: str) -> str | None:
@@ -453,7 +466,7 @@ def cases(wudi_steps: int) -> list[Case]:
              {"scaling_factor": 1.0, "common_space_fraction": 0.8, "exclude_keys": None}),
         # FusionBench's Adam learning rate is fixed at 1e-5
         Case("wudi", "fusion_bench.method.WUDIMerging", {"iter_num": wudi_steps, "lr": 1e-5},
-             {"iter_num": wudi_steps, "exclude_keys": None}),
+             {"iter_num": wudi_steps, "exclude_keys": None}, context=_wudi_movement),
         Case("regmean", "fusion_bench.method.regmean.clip_regmean.RegMeanAlgorithmForCLIP", REGMEAN, REGMEAN_FB,
              run_fb=lambda s: fb_regmean(s, 0.9), how=REGMEAN_HOW, design_keys=_lm_head_solved),
         Case("regmean", "fusion_bench.method.regmean.clip_regmean.RegMeanAlgorithmForCLIP",
@@ -543,7 +556,8 @@ def run_case(case: Case, setting: Setting) -> dict[str, Any]:
     row["fusionbench_seconds"] = round(time.perf_counter() - start, 3)
     theirs, note = theirs if isinstance(theirs, tuple) else (theirs, "")
     numbers = differences(setting, ours, theirs, case.design_keys)
-    return {**row, **numbers, "verdict": note + verdict(case, numbers)}
+    closing = case.context(setting, theirs) if case.context else ""
+    return {**row, **numbers, "verdict": note + verdict(case, numbers) + closing}
 
 
 def markdown(rows: list[dict[str, Any]], settings: list[Setting]) -> str:
