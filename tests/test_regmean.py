@@ -76,7 +76,8 @@ def test_clip_vision_equals_brute_force(generator, reduction):
     for key, value in merged.state_dict().items():
         if key not in linear_weights and value.is_floating_point():
             torch.testing.assert_close(value, sum(s[key] for s in states) / len(states), rtol=1e-6, atol=1e-7, msg=key)
-    assert merged.config.hf_featcal_merge == {"method": "regmean", "reduction": reduction, "experts": list(experts)}
+    assert merged.config.hf_featcal_merge == {"method": "regmean", "reduction": reduction, "gram_rule": "sum",
+                                              "experts": list(experts)}
 
 
 def test_llama_padding_weighs_nothing(generator):

@@ -96,7 +96,8 @@ def test_declarations_match_the_merge_functions():
         registry.register(dataclasses.replace(regmean, needs_calibration_data=False))
     with pytest.raises(ValueError, match=r"names \['simple_average'\] are already registered"):
         registry.register(dataclasses.replace(merge_methods()["task_arithmetic"], aliases=("simple_average",)))
-    assert list(merge_methods()) == ["average", "task_arithmetic", "ties", "dare", "dare_ties", "regmean"]
+    assert list(merge_methods()) == [
+        "average", "task_arithmetic", "ties", "dare", "dare_ties", "regmean", "regmean_plusplus"]
 
 
 def _subcommand_help(name: str) -> str:

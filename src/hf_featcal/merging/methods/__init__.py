@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-_METHOD_MODULES = ("average", "task_arithmetic", "ties", "dare", "dare_ties", "regmean")
+_METHOD_MODULES = ("average", "task_arithmetic", "ties", "dare", "dare_ties", "regmean", "regmean_plusplus")
 
 for _module in _METHOD_MODULES:
     importlib.import_module(f".{_module}", __name__)
