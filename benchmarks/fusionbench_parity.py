@@ -546,6 +546,9 @@ def run_case(case: Case, setting: Setting) -> dict[str, Any]:
         ours = case.ours(setting)
     except NotInThisBuild as err:
         return {**row, "verdict": f"not in this build ({err})"}
+    except Exception as err:  # noqa: BLE001 - one failing method must not hide the other rows
+        row["ours_traceback"] = traceback.format_exc()
+        return {**row, "verdict": f"OURS FAILS: {type(err).__name__}: {str(err).splitlines()[0][:200]}"}
     row["ours_seconds"] = round(time.perf_counter() - start, 3)
     start = time.perf_counter()
     try:
