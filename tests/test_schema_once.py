@@ -13,6 +13,7 @@ from hf_featcal import cli, merging
 from hf_featcal.config import FeatCalConfig
 from hf_featcal.merging import MergeParameter, merge_methods, registry
 from hf_featcal.recipes import RecipeError, parse_featcal, validate_merge_spec
+from testing_utils import SHIPPED_METHODS
 
 # every hub id passes the CLI's source check without a download; the merge flags are checked first
 _MERGE_ARGV = ["merge", "--base", "org/base", "--expert", "a=org/expert-a", "--output-dir", "unused-out"]
@@ -96,8 +97,7 @@ def test_declarations_match_the_merge_functions():
         registry.register(dataclasses.replace(regmean, needs_calibration_data=False))
     with pytest.raises(ValueError, match=r"names \['simple_average'\] are already registered"):
         registry.register(dataclasses.replace(merge_methods()["task_arithmetic"], aliases=("simple_average",)))
-    assert list(merge_methods()) == [
-        "average", "task_arithmetic", "ties", "dare", "dare_ties", "regmean", "regmean_plusplus"]
+    assert list(merge_methods()) == SHIPPED_METHODS
 
 
 def _subcommand_help(name: str) -> str:

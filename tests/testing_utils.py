@@ -10,6 +10,13 @@ import copy
 import torch
 from transformers import CLIPConfig, CLIPVisionConfig, CLIPVisionModel
 
+#: The merge methods this build ships, in the registry's order (the tests that pin the CLI, schema and grid
+#: order compare against this one list).
+SHIPPED_METHODS = [
+    "average", "task_arithmetic", "ties", "dare", "dare_ties", "tsv_m", "iso_c", "iso_cts", "wudi",
+    "regmean", "regmean_plusplus",
+]
+
 
 def tiny_vision_config(**overrides) -> CLIPVisionConfig:
     values = dict(

@@ -74,11 +74,15 @@ examples:
       --method task_arithmetic --scaling-factor 0.3 --output-dir clip-ta
   hf-featcal merge --base ./base --expert a=./expert_a --expert b=./expert_b --method dare \\
       --drop-rate 0.5 --seed 1 --output-dir merged-dare
+  hf-featcal merge --base ./base --expert a=./expert_a --expert b=./expert_b --method ties --svc \\
+      --output-dir merged-ties-svc
 
-A CLIPModel base with CLIPVisionModel experts merges the vision tower. The output folder holds the
-merged model (save_pretrained; the merge is recorded in config.json as hf_featcal_merge) and the
-base's processor / tokenizer when it has one. open_clip bases and experts (hf-hub:/local-dir:
-references) give an open_clip folder (open_clip_model.safetensors + open_clip_config.json).
+--svc calibrates the merged matrices' singular values afterwards (SVC, data-free; config.json's
+hf_featcal_merge record gets a "post_merging" entry). A CLIPModel base with CLIPVisionModel experts
+merges the vision tower. The output folder holds the merged model (save_pretrained; the merge is
+recorded in config.json as hf_featcal_merge) and the base's processor / tokenizer when it has one.
+open_clip bases and experts (hf-hub:/local-dir: references) give an open_clip folder
+(open_clip_model.safetensors + open_clip_config.json).
 """
 
 _CALIBRATE_EPILOG = """\
@@ -164,7 +168,8 @@ examples:
   hf-featcal compare examples/recipes/clip_vit_b32_ta8.yaml --output-dir clip-compare --device cuda
 
 Runs every merge method ({methods}; each computed once)
-and then every post-merging step on it (none, featcal and, where this build offers it, featcal_module),
+and then every post-merging step on it (none, featcal, featcal_module where this build offers it, and
+svc: Singular Value Calibration, data-free, with FusionBench's α for that merge),
 scores each result per task (the demo: test accuracy; a recipe: its family's evaluation, e.g. CLIP
 zero-shot top-1 or GLUE), and prints one table with the experts' own scores as the ceiling and the
 last-block drift. A combination that fails is a "failed: ..." row; the grid goes on (exit status 1
@@ -341,6 +346,21 @@ def _add_merge_options(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(parameter.flag, dest=name, type=parameter.kind, metavar=parameter.metavar, help=text)
 
 
+def _add_svc_options(parser: argparse.ArgumentParser) -> None:
+    """``--svc`` and ``--svc-alpha``: Singular Value Calibration after the merge (`hf_featcal.merging.svc`)."""
+    from .merging import merge_methods
+    from .merging.svc import SVC_ALPHA, svc_alpha_for
+
+    group = parser.add_argument_group("post-merging")
+    group.add_argument("--svc", action="store_true",
+                       help="then Singular Value Calibration (SVC, data-free): rescale the merged matrices' singular "
+                            "values by how much of each task they hold")
+    by_merge = ", ".join(f"{m}: {svc_alpha_for(m):g}" for m in merge_methods(calibration_data=False))
+    group.add_argument("--svc-alpha", type=float, metavar=SVC_ALPHA.metavar,
+                       help=_help(f"with --svc: {SVC_ALPHA.help}, {SVC_ALPHA.describe_range()} (default: "
+                                  f"FusionBench's for the merge method: {by_merge})"))
+
+
 def _merge_methods_table() -> str:
     from .merging import merge_methods
 
@@ -377,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert", dest="experts", type=_task_value, action="append", required=True, metavar="TASK=SOURCE",
                    help="an expert (hub id or local folder) for TASK; repeat for every expert")
     _add_merge_options(p)
+    _add_svc_options(p)
     p.add_argument("--output-dir", required=True, help="folder the merged model is saved to")
     _add_recipe_options(p, "", ("overwrite",))
     _add_common(p)
@@ -720,10 +741,18 @@ def _cmd_merge(args: argparse.Namespace) -> int:
         name = err.key.split(".", 1)[-1]
         option = options[name][0][1].flag if err.key.startswith("merge.") and name in options else err.key
         raise CLIError(f"{option}: {err.reason}") from None
+    alpha = _svc_alpha(args)
     inputs = {"--base": base, **{f"--expert {task}": source for task, source in experts.items()}}
     _check_output_dir(args.output_dir, inputs=inputs, overwrite=bool(args.overwrite))
     start = time.perf_counter()
     merged = merge_experts(base, experts, spec, log=_log)  # the recipe run's merge stage
+    described = spec.describe()
+    if alpha is not None:
+        from .merging import singular_value_calibration
+
+        _log(f"Singular Value Calibration (alpha={alpha:g}) ...")
+        merged = singular_value_calibration(merged, base, experts, alpha=alpha)
+        described += f" + SVC (alpha={alpha:g})"
     from .saving import atomic_folder, save_model_files
 
     family = detect_family(merged)
@@ -733,10 +762,26 @@ def _cmd_merge(args: argparse.Namespace) -> int:
                        overwrite=bool(args.overwrite)) as folder:  # as FeatCalCalibrator.save_model saves
         save_model_files(merged, folder, processing_class=to_save)
     saved = processing is not None
-    print(f"Merged {type(merged).__name__} ({spec.describe()}; tasks: {', '.join(experts)}) "
+    print(f"Merged {type(merged).__name__} ({described}; tasks: {', '.join(experts)}) "
           f"in {time.perf_counter() - start:.1f} s → {args.output_dir}"
           + ("" if saved else " (no processor/tokenizer found with the base)"))
     return 0
+
+
+def _svc_alpha(args: argparse.Namespace) -> float | None:
+    """SVC's α when ``--svc`` is given (checked before any work), else None."""
+    from .merging.svc import SVC_ALPHA, svc_alpha_for
+
+    if not args.svc:
+        if args.svc_alpha is not None:
+            raise CLIError("--svc-alpha: needs --svc")
+        return None
+    if args.svc_alpha is None:
+        return svc_alpha_for(args.method)
+    try:
+        return float(SVC_ALPHA.check(args.svc_alpha))
+    except ValueError as err:
+        raise CLIError(f"--svc-alpha: {err}") from None
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:

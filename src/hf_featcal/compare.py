@@ -2,11 +2,11 @@
 
 `compare_post_merging` runs every registered merge method once (`hf_featcal.merging.merge_methods`:
 average, Task Arithmetic, TIES, DARE, DARE-TIES, RegMean) at its paper defaults, then every
-post-merging step on it (none, FeatCal, and FeatCal module-granular where this build offers it),
-scores each result with the caller's `evaluate`, and returns one table per task and mean, with the
-experts' own scores as the ceiling and each run's last-block drift. A combination that fails is
-recorded with its error and the grid goes on. `ComparisonResult.save` writes the table (Markdown), a
-JSON file and a bar chart PNG.
+post-merging step on it (none, FeatCal, FeatCal module-granular where this build offers it, and SVC,
+`hf_featcal.merging.svc`), scores each result with the caller's `evaluate`, and returns one table per
+task and mean, with the experts' own scores as the ceiling and each run's last-block drift. A
+combination that fails is recorded with its error and the grid goes on. `ComparisonResult.save` writes
+the table (Markdown), a JSON file and a bar chart PNG.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 from torch import nn
 
 from .merging import MergeParameter, get_method, paper_defaults
+from .merging.svc import SVC_ALPHA, svc_alpha_for
 from .recipes.spec import POST_MERGING_STEPS
 
 #: Merge method → its parameters in the grid (the paper settings each method declares), every
@@ -91,7 +92,7 @@ def markdown_cell(text: str) -> str:
 
 
 def post_merging_steps() -> tuple[str, ...]:
-    """The post-merging steps the grid offers: "none", "featcal" and "featcal_module"."""
+    """The post-merging steps the grid offers: "none", "featcal", "featcal_module" and "svc"."""
     return POST_MERGING_STEPS
 
 
@@ -171,6 +172,7 @@ def compare_post_merging(  # noqa: C901 - one loop over the grid; each row's fai
     evaluate_expert: Callable[[nn.Module, str], float] | None = None,
     device: Any = None,
     log: Callable[[str], None] | None = None,
+    svc_alpha: float | None = None,
 ) -> ComparisonResult:
     """Run the grid merges × post-merging steps and score every result.
 
@@ -186,17 +188,22 @@ def compare_post_merging(  # noqa: C901 - one loop over the grid; each row's fai
         processing_class: passed to FeatCal and RegMean for `datasets.Dataset` calibration data.
         evaluate_expert: (expert, task) → its score on its own task (default: ``evaluate(expert)[task]``,
             which scores every task).
-        device: the device FeatCal runs on (default: accelerate's).
+        device: the device FeatCal runs on (default: accelerate's) and SVC's SVDs run on (default:
+            where the weights are).
         log: called with one line per finished row (e.g. `print`).
+        svc_alpha: α of every "svc" row (default: per merge, FusionBench's setting after that merge,
+            `hf_featcal.merging.svc.svc_alpha_for`).
 
     Before any row is computed, a ValueError names what would fail every row: an unknown method or
-    step, a parameter name or value its declaration refuses, a task without calibration data or with
-    empty data, and (with a FeatCal step) a `forward_dtype` the models' dtype cannot run. A row that
-    fails later is recorded in `errors`. `evaluate` must score every task: a ValueError names the
-    missing tasks (a merged row fails with it; the experts' row, computed first, stops the grid).
+    step, a parameter name or value its declaration refuses, an ``svc_alpha`` outside (0, inf), a task
+    without calibration data or with empty data, and (with a FeatCal step) a `forward_dtype` the models'
+    dtype cannot run. A row that fails later is recorded in `errors`. `evaluate` must score every task:
+    a ValueError names the missing tasks (a merged row fails with it; the experts' row, computed first,
+    stops the grid).
     """
     from .calibrator import FeatCalCalibrator
     from .config import FeatCalConfig
+    from .merging import singular_value_calibration
 
     config = featcal_config if featcal_config is not None else FeatCalConfig()
     merges = check_merges(merges)
@@ -205,8 +212,13 @@ def compare_post_merging(  # noqa: C901 - one loop over the grid; each row's fai
     unknown = [s for s in steps if s not in offered]
     if unknown:
         raise ValueError(f"`post_merging`: unknown steps {unknown}; this build offers {list(offered)}.")
+    if svc_alpha is not None:
+        try:
+            svc_alpha = SVC_ALPHA.check(svc_alpha)
+        except ValueError as err:
+            raise ValueError(f"`svc_alpha` {err}.") from None
     check_calibration_tasks(experts, calibration_data)
-    if any(step != "none" for step in steps):  # what FeatCal would refuse in every row
+    if any(step.startswith("featcal") for step in steps):  # what FeatCal would refuse in every row
         from .pipeline.checks import check_forward_dtype
 
         check_forward_dtype(config, {"base": base, **{f"experts[{t!r}]": e for t, e in experts.items()}})
@@ -258,6 +270,15 @@ def compare_post_merging(  # noqa: C901 - one loop over the grid; each row's fai
             finish(method, start)
         for step in (s for s in steps if s != "none"):
             row, start = f"{method}+{step}", time.perf_counter()
+            if step == "svc":
+                try:
+                    alpha = svc_alpha if svc_alpha is not None else svc_alpha_for(method)
+                    result.scores[row] = score(singular_value_calibration(merged, base, experts, alpha=alpha,
+                                                                          device=device))
+                except Exception as err:  # noqa: BLE001
+                    result.errors[row] = f"{type(err).__name__}: {err}"
+                finish(row, start)
+                continue
             step_config = dataclasses.replace(config, granularity="module") if step == "featcal_module" else config
             try:
                 calibrator = FeatCalCalibrator(copy.deepcopy(merged), base, experts, calibration_data, step_config,

@@ -12,7 +12,7 @@ from typing import Any
 
 from .report import DriftReport
 
-__all__ = ["plot_comparison", "plot_drift"]
+__all__ = ["comparison_figure", "plot_comparison", "plot_drift"]
 
 
 def plot_drift(
@@ -94,39 +94,79 @@ def plot_drift(
     return path
 
 
-def plot_comparison(result: Any, path: str | os.PathLike, *, dpi: int = 120) -> str:
-    """Bar chart of a `compare.ComparisonResult`: the mean score of every merge, one bar per
-    post-merging step, with the experts' mean as the ceiling line. Failed rows get no bar."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+#: Colours of the compare grid's post-merging steps (another step takes the next free one of the cycle).
+_STEP_COLOURS = {"none": "#9e9e9e", "featcal": "#1f77b4", "featcal_module": "#17becf", "svc": "#ff7f0e"}
 
-    merges = [r for r in result.rows() if r != "experts" and "+" not in r]
-    merges += [r.split("+", 1)[0] for r in result.rows() if "+" in r and r.split("+", 1)[0] not in merges]
-    steps = ["none"] + sorted({r.split("+", 1)[1] for r in result.rows() if "+" in r})
-    figure = Figure(figsize=(max(6.0, 1.3 * len(merges) + 2), 4.2), layout="constrained")
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
-    width = 0.8 / len(steps)
-    cycle = _colours(len(steps))
-    for k, step in enumerate(steps):
-        xs, heights = [], []
-        for i, merge in enumerate(merges):
-            row = merge if step == "none" else f"{merge}+{step}"
-            if row in result.scores:
-                xs.append(i + (k - (len(steps) - 1) / 2) * width)
-                heights.append(result.scores[row]["mean"])
-        axes.bar(xs, heights, width=width, color=cycle[k % len(cycle)], label=step)
-    if "experts" in result.scores:
-        axes.axhline(result.scores["experts"]["mean"], color="black", linestyle="--", linewidth=1, label="experts")
-    axes.set_xticks(range(len(merges)), merges, rotation=20)
-    axes.set_ylabel("mean score over tasks")
-    axes.set_title("merge × post-merging")
-    axes.grid(True, axis="y", alpha=0.3)
-    axes.legend(fontsize="small")
+
+def plot_comparison(result: Any, path: str | os.PathLike, *, dpi: int = 120) -> str:
+    """Write `comparison_figure(result)` (a `compare.ComparisonResult`) as an image file; returns the path."""
+    figure = comparison_figure(result)
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     figure.savefig(path, dpi=dpi)
     return path
+
+
+def comparison_figure(result: Any) -> Any:
+    """Horizontal bar chart of a `compare.ComparisonResult`: one group per merge (top to bottom in the
+    grid's order), one bar per post-merging step, each labelled with its mean score and, for a step,
+    its gain over the merge alone; the score axis spans the data (not 0-100), so a gain of a point is
+    visible; the experts' mean is a labelled dashed line; the legend sits below the axes. A failed row
+    gets a "failed" label in place of its bar. Returns the matplotlib ``Figure`` (Agg canvas)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+    from matplotlib.transforms import blended_transform_factory
+
+    rows = [r for r in result.rows() if r != "experts"]
+    merges = list(dict.fromkeys(r.split("+", 1)[0] for r in rows))
+    steps = ["none", *dict.fromkeys(r.split("+", 1)[1] for r in rows if "+" in r)]
+    if not any(r == m for r in rows for m in merges):  # no plain merge row asked for
+        steps = steps[1:]
+    means = [result.scores[r]["mean"] for r in rows if r in result.scores]
+    ceiling = result.scores["experts"]["mean"] if "experts" in result.scores else None
+    values = means + ([ceiling] if ceiling is not None else [])
+    low, high = (min(values), max(values)) if values else (0.0, 1.0)
+    span = (high - low) or max(abs(high), 1.0)
+    left, right = low - 0.12 * span, high + 0.22 * span  # room on the right for the labels
+
+    bar, gap = 1.0, 0.8  # bar height and the gap between groups, in bar heights
+    group = len(steps) * bar + gap
+    figure = Figure(figsize=(8.0, 1.4 + 0.16 * group * max(len(merges), 1)), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    free = iter(c for c in _colours(len(steps) + len(_STEP_COLOURS)) if c not in _STEP_COLOURS.values())
+    colours = {step: _STEP_COLOURS.get(step) or next(free) for step in steps}
+    for i, merge in enumerate(merges):
+        plain = result.scores.get(merge, {}).get("mean")
+        for k, step in enumerate(steps):
+            row = merge if step == "none" else f"{merge}+{step}"
+            y = i * group + k * bar
+            if row in result.scores:
+                mean = result.scores[row]["mean"]
+                bars = axes.barh(y, mean - left, left=left, height=0.9 * bar, color=colours[step])
+                text = f"{mean:.1f}" if step == "none" or plain is None else f"{mean:.1f} ({mean - plain:+.1f})"
+                # a white box: the experts' line does not strike a label through
+                axes.bar_label(bars, [text], padding=2, fontsize=7, zorder=3,
+                               bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.3, "alpha": 0.85})
+            elif row in result.errors:
+                axes.annotate("failed", (left, y), xytext=(3, 0), textcoords="offset points", va="center",
+                              fontsize=7, color="#c62828")
+    axes.set_yticks([i * group + (len(steps) - 1) * bar / 2 for i in range(len(merges))], merges)
+    axes.set_ylim(len(merges) * group - gap + 0.2, -0.8)  # first merge on top
+    axes.set_xlim(left, right)
+    axes.set_xlabel("mean score over tasks (axis zoomed to the scores)")
+    axes.set_title("merge × post-merging step")
+    axes.grid(True, axis="x", alpha=0.3)
+    axes.tick_params(axis="y", length=0)
+    handles: list[Any] = [Patch(color=colours[step], label=step) for step in steps]
+    if ceiling is not None:
+        handles.append(axes.axvline(ceiling, color="black", linestyle="--", linewidth=1, zorder=1,
+                                    label="experts (ceiling)"))
+        on_top = blended_transform_factory(axes.transData, axes.transAxes)
+        axes.text(ceiling, 1.0, f"experts {ceiling:.1f}", transform=on_top, va="bottom", ha="center", fontsize=7)
+    figure.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize="small", frameon=False)
+    return figure
 
 
 def _colours(count: int) -> list[Any]:

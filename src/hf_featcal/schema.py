@@ -34,6 +34,7 @@ from .merging.params import show_value as _show
 
 __all__ = [
     "MergeParameter",
+    "POST_MERGING_STEPS",
     "RECIPE_SECTIONS",
     "RecipeKey",
     "TASK",
@@ -85,6 +86,10 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*)
 
 #: Stands for any expert task name in a key path (``calibration.tasks.<task>.split``).
 TASK = "<task>"
+
+#: The post-merging steps the compare grid offers (rows "<merge>+<step>"; "none" is the merge as it is;
+#: "svc" is `hf_featcal.merging.svc.singular_value_calibration`).
+POST_MERGING_STEPS: tuple[str, ...] = ("none", "featcal", "featcal_module", "svc")
 
 #: What a value of each kind looks like, in the rendered schema.
 _KIND_TEXT = {
@@ -274,7 +279,8 @@ RECIPE_SECTIONS: dict[str, tuple[RecipeKey, ...]] = {
     "compare": (
         RecipeKey("merges", "mapping", "method -> parameters laid over its defaults (null: the defaults)",
                   value_text="{<method>: {<param>: <value>} | null}", default_text="hf_featcal.compare.DEFAULT_MERGES"),
-        RecipeKey("post_merging", "list", "the post-merging steps", value_text="[none | featcal | featcal_module, ...]",
+        RecipeKey("post_merging", "list", "the post-merging steps",
+                  value_text="[" + " | ".join(POST_MERGING_STEPS) + ", ...]",
                   default_text="every step this build offers"),
     ),
 }

@@ -1,13 +1,15 @@
-"""Weight-space merging of task experts: averaging, Task Arithmetic, TIES-Merging, DARE, DARE-TIES and
-RegMean, in mergekit's shape.
+"""Weight-space merging of task experts, in mergekit's shape: every method of `merge_methods()` (the
+table in docs/merge-methods.md lists them with the data each needs, what it holds in memory and its
+reference).
 
-* `hf_featcal.merging.methods`: one file per method (`average.py`, `task_arithmetic.py`, `ties.py`,
-  `dare.py`, `dare_ties.py`, `regmean.py`), each with its function and the `MergeMethod` it registers.
+* `hf_featcal.merging.methods`: one file per method, each with its function and the `MergeMethod` it
+  registers (the file names are the method names).
 * `hf_featcal.merging.params` (no torch): `MergeParameter` and `MergeMethod`, what a method declares.
 * `hf_featcal.merging.registry` (no torch): `register`, `get_method`, `merge_methods`; the schema, the
   CLI, recipes and `hf_featcal.compare` read the methods there.
 * `hf_featcal.merging.engine`: what the task-vector methods share (opening the base and the experts,
   lining their keys up, the per-tensor loop, sign election, radix select).
+* `hf_featcal.merging.svc`: `singular_value_calibration`, a data-free post-merging step (after any merge).
 
 Every merge function returns a *new* model (the base model and the experts are never modified) and
 records the merge as ``merged.config.hf_featcal_merge``; `merge_models` names the method by string.
@@ -22,11 +24,17 @@ from typing import TYPE_CHECKING, Any
 from .methods.average import simple_average
 from .methods.dare import dare_merging
 from .methods.dare_ties import dare_ties_merging
+from .methods.iso_c import iso_c_merging
+from .methods.iso_cts import iso_cts_merging
 from .methods.regmean import regmean_merging
+from .methods.regmean_plusplus import regmean_plusplus_merging
 from .methods.task_arithmetic import task_arithmetic
 from .methods.ties import ties_merging
+from .methods.tsv_m import tsv_merging
+from .methods.wudi import wudi_merging
 from .params import CALIBRATION_ARGUMENTS, MERGE_CONFIG_ATTRIBUTE, MergeMethod, MergeParameter
 from .registry import get_method, merge_methods, paper_defaults, register
+from .svc import singular_value_calibration
 
 if TYPE_CHECKING:
     from torch import nn
@@ -41,6 +49,12 @@ __all__ = [
     "dare_merging",
     "dare_ties_merging",
     "regmean_merging",
+    "regmean_plusplus_merging",
+    "tsv_merging",
+    "iso_c_merging",
+    "iso_cts_merging",
+    "wudi_merging",
+    "singular_value_calibration",
     "merge_models",
     "find_key_prefix",
     "get_method",
@@ -59,12 +73,8 @@ def merge_models(base_model: ModelLike, experts: Mapping[str, ModelLike], method
     Args:
         base_model: Pre-trained model, or its local folder / hub id.  Not modified.
         experts: Mapping task name -> fine-tuned model, or local folder / hub id.
-        method: a name of `merge_methods()` or an alias: ``"average"`` (``simple_average``; alias
-            ``"simple_average"``), ``"task_arithmetic"`` (``scaling_factor``), ``"ties"``
-            (``ties_merging``: ``scaling_factor``, ``density``, ``per_tensor_trim``, ``merge_func``),
-            ``"dare"`` (``dare_merging``: ``scaling_factor``, ``drop_rate``, ``rescale``, ``seed``,
-            ``rescale_mode``), ``"dare_ties"`` (``dare_ties_merging``: those of ``"dare"`` and
-            ``merge_func``) or ``"regmean"`` (``regmean_merging``: ``reduction``; it needs calibration data).
+        method: a name of `merge_methods()` or an alias (e.g. ``"simple_average"`` for ``"average"``);
+            each method's parameters are its function's (``get_method(name).parameters``).
         **params: The method's parameters (defaults as in its function); a method that needs
             calibration data also takes ``calibration_data`` (required) and its batching
             (``num_samples_per_task``, ``batch_size``, ``processing_class``, ``seed``).

@@ -97,26 +97,33 @@ class Expert:
     """One expert's floating-point tensors, addressed by (canonical) base key."""
 
     def __init__(
-        self, name: str, keys: dict[str, str], fetch: Callable[[str], torch.Tensor], size: int | None = None
+        self, name: str, keys: dict[str, str], fetch: Callable[[str], torch.Tensor], size: int | None = None,
+        who: str | None = None,
     ) -> None:
         self.name = name
+        self.who = who or f"expert {name!r}"  # how errors name the source
         self.keys = keys  # canonical base key -> the expert's own key
         self._fetch = fetch
         # entries of the expert's whole task vector, when it covers fewer keys than its model has
         # (a LoRA adapter: zeros outside the adapted weights); None = the covered entries
         self.size = size
 
-    def task_vector(self, base_key: str, base32: torch.Tensor) -> torch.Tensor:
-        """``theta_i - theta_0`` for ``base_key`` in float32 on the base tensor's device; refuses
-        non-finite values of the expert or the base (NaN/Inf would pass silently into the merge)."""
-        if not bool(torch.isfinite(base32).all()):
-            raise ValueError(f"`base_model` has non-finite values (NaN/Inf) in {base_key!r}; refusing to merge.")
+    def read(self, base_key: str) -> torch.Tensor:
+        """The expert's own tensor for ``base_key`` (its dtype and device); refuses non-finite values
+        (NaN/Inf would pass silently into the merge)."""
         value = self._fetch(self.keys[base_key]).detach()
         if not bool(torch.isfinite(value).all()):
             raise ValueError(
-                f"expert {self.name!r} has non-finite values (NaN/Inf) in {self.keys[base_key]!r}; refusing to merge."
+                f"{self.who} has non-finite values (NaN/Inf) in {self.keys[base_key]!r}; refusing to merge."
             )
-        return value.to(device=base32.device, dtype=torch.float32) - base32
+        return value
+
+    def task_vector(self, base_key: str, base32: torch.Tensor) -> torch.Tensor:
+        """``theta_i - theta_0`` for ``base_key`` in float32 on the base tensor's device; refuses
+        non-finite values of the expert or the base."""
+        if not bool(torch.isfinite(base32).all()):
+            raise ValueError(f"`base_model` has non-finite values (NaN/Inf) in {base_key!r}; refusing to merge.")
+        return self.read(base_key).to(device=base32.device, dtype=torch.float32) - base32
 
 
 def _open_lora_expert(
@@ -157,14 +164,17 @@ def _open_expert(
     canonical: dict[str, str],
     base_label: str,
     stack: contextlib.ExitStack,
+    argument: str | None = None,
 ) -> Expert:
     """Match an expert's keys and shapes to the base's; tensors of a checkpoint are read lazily.  When
     the library knows the base's family, the expert must also pass the calibrator's compatibility
     check (`hf_featcal.pipeline.checks.check_compatible`: model type, the configuration's geometry
     such as layer and head counts and activation, the tower's shapes), so that a merge FeatCal would
     refuse is refused here, before any tensor is merged.  (A LoRA adapter is the base plus deltas:
-    it has the base's configuration by construction.)"""
-    argument = f"experts[{name!r}]"
+    it has the base's configuration by construction.)  ``argument`` names the source in errors
+    (default ``experts[name]``; a post-merging step opens the base model this way too)."""
+    who = argument or f"expert {name!r}"
+    argument = argument or f"experts[{name!r}]"
     checkpoint = None if isinstance(source, nn.Module) else resolve_checkpoint(source, argument)
     if checkpoint is not None and checkpoint.adapter is not None:
         return _open_lora_expert(name, LoraAdapter(checkpoint.adapter, argument), merged, base_state, canonical)
@@ -191,21 +201,21 @@ def _open_expert(
     if mapping is None:
         missing = sorted(k for k in shapes if k not in base_state)[:5]
         raise ValueError(
-            f"expert {name!r} ({label}) does not line up with the base model ({base_label}): no key prefix maps "
-            f"all of its state-dict keys into the base state dict (e.g. unmatched expert keys: {missing})"
+            f"{who} ({label}) does not line up with {base_label}: no key prefix maps all of its state-dict "
+            f"keys into that state dict (e.g. unmatched keys: {missing})"
         )
     for key, base_key in mapping.items():
         if tuple(base_state[base_key].shape) != shapes[key]:
             raise ValueError(
-                f"expert {name!r}: shape of {key!r} {shapes[key]} does not match the base model's "
-                f"{base_key!r} {tuple(base_state[base_key].shape)}"
+                f"{who}: shape of {key!r} {shapes[key]} does not match {base_key!r} "
+                f"{tuple(base_state[base_key].shape)} of {base_label}"
             )
     by_base = {base_key: key for key, base_key in mapping.items()}
     keys: dict[str, str] = {}
     for base_key in base_state:  # base state-dict order; tied base keys collapse onto one
         if base_key in by_base:
             keys.setdefault(canonical[base_key], by_base[base_key])
-    return Expert(name, keys, fetch)
+    return Expert(name, keys, fetch, who=who)
 
 
 def _canonical_keys(state: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -271,7 +281,7 @@ def merge_task_vectors(
     canonical = _canonical_keys(state)
     with contextlib.ExitStack() as stack:
         readers = [
-            _open_expert(name, source, merged, state, canonical, type(merged).__name__, stack)
+            _open_expert(name, source, merged, state, canonical, f"the base model ({type(merged).__name__})", stack)
             for name, source in experts.items()
         ]
         with torch.no_grad():

@@ -35,7 +35,7 @@ def show_value(value: object) -> str:
 class MergeParameter:
     """One parameter of a merge method.
 
-    ``kind`` is ``float``, ``int``, ``bool`` or ``str``; a float may carry an ``interval``
+    ``kind`` is ``float``, ``int``, ``bool`` or ``str``; a float or an int may carry an ``interval``
     ``(low, high, low_open, high_open)``; a str takes one of ``choices``.
     """
 
@@ -70,14 +70,16 @@ class MergeParameter:
         if self.kind is int:
             if isinstance(value, bool) or not isinstance(value, Integral):
                 raise ValueError(f"must be an integer, got {show_value(value)}")
-            return int(value)
+            return self._within_interval(int(value), value)
         if self.kind is str:
             if not isinstance(value, str) or value not in self.choices:
                 raise ValueError(f"must be one of {', '.join(repr(c) for c in self.choices)}, got {show_value(value)}")
             return value
         if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
             raise ValueError(f"must be a finite real number, got {show_value(value)}")
-        number = float(value)
+        return self._within_interval(float(value), value)
+
+    def _within_interval(self, number: Any, value: object) -> Any:
         if self.interval is not None:
             low, high, low_open, high_open = self.interval
             if (number <= low if low_open else number < low) or (number >= high if high_open else number > high):

@@ -11,7 +11,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..schema import HUB_ID, RecipeKey, check_integer, check_string, recipe_key, recipe_keys
+from ..schema import (
+    HUB_ID,
+    POST_MERGING_STEPS,
+    RecipeKey,
+    check_integer,
+    check_string,
+    recipe_key,
+    recipe_keys,
+)
 
 __all__ = [
     "POST_MERGING_STEPS",
@@ -92,10 +100,6 @@ class EvaluationSpec:
     class_names: dict[str, list[str]] = field(default_factory=dict)
     templates: dict[str, list[str]] = field(default_factory=dict)
     clip_model: str | None = None
-
-
-#: The post-merging steps the compare grid offers (rows "<merge>+<step>"; "none" is the merge as it is).
-POST_MERGING_STEPS: tuple[str, ...] = ("none", "featcal", "featcal_module")
 
 
 @dataclass

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import importlib
 
-_METHOD_MODULES = ("average", "task_arithmetic", "ties", "dare", "dare_ties", "regmean", "regmean_plusplus")
+_METHOD_MODULES = (
+    "average", "task_arithmetic", "ties", "dare", "dare_ties",  # data-free, element-wise
+    "tsv_m", "iso_c", "iso_cts", "wudi",  # data-free, per matrix
+    "regmean", "regmean_plusplus",  # calibration data
+)
 
 for _module in _METHOD_MODULES:
     importlib.import_module(f".{_module}", __name__)
