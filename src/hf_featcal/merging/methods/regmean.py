@@ -12,7 +12,11 @@ task i's tokens; ``"token_mean"`` divides it by nᵢ, the number of task i's tok
 (padding does not count), as FusionBench's RegMean and the authors' code do. The two agree when every
 task brings the same number of tokens (a common factor cancels in the solve) and differ otherwise:
 ``"sum"`` weighs a task by its token count, ``"token_mean"`` weighs tasks alike. FusionBench counts
-every position of the Linear's input, padding included (its GPT-2 variant), a difference by design.
+every position of the Linear's input, padding included (its GPT-2 variant), a difference by design;
+so is the set of Linears: FusionBench 0.2.33 solves every ``nn.Linear`` of the model, a causal LM's
+``lm_head`` too, ours those inside the blocks (the paper's transformer layers), the head averaged.
+With ``gram_rule="token_mean"`` the rest equals FusionBench's ``RegMeanAlgorithmForCLIP`` to float32
+rounding (benchmarks/fusionbench_parity.py; docs/merge-methods.md).
 
 It shares FeatCal's machinery: the layer map walks each expert's own stream block by block, its
 capture helpers record the Linear inputs, and the solve is the library's symmetric solve; and the
