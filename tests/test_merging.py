@@ -13,6 +13,7 @@ from torch import nn
 from transformers import CLIPConfig, CLIPModel, CLIPVisionConfig, CLIPVisionModel
 
 from hf_featcal.merging import MERGE_CONFIG_ATTRIBUTE, find_key_prefix, simple_average, task_arithmetic
+from testing_utils import assert_same_state, snapshot
 
 
 def vision_config(**overrides) -> CLIPVisionConfig:
@@ -37,17 +38,6 @@ def fine_tuned(model: nn.Module, seed: int, scale: float = 0.05) -> nn.Module:
             if value.is_floating_point():
                 value.add_(scale * torch.randn(value.shape, generator=generator).to(value.dtype))
     return out
-
-
-def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def assert_same_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    current = model.state_dict()
-    assert current.keys() == state.keys()
-    for key, value in state.items():
-        assert torch.equal(current[key], value), key
 
 
 @pytest.fixture

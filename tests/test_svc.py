@@ -26,7 +26,14 @@ from hf_featcal.merging import (
 from hf_featcal.merging.svc import svc_alpha_for
 from hf_featcal.recipes.parse import _parse_compare
 from hf_featcal.recipes.spec import KeyChecker
-from testing_utils import build_clip_setting, randomise_norms, tiny_clip_config, tiny_vision_config
+from testing_utils import (
+    assert_same_state,
+    build_clip_setting,
+    randomise_norms,
+    snapshot,
+    tiny_clip_config,
+    tiny_vision_config,
+)
 
 
 def tiny_llama() -> LlamaForCausalLM:
@@ -87,17 +94,6 @@ def reference_svc(merged: dict, base: dict, experts: list[dict], matrices: list[
 
 def matrix_keys(model: nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if p.dim() == 2]
-
-
-def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def assert_same_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    current = model.state_dict()
-    assert current.keys() == state.keys()
-    for key, value in state.items():
-        assert torch.equal(current[key], value), key
 
 
 # --------------------------------------------------------------------------------------- the formula

@@ -120,3 +120,15 @@ def assert_same_up_to_rounding(actual, expected, rtol: float = SAME_RESULT_RTOL)
         a, e = a.detach().double(), e.detach().double()
         distance, bound = float((a - e).norm()), rtol * float(e.norm()) + 1e-7 * e.numel() ** 0.5
         assert distance <= bound, f"{name}: ‖a − e‖ = {distance:.3g} > {bound:.3g} (‖e‖ = {float(e.norm()):.3g})"
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of every state-dict tensor (to check later that a call left the model as it was)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    current = model.state_dict()
+    assert current.keys() == state.keys()
+    for key, value in state.items():
+        assert torch.equal(current[key], value), key

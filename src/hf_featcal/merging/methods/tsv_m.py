@@ -58,7 +58,7 @@ def tsv_merging(base_model: ModelLike, experts: Mapping[str, ModelLike], scaling
     Args:
         base_model: Pre-trained model, or its local folder / hub id.  Not modified.
         experts: Mapping task name -> fine-tuned model, or local folder / hub id (read lazily).
-        scaling_factor: ``alpha`` of the paper (1.0, used without validation), in ``[-100, 100]``.
+        scaling_factor: ``alpha`` of the paper (its 1.0 is not tuned on validation data), in ``[-100, 100]``.
 
     Returns:
         A new model with ``config.hf_featcal_merge = {"method": "tsv_m", "scaling_factor": ...,
