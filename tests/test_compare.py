@@ -79,7 +79,12 @@ def test_a_failing_combination_is_reported_and_the_grid_goes_on(setting, tmp_pat
     table = result.to_markdown()
     # every line of the table has the header's cells: an error's `|` is escaped, its line break removed
     cells = [len(re.split(r"(?<!\\)\|", line)) for line in table.splitlines()]
-    assert len(cells) == 2 + len(result.rows()) and set(cells) == {len(["", "", *result.tasks, "mean", "drift", ""])}
+    columns = ["", "", *result.tasks, "mean", "drift", "seconds", ""]
+    assert len(cells) == 2 + len(result.rows()) and set(cells) == {len(columns)}
+    # the seconds column is the row's time, failed rows too
+    for row in result.rows():
+        line = next(x for x in table.splitlines() if x.startswith(f"| {row} |"))
+        assert line.endswith(f" {result.seconds[row]:.1f} |"), line
     assert "| ties | failed: RuntimeError: out of memory \\| try a smaller batch or another device |" in table
     assert "| average+featcal |" in table
     paths = result.save(tmp_path / "out")

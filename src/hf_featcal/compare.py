@@ -119,17 +119,21 @@ class ComparisonResult:
         return [row for row in self.scores if row != "experts"]
 
     def to_markdown(self) -> str:
-        """The table: one row per result, one column per task, then the mean and the mean drift."""
-        header = ["", *map(markdown_cell, self.tasks), "mean", "last-block drift"]
+        """The table: one row per result, one column per task, then the mean, the mean drift and the
+        seconds the row took (a merge's row: the merge and its scoring; a step's row: the step and its
+        scoring; the experts' row: their scoring)."""
+        header = ["", *map(markdown_cell, self.tasks), "mean", "last-block drift", "seconds"]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for row in self.rows():
+            seconds = f"{self.seconds[row]:.1f}" if row in self.seconds else ""
             if row in self.errors:  # an error's `|` or line breaks would end its row early
                 lines.append(f"| {markdown_cell(row)} | failed: {markdown_cell(self.errors[row])} |"
-                             + " |" * (len(header) - 2))
+                             + " |" * (len(header) - 3) + f" {seconds} |")
                 continue
             values = [f"{self.scores[row][t]:.1f}" for t in self.tasks] + [f"{self.scores[row]['mean']:.1f}"]
             drift = self.drift.get(row)
             values.append(f"{sum(drift.values()) / len(drift):.3g}" if drift else "")
+            values.append(seconds)
             lines.append(f"| {markdown_cell(row)} | " + " | ".join(values) + " |")
         return "\n".join(lines) + "\n"
 
