@@ -89,6 +89,8 @@ def iso_c_merging(base_model: ModelLike, experts: Mapping[str, ModelLike], scali
 
 METHOD = register(MergeMethod(
     "iso_c", iso_c_merging, summary="per matrix: the task sum's singular vectors with a flat spectrum",
-    reference=ISO_REFERENCE, parameters=(ISO_SCALING_FACTOR,), paper_defaults={"scaling_factor": 1.0},
+    reference=ISO_REFERENCE
+    + "; FusionBench fusion_bench.method.isotropic_merging.iso.IsotropicMergingInCommonSubspace",
+    parameters=(ISO_SCALING_FACTOR,), paper_defaults={"scaling_factor": 1.0},
     svc_alpha=0.1,  # FusionBench's SVC config after this merge
 ))

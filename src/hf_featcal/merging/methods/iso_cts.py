@@ -131,7 +131,8 @@ def subspace_sizes(rank: int, tasks: int, common_space_fraction: float) -> tuple
 METHOD = register(MergeMethod(
     "iso_cts", iso_cts_merging,
     summary="per matrix: common + task-specific singular subspaces, orthogonalised, flat spectrum",
-    reference=ISO_REFERENCE,
+    reference=ISO_REFERENCE
+    + "; FusionBench fusion_bench.method.isotropic_merging.iso.IsotropicMergingInCommonAndTaskSubspace",
     parameters=(
         ISO_SCALING_FACTOR,
         MergeParameter("common_space_fraction", float, 0.8, "share of each matrix's rank given to the common "

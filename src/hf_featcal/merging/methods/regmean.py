@@ -294,7 +294,8 @@ def regmean_merging(
 
 METHOD = register(MergeMethod(
     "regmean", regmean_merging, summary="closed-form least squares per Linear from each expert's input Grams",
-    reference="Jin et al., ICLR 2023, \"Dataless Knowledge Fusion by Merging Weights of Language Models\"",
+    reference="Jin et al., ICLR 2023, \"Dataless Knowledge Fusion by Merging Weights of Language Models\"; "
+              "FusionBench fusion_bench.method.regmean.clip_regmean.RegMeanAlgorithmForCLIP",
     parameters=(reduction_parameter(0.9), gram_rule_parameter("sum")),
     paper_defaults={"reduction": 0.9, "gram_rule": "sum"}, needs_calibration_data=True,
     svc_alpha=0.1,  # no FusionBench SVC config: average's (RegMean averages the experts, least-squares-weighted)

@@ -95,7 +95,8 @@ def tsv_merging(base_model: ModelLike, experts: Mapping[str, ModelLike], scaling
 
 METHOD = register(MergeMethod(
     "tsv_m", tsv_merging, summary="per matrix: top 1/T singular triplets of each task, orthogonalised, summed",
-    reference="Gargiulo et al., CVPR 2025, \"Task Singular Vectors: Reducing Task Interference in Model Merging\"",
+    reference="Gargiulo et al., CVPR 2025, \"Task Singular Vectors: Reducing Task Interference in Model Merging\"; "
+              "FusionBench fusion_bench.method.task_singular_vector.TSVM.TaskSingularVectorMerging",
     parameters=(dataclasses.replace(SCALING_FACTOR, default=1.0),),
     paper_defaults={"scaling_factor": 1.0},
     svc_alpha=1.0,  # FusionBench's SVC config after this merge
