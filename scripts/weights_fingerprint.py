@@ -76,6 +76,19 @@ def main() -> None:
             "hf_featcal.regmean") else importlib.import_module("hf_featcal.merging.regmean")
         print(kind, "regmean", digest(regmean.regmean_merging(base, experts, data, reduction=0.9)))
         merged = merging.merge_models(base, experts, "task_arithmetic", scaling_factor=0.3)
+        # the methods added later, printed only by a revision that has them (the lines above stay comparable)
+        offered = merging.merge_methods() if hasattr(merging, "merge_methods") else {}
+        for method, params in [("tsv_m", {}), ("iso_c", {}), ("iso_cts", {"common_space_fraction": 0.5}),
+                               ("wudi", {"iter_num": 20, "lr": 1e-3})]:
+            if method in offered:
+                print(kind, method, digest(merging.merge_models(base, experts, method, **params)))
+        for method, params in [("regmean", {"gram_rule": "token_mean"}), ("regmean_plusplus", {})]:
+            if method in offered and "gram_rule" in offered[method].declared():
+                label = f"{method}-{params['gram_rule']}" if params else method
+                print(kind, label, digest(merging.merge_models(base, experts, method, calibration_data=data, **params)))
+        if hasattr(merging, "singular_value_calibration"):
+            print(kind, "task_arithmetic+svc", digest(merging.singular_value_calibration(merged, base, experts,
+                                                                                         alpha=0.1)))
         for name, config in [("featcal", FeatCalConfig()), ("featcal-fast", FeatCalConfig(forward_dtype="bfloat16")),
                              ("featcal-module", FeatCalConfig(granularity="module")),
                              ("featcal-nobase", FeatCalConfig(teacher_alpha=0.5, lambda_ratio=0.1))]:
