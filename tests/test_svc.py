@@ -179,7 +179,7 @@ def test_a_matrix_no_expert_covers_is_left_as_merged():
 def test_a_bad_alpha_is_refused_before_any_tensor_is_read(clip_setting, alpha, monkeypatch):
     base, experts, merged, _ = clip_setting
     touched = []
-    monkeypatch.setattr(engine, "_open_expert", lambda *a, **k: touched.append(a) or None)
+    monkeypatch.setattr(engine, "open_expert", lambda *a, **k: touched.append(a) or None)
     monkeypatch.setattr(engine.Expert, "read", lambda *a, **k: touched.append(a) or None)
     with pytest.raises(ValueError, match=r"`alpha` must be (in \(0, inf\)|a finite real number), got"):
         singular_value_calibration(merged, base, experts, alpha=alpha)

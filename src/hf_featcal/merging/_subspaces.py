@@ -1,6 +1,7 @@
 """The linear algebra the subspace merges share (TSV-M, Iso-C, Iso-CTS in `hf_featcal.merging.methods`):
-the per-tensor rule that sends 2-D tensors to a matrix rule and every other tensor to a mean, the
-orthogonal (polar) factor of a matrix, and the isotropic product ``mean(s) · U Vᵀ``.
+the per-tensor rule that sends 2-D tensors to a matrix rule and every other tensor to a mean, a
+matrix's top singular triplets, the orthogonal (polar) factor of a matrix, blocks of triplets joined
+and orthogonalised, and the isotropic product ``mean(s) · U Vᵀ``.
 
 Torch is imported at the top: the method files import this module inside their functions only.
 """
@@ -15,18 +16,12 @@ import torch
 if TYPE_CHECKING:
     from .engine import DeltaFn, Expert
 
-__all__ = ["isotropic_product", "orthogonal_factor", "per_tensor_rule", "running_mean", "task_sum"]
+__all__ = [
+    "isotropic_product", "orthogonal_factor", "orthogonalised", "per_tensor_rule", "running_mean", "truncated_svd",
+]
 
 #: [tau_i of every expert, in the experts' order] -> the merged task vector of one tensor
 TensorRule = Callable[[list[torch.Tensor]], torch.Tensor]
-
-
-def task_sum(task_vectors: list[torch.Tensor]) -> torch.Tensor:
-    """``tau_1 + tau_2 + ...``, added left to right (FusionBench's order)."""
-    total = task_vectors[0]
-    for tau in task_vectors[1:]:
-        total = total + tau
-    return total
 
 
 def running_mean(task_vectors: list[torch.Tensor]) -> torch.Tensor:
@@ -61,6 +56,22 @@ def orthogonal_factor(matrix: torch.Tensor) -> torch.Tensor:
     for a wide one) nearest to ``matrix`` in Frobenius norm (orthogonal Procrustes)."""
     u, _, vh = torch.linalg.svd(matrix, full_matrices=False)
     return u @ vh
+
+
+def truncated_svd(matrix: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(U_k, s_k, V_kᵀ)``: the top ``rank`` singular triplets of ``matrix`` (thin SVD)."""
+    u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
+    return u[:, :rank], s[:rank], vh[:rank]
+
+
+def orthogonalised(
+    triplets: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Several blocks of singular triplets joined: the concatenated left factors and right factors each
+    replaced by their orthogonal factor, the spectra concatenated in the same order."""
+    lefts, spectra, rights = zip(*triplets, strict=True)
+    return (orthogonal_factor(torch.cat(lefts, dim=1)), torch.cat(spectra),
+            orthogonal_factor(torch.cat(rights, dim=0)))
 
 
 def isotropic_product(u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:

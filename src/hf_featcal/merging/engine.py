@@ -59,17 +59,22 @@ __all__ = [
     "DeltaFn",
     "Expert",
     "PrepareFn",
+    "canonical_keys",
     "elect_and_merge",
+    "float_state",
     "kth_largest_magnitude",
+    "merge_record",
     "merge_task_vectors",
+    "open_expert",
     "record_merge",
     "sum_delta",
+    "sum_tensors",
     "validate_base",
     "validate_experts",
 ]
 
 
-def _float_state(module: nn.Module) -> dict[str, torch.Tensor]:
+def float_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """Floating-point entries of ``module.state_dict()`` (integer buffers are never merged)."""
     return {k: v for k, v in module.state_dict().items() if torch.is_floating_point(v)}
 
@@ -156,7 +161,7 @@ def _open_lora_expert(
     return Expert(name, keys, fetch, size=sum(base_state[k].numel() for k in model_keys))
 
 
-def _open_expert(
+def open_expert(
     name: str,
     source: ModelLike,
     merged: nn.Module,
@@ -192,7 +197,7 @@ def _open_expert(
         model = source if isinstance(source, nn.Module) else load_model(source, argument)
         if layer_map is not None:
             check_compatible(InMemorySource(model, argument, layer_map), layer_map, merged, model_config(merged))
-        state = _float_state(model)
+        state = float_state(model)
         shapes = {k: tuple(v.shape) for k, v in state.items()}
         fetch = state.__getitem__
         label = type(model).__name__
@@ -218,7 +223,7 @@ def _open_expert(
     return Expert(name, keys, fetch, who=who)
 
 
-def _canonical_keys(state: dict[str, torch.Tensor]) -> dict[str, str]:
+def canonical_keys(state: dict[str, torch.Tensor]) -> dict[str, str]:
     """Key -> the first key (in state-dict order) whose tensor shares its storage (tied weights)."""
     seen: dict[tuple, str] = {}
     canonical: dict[str, str] = {}
@@ -277,11 +282,11 @@ def merge_task_vectors(
     validate_experts(experts)
     record = {"method": method, **params, "experts": [str(k) for k in experts]}
     merged = _load_base(base_model)
-    state = _float_state(merged)  # shares storage with the result's parameters / buffers
-    canonical = _canonical_keys(state)
+    state = float_state(merged)  # shares storage with the result's parameters / buffers
+    canonical = canonical_keys(state)
     with contextlib.ExitStack() as stack:
         readers = [
-            _open_expert(name, source, merged, state, canonical, f"the base model ({type(merged).__name__})", stack)
+            open_expert(name, source, merged, state, canonical, f"the base model ({type(merged).__name__})", stack)
             for name, source in experts.items()
         ]
         with torch.no_grad():
@@ -308,18 +313,34 @@ def merge_task_vectors(
     return merged
 
 
-def record_merge(model: nn.Module, record: dict) -> None:
-    """Record how `model` was merged: on its config (saved in config.json); a model without one
+def _record_holder(model: nn.Module) -> Any:
+    """Where a model's merge record lives: its config (saved in config.json); a model without one
     (open_clip) keeps it as an attribute."""
     config = getattr(model, "config", None)
-    setattr(model if config is None else config, MERGE_CONFIG_ATTRIBUTE, record)
+    return model if config is None else config
+
+
+def record_merge(model: nn.Module, record: dict) -> None:
+    """Record how `model` was merged (`merge_record` reads it back)."""
+    setattr(_record_holder(model), MERGE_CONFIG_ATTRIBUTE, record)
+
+
+def merge_record(model: nn.Module) -> dict | None:
+    """How `model` was merged, as `record_merge` recorded it (None for a model without a record)."""
+    record = getattr(_record_holder(model), MERGE_CONFIG_ATTRIBUTE, None)
+    return dict(record) if isinstance(record, Mapping) else None
+
+
+def sum_tensors(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``t_1 + t_2 + ...``, added left to right (the order FusionBench's merges add task vectors in)."""
+    total = tensors[0]
+    for tensor in tensors[1:]:
+        total = total + tensor
+    return total
 
 
 def sum_delta(key: str, task_vectors: list[tuple[Expert, torch.Tensor]]) -> torch.Tensor:
-    delta = task_vectors[0][1]
-    for _, tau in task_vectors[1:]:
-        delta = delta + tau
-    return delta
+    return sum_tensors([tau for _, tau in task_vectors])
 
 
 # ----------------------------------------------------------------------------------------- shared rules

@@ -26,7 +26,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .params import MERGE_CONFIG_ATTRIBUTE, MergeParameter
+from .params import MergeParameter
 
 if TYPE_CHECKING:
     import torch
@@ -121,7 +121,15 @@ def singular_value_calibration(
     from torch import nn
 
     from ..model_io import load_model, resolve_checkpoint
-    from .engine import _canonical_keys, _float_state, _open_expert, record_merge, validate_base, validate_experts
+    from .engine import (
+        canonical_keys,
+        float_state,
+        merge_record,
+        open_expert,
+        record_merge,
+        validate_base,
+        validate_experts,
+    )
 
     try:
         alpha = SVC_ALPHA.check(alpha)
@@ -137,15 +145,15 @@ def singular_value_calibration(
 
     result = copy.deepcopy(merged_model) if isinstance(merged_model, nn.Module) else load_model(
         merged_model, "merged_model")
-    state = _float_state(result)  # shares storage with the result's parameters
-    canonical = _canonical_keys(state)
+    state = float_state(result)  # shares storage with the result's parameters
+    canonical = canonical_keys(state)
     parameters = {name for name, _ in result.named_parameters(remove_duplicate=False)}
     matrices = [k for k in dict.fromkeys(canonical.values()) if k in parameters and state[k].dim() == 2]
     label = f"`merged_model` ({type(result).__name__})"
     calibrated = 0
     with contextlib.ExitStack() as stack, torch.no_grad():
-        base = _open_expert("base_model", base_model, result, state, canonical, label, stack, "`base_model`")
-        readers = [_open_expert(name, source, result, state, canonical, label, stack)
+        base = open_expert("base_model", base_model, result, state, canonical, label, stack, "`base_model`")
+        readers = [open_expert(name, source, result, state, canonical, label, stack)
                    for name, source in experts.items()]
         for key in matrices:
             if not any(key in reader.keys for reader in readers):
@@ -157,9 +165,7 @@ def singular_value_calibration(
                 state[key].copy_(value)
                 calibrated += 1
 
-    previous = getattr(getattr(result, "config", None), MERGE_CONFIG_ATTRIBUTE, None) or getattr(
-        result, MERGE_CONFIG_ATTRIBUTE, None)
-    record: dict[str, Any] = dict(previous) if isinstance(previous, Mapping) else {}
+    record: dict[str, Any] = merge_record(result) or {}
     step = {"method": "svc", "alpha": alpha, "experts": [str(name) for name in experts], "matrices": calibrated}
     record["post_merging"] = [*record.get("post_merging", []), step]
     record_merge(result, record)

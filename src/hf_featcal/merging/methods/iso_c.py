@@ -71,17 +71,17 @@ def iso_c_merging(base_model: ModelLike, experts: Mapping[str, ModelLike], scali
     """
     import torch
 
-    from .._subspaces import isotropic_product, per_tensor_rule, task_sum
-    from ..engine import merge_task_vectors, validate_experts
+    from .._subspaces import isotropic_product, per_tensor_rule
+    from ..engine import merge_task_vectors, sum_tensors, validate_experts
 
     (scaling_factor,) = get_method("iso_c").check(scaling_factor=scaling_factor)
     validate_experts(experts)  # before its names are taken
 
     def merge_matrix(taus: list[torch.Tensor]) -> torch.Tensor:
-        return isotropic_product(*torch.linalg.svd(task_sum(taus), full_matrices=False))
+        return isotropic_product(*torch.linalg.svd(sum_tensors(taus), full_matrices=False))
 
     def mean(taus: list[torch.Tensor]) -> torch.Tensor:
-        return task_sum(taus) / len(taus)  # FusionBench's order: the sum, then one division
+        return sum_tensors(taus) / len(taus)  # FusionBench's order: the sum, then one division
 
     return merge_task_vectors(base_model, experts, "iso_c", {"scaling_factor": scaling_factor},
                               per_tensor_rule(list(experts), merge_matrix, mean), scaling_factor=scaling_factor)

@@ -88,10 +88,8 @@ def iso_cts_merging(
     Raises:
         ValueError: on an invalid argument (named in the message) or mismatched architectures.
     """
-    import torch
-
-    from .._subspaces import isotropic_product, orthogonal_factor, per_tensor_rule, task_sum
-    from ..engine import merge_task_vectors, validate_experts
+    from .._subspaces import isotropic_product, orthogonalised, per_tensor_rule, truncated_svd
+    from ..engine import merge_task_vectors, sum_tensors, validate_experts
 
     scaling_factor, common_space_fraction = get_method("iso_cts").check(
         scaling_factor=scaling_factor, common_space_fraction=common_space_fraction
@@ -100,18 +98,11 @@ def iso_cts_merging(
 
     def merge_matrix(taus: list[torch.Tensor]) -> torch.Tensor:
         common, per_task = subspace_sizes(min(taus[0].shape), len(taus), common_space_fraction)
-        u, s, vh = torch.linalg.svd(task_sum(taus), full_matrices=False)
-        common_u, common_s, common_vh = u[:, :common], s[:common], vh[:common]
-        left, spectrum, right = [], [], []
-        for tau in taus:
-            residual = tau - common_u @ (common_u.T @ tau)
-            task_u, task_s, task_vh = torch.linalg.svd(residual, full_matrices=False)
-            left.append(task_u[:, :per_task])
-            spectrum.append(task_s[:per_task])
-            right.append(task_vh[:per_task])
-        u_all = orthogonal_factor(torch.cat([*left, common_u], dim=1))
-        vh_all = orthogonal_factor(torch.cat([*right, common_vh], dim=0))
-        return isotropic_product(u_all, torch.cat([*spectrum, common_s]), vh_all)
+        common_part = truncated_svd(sum_tensors(taus), common)
+        common_u = common_part[0]
+        # each task's top directions outside the common subspace, then the common ones
+        task_parts = [truncated_svd(tau - common_u @ (common_u.T @ tau), per_task) for tau in taus]
+        return isotropic_product(*orthogonalised([*task_parts, common_part]))
 
     params = {"scaling_factor": scaling_factor, "common_space_fraction": common_space_fraction}
     return merge_task_vectors(base_model, experts, "iso_cts", params, per_tensor_rule(list(experts), merge_matrix),

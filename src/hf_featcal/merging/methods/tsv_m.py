@@ -69,7 +69,7 @@ def tsv_merging(base_model: ModelLike, experts: Mapping[str, ModelLike], scaling
     """
     import torch
 
-    from .._subspaces import orthogonal_factor, per_tensor_rule
+    from .._subspaces import orthogonalised, per_tensor_rule, truncated_svd
     from ..engine import merge_task_vectors, validate_experts
 
     (scaling_factor,) = get_method("tsv_m").check(scaling_factor=scaling_factor)
@@ -79,15 +79,8 @@ def tsv_merging(base_model: ModelLike, experts: Mapping[str, ModelLike], scaling
         kept = min(taus[0].shape) // len(taus)
         if kept == 0:
             return torch.zeros_like(taus[0])
-        left, spectrum, right = [], [], []
-        for tau in taus:
-            u, s, vh = torch.linalg.svd(tau, full_matrices=False)
-            left.append(u[:, :kept])
-            spectrum.append(s[:kept])
-            right.append(vh[:kept])
-        u_all = orthogonal_factor(torch.cat(left, dim=1))
-        vh_all = orthogonal_factor(torch.cat(right, dim=0))
-        return (u_all * torch.cat(spectrum)) @ vh_all
+        u_all, spectrum, vh_all = orthogonalised([truncated_svd(tau, kept) for tau in taus])
+        return (u_all * spectrum) @ vh_all
 
     return merge_task_vectors(base_model, experts, "tsv_m", {"scaling_factor": scaling_factor},
                               per_tensor_rule(list(experts), merge_matrix), scaling_factor=scaling_factor)
