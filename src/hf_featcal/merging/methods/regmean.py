@@ -28,7 +28,7 @@ task's Grams of every Linear inside the blocks. The helpers below are shared wit
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..params import MergeMethod, MergeParameter
@@ -155,6 +155,23 @@ def block_input_grams(
     return grams, after
 
 
+def add_grams(
+    sums: dict[Any, Tensor], tokens: dict[Any, int], block_grams: Mapping[str, tuple[Tensor, int]],
+    key: Callable[[str], Any],
+) -> None:
+    """Add one batch's `block_input_grams` (per spec name: Gram sum, weighted tokens) into the running
+    `sums` / `tokens`, under ``key(spec name)``."""
+    for name, (gram, count) in block_grams.items():
+        slot = key(name)
+        sums[slot] = gram if slot not in sums else sums[slot] + gram
+        tokens[slot] = count + tokens.get(slot, 0)
+
+
+def features_where(task: str, block_index: int, stack_name: str, module: str) -> str:
+    """How a non-finite Gram is named: the task's data entering the block's module."""
+    return f"features of calibration_data[{task!r}] entering block {block_index} of {stack_name}, module {module}"
+
+
 def finish_grams(sums: dict[Any, Tensor], tokens: dict[Any, int], gram_rule: str) -> dict[Any, Tensor]:
     """The Grams by `gram_rule` from their sums over the tokens and the counts of weighted tokens."""
     if gram_rule == "sum":
@@ -185,12 +202,13 @@ def expert_grams(
         for si, stack in enumerate(layer_map.stacks(tower)):
             states = [layer_map.enter_stack(tower, b, si, previous[k]) for k, b in enumerate(batches)]
             for bi, block in enumerate(stack.blocks):
+
+                def in_block(name: str, si: int = si, bi: int = bi) -> tuple[int, int, str]:
+                    return (si, bi, name)
+
                 for k, state in enumerate(states):
                     grams, states[k] = block_input_grams(layer_map, block, bi, state, dtype)
-                    for name, (gram, count) in grams.items():
-                        key = (si, bi, name)
-                        sums[key] = gram if key not in sums else sums[key] + gram
-                        tokens[key] = count + tokens.get(key, 0)
+                    add_grams(sums, tokens, grams, in_block)
             previous = states
     return finish_grams(sums, tokens, gram_rule)
 
@@ -275,8 +293,7 @@ def regmean_merging(
     for task, expert in experts.items():
         grams[task] = expert_grams(expert, batches[task], gram_rule=gram_rule)
         for (si, bi, name), gram in grams[task].items():  # NaN features: named here, not by the solver
-            where = f"features of calibration_data[{task!r}] entering block {bi} of {stack_names[si]}, module {name}"
-            check_finite(gram, where)
+            check_finite(gram, features_where(task, bi, stack_names[si], name))
     towers = {task: layer_map.tower(expert) for task, expert in experts.items()}
     merged_tower = layer_map.tower(merged)
     with torch.no_grad():

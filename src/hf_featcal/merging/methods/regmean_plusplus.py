@@ -44,8 +44,10 @@ from ..params import MergeMethod
 from ..registry import get_method, register
 from .average import simple_average
 from .regmean import (
+    add_grams,
     block_input_grams,
     check_arguments,
+    features_where,
     finish_grams,
     gram_rule_parameter,
     linear_specs,
@@ -129,13 +131,10 @@ def regmean_plusplus_merging(
                     for state in states:  # the merged stream into expert i's own block b
                         block_grams, _ = block_input_grams(layer_map, expert_block, bi, state.to(expert_device),
                                                            torch.float64)
-                        for name, (gram, count) in block_grams.items():
-                            sums[name] = gram if name not in sums else sums[name] + gram
-                            tokens[name] = count + tokens.get(name, 0)
+                        add_grams(sums, tokens, block_grams, str)
                     grams[task] = finish_grams(sums, tokens, gram_rule)
                     for name, gram in grams[task].items():  # NaN features: named here, not by the solver
-                        check_finite(gram, f"features of calibration_data[{task!r}] entering block {bi} of "
-                                           f"{stack.name}, module {name}")
+                        check_finite(gram, features_where(task, bi, stack.name, name))
                 for spec in linear_specs(layer_map, block):
                     solve_linear(block, spec, [grams[t][spec.name].to(device) for t in experts],
                                  [expert_stacks[t][si].blocks[bi] for t in experts], reduction,
