@@ -779,7 +779,7 @@ def _svc_alpha(args: argparse.Namespace) -> float | None:
     if args.svc_alpha is None:
         return svc_alpha_for(args.method)
     try:
-        return float(SVC_ALPHA.check(args.svc_alpha))
+        return SVC_ALPHA.check(args.svc_alpha)
     except ValueError as err:
         raise CLIError(f"--svc-alpha: {err}") from None
 

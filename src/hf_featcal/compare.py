@@ -1,7 +1,7 @@
 """Which merge, and which post-merging step, is best for these experts? One grid, one table.
 
-`compare_post_merging` runs every registered merge method once (`hf_featcal.merging.merge_methods`:
-average, Task Arithmetic, TIES, DARE, DARE-TIES, RegMean) at its paper defaults, then every
+`compare_post_merging` runs every registered merge method once (`hf_featcal.merging.merge_methods`;
+docs/merge-methods.md lists them) at its paper defaults, then every
 post-merging step on it (none, FeatCal, FeatCal module-granular where this build offers it, and SVC,
 `hf_featcal.merging.svc`), scores each result with the caller's `evaluate`, and returns one table per
 task and mean, with the experts' own scores as the ceiling and each run's last-block drift. A
