@@ -27,6 +27,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations: numerics, CPU kernels, settings, stream records, torch-free declarations", (
         "_kernels", "_kernels.*", "solver", "statistics", "config", "parameters", "devices", "interrupts", "data",
         "checkpointing", "restore", "hooks", "pipeline", "pipeline.streams", "merging.params", "merging.registry",
+        "post_merging.registry", "cost",
         "evaluation._datasets", "evaluation.clip_templates", "evaluation.glue_metric*", "evaluation.results",
     )),
     ("architectures: the layer maps", ("architectures", "architectures.*")),
@@ -34,7 +35,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("calibration stages, drift report, evaluation",
      ("pipeline.*", "report", "plotting", "evaluation", "evaluation.*")),
     ("the library: calibrator, merging, search", (
-        "", "calibrator", "merging", "merging.*", "regmean", "hparam_search", "tuning",
+        "", "calibrator", "merging", "merging.*", "post_merging", "post_merging.*", "regmean", "hparam_search",
+        "tuning",
     )),
     ("recipe declarations and scenarios", ("schema", "recipes.spec", "scenarios", "scenarios.*")),
     ("model families (recipe keys, processing, evaluation, saving per family)", ("families", "families.*")),

@@ -79,12 +79,14 @@ def test_a_failing_combination_is_reported_and_the_grid_goes_on(setting, tmp_pat
     table = result.to_markdown()
     # every line of the table has the header's cells: an error's `|` is escaped, its line break removed
     cells = [len(re.split(r"(?<!\\)\|", line)) for line in table.splitlines()]
-    columns = ["", "", *result.tasks, "mean", "drift", "seconds", ""]
+    columns = ["", "", *result.tasks, "mean", "drift", "seconds", "memory", "task at inference", "parameters", ""]
     assert len(cells) == 2 + len(result.rows()) and set(cells) == {len(columns)}
-    # the seconds column is the row's time, failed rows too
+    # the cost columns are the row's seconds and peak memory, failed rows too
     for row in result.rows():
         line = next(x for x in table.splitlines() if x.startswith(f"| {row} |"))
-        assert line.endswith(f" {result.seconds[row]:.1f} |"), line
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)][1:-1]
+        inference = ["no", "0"] if row in result.scores and row != "experts" else ["", ""]
+        assert cells[-4:] == [f"{result.seconds[row]:.1f}", f"{result.memory[row]:.0f}", *inference], line
     assert "| ties | failed: RuntimeError: out of memory \\| try a smaller batch or another device |" in table
     assert "| average+featcal |" in table
     paths = result.save(tmp_path / "out")
@@ -153,6 +155,6 @@ def test_unknown_methods_and_steps_are_named(setting):
     base, experts, data, evaluate = setting
     with pytest.raises(ValueError, match=r"`merges`: unknown methods \['slerp'\]"):
         compare_post_merging(base, experts, data, evaluate, merges=["slerp"])
-    with pytest.raises(ValueError, match=r"`post_merging`: unknown steps \['surgery'\]"):
-        compare_post_merging(base, experts, data, evaluate, post_merging=["surgery"])
+    with pytest.raises(ValueError, match=r"`post_merging`: unknown steps \['magic'\]"):
+        compare_post_merging(base, experts, data, evaluate, post_merging=["magic"])
     assert post_merging_steps()[:2] == ("none", "featcal")

@@ -11,20 +11,19 @@ the table (Markdown), a JSON file and a bar chart PNG.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
+from .cost import Cost, measure_cost, rss_method
 from .merging import MergeParameter, get_method, paper_defaults
-from .merging.svc import SVC_ALPHA, svc_alpha_for
-from .recipes.spec import POST_MERGING_STEPS
+from .merging.svc import SVC_ALPHA
+from .post_merging import PostMergingResult, get_step, step_names
 
 #: Merge method → its parameters in the grid (the paper settings each method declares), every
 #: registered method in registration order.
@@ -92,54 +91,104 @@ def markdown_cell(text: str) -> str:
 
 
 def post_merging_steps() -> tuple[str, ...]:
-    """The post-merging steps the grid offers: "none", "featcal", "featcal_module" and "svc"."""
-    return POST_MERGING_STEPS
+    """The post-merging steps the grid offers: every registered step (`hf_featcal.post_merging`), in
+    registration order, read when asked."""
+    return step_names()
+
+
+def grid_row(merge: str, step: str, examples: int | None = None) -> str:
+    """The grid's row name: "<merge>" for the merge as it is, "<merge>+<step>", and "<merge>+<step>@<n>"
+    for a step run on `examples` calibration examples per task (the sample-efficiency axis)."""
+    row = merge if step == "none" else f"{merge}+{step}"
+    return row if examples is None else f"{row}@{examples}"
 
 
 @dataclass
 class ComparisonResult:
     """Scores (task → value, plus "mean") per row: "experts" (each expert on its own task), then
-    "<merge>" and "<merge>+<step>"; the last-block drift per task of every run FeatCal measured (the
-    merge as given, from FeatCal's "before"); the error of every row that failed; seconds per row."""
+    "<merge>", "<merge>+<step>" and, on the sample-efficiency axis, "<merge>+<step>@<n>" (`grid_row`);
+    the last-block drift per task of every run FeatCal measured (the merge as given, from FeatCal's
+    "before"); the error of every row that failed; and each row's cost: ``seconds`` (wall clock),
+    ``memory`` (peak RSS increase during the row, MiB, measured as ``memory_method`` says:
+    `hf_featcal.cost`), ``device_memory`` (peak CUDA allocator increase, MiB, on CUDA only). A merge's
+    row costs the merge and its scoring; a step's row the step and its scoring; the experts' row their
+    scoring. ``needs_task``: whether the row's result needs the task at inference (per-task modules);
+    ``added_parameters``: the parameters it adds to the merged model (FeatCal and SVC: none).
+    ``samples``: the numbers of calibration examples per task of the axis (None: one run per step)."""
 
     tasks: list[str]
     scores: dict[str, dict[str, float]] = field(default_factory=dict)
     drift: dict[str, dict[str, float]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, float] = field(default_factory=dict)
+    device_memory: dict[str, float] = field(default_factory=dict)
+    needs_task: dict[str, bool] = field(default_factory=dict)
+    added_parameters: dict[str, int] = field(default_factory=dict)
+    samples: list[int] | None = None
+    memory_method: str = "VmHWM"
 
     def rows(self) -> list[str]:
         return [*self.scores, *(r for r in self.errors if r not in self.scores)]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.samples is not None:
+            out["curves"] = self.curves()
+        return out
 
     def succeeded(self) -> list[str]:
         """The requested rows (every row but "experts", the ceiling) that have scores."""
         return [row for row in self.scores if row != "experts"]
 
+    def curves(self) -> dict[str, dict[str, dict[str, float | None]]]:
+        """The sample-efficiency axis: merge → step → {examples per task (as text): mean score, None for a
+        failed run}; a step run once (the merge itself as "none", a data-free step) has the single key
+        "any"."""
+        out: dict[str, dict[str, dict[str, float | None]]] = {}
+        for row in self.rows():
+            if row == "experts":
+                continue
+            name, _, examples = row.partition("@")
+            merge, _, step = name.partition("+")
+            mean = self.scores[row]["mean"] if row in self.scores else None
+            out.setdefault(merge, {}).setdefault(step or "none", {})[examples or "any"] = mean
+        return out
+
     def to_markdown(self) -> str:
-        """The table: one row per result, one column per task, then the mean, the mean drift and the
-        seconds the row took (a merge's row: the merge and its scoring; a step's row: the step and its
-        scoring; the experts' row: their scoring)."""
-        header = ["", *map(markdown_cell, self.tasks), "mean", "last-block drift", "seconds"]
+        """The table: one row per result, one column per task, then the mean, the mean drift, the seconds
+        and the peak memory the row took (see the class docstring), whether its result needs the task at
+        inference, and the parameters it adds."""
+        cuda = bool(self.device_memory)
+        header = ["", *map(markdown_cell, self.tasks), "mean", "last-block drift", "seconds",
+                  f"peak RSS MiB ({self.memory_method})", *(["peak CUDA MiB"] if cuda else []),
+                  "task at inference", "added parameters"]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for row in self.rows():
-            seconds = f"{self.seconds[row]:.1f}" if row in self.seconds else ""
+            cost = [f"{self.seconds[row]:.1f}" if row in self.seconds else "",
+                    f"{self.memory[row]:.0f}" if row in self.memory else ""]
+            if cuda:
+                cost.append(f"{self.device_memory[row]:.0f}" if row in self.device_memory else "")
             if row in self.errors:  # an error's `|` or line breaks would end its row early
+                blanks = len(header) - 4 - len(cost)
                 lines.append(f"| {markdown_cell(row)} | failed: {markdown_cell(self.errors[row])} |"
-                             + " |" * (len(header) - 3) + f" {seconds} |")
+                             + " |" * blanks + " " + " | ".join(cost) + " | | |")
                 continue
             values = [f"{self.scores[row][t]:.1f}" for t in self.tasks] + [f"{self.scores[row]['mean']:.1f}"]
             drift = self.drift.get(row)
             values.append(f"{sum(drift.values()) / len(drift):.3g}" if drift else "")
-            values.append(seconds)
+            values += cost
+            if row in self.needs_task:
+                values += ["yes" if self.needs_task[row] else "no", f"{self.added_parameters.get(row, 0):,}"]
+            else:
+                values += ["", ""]
             lines.append(f"| {markdown_cell(row)} | " + " | ".join(values) + " |")
         return "\n".join(lines) + "\n"
 
     def save(self, output_dir: str | os.PathLike) -> dict[str, str]:
-        """Write comparison.md, comparison.json and comparison.png into `output_dir`; returns their paths."""
-        from .plotting import plot_comparison
+        """Write comparison.md, comparison.json and comparison.png into `output_dir`, and with `samples`
+        the sample-efficiency chart sample_efficiency.png; returns their paths."""
+        from .plotting import plot_comparison, plot_sample_efficiency
 
         os.makedirs(output_dir, exist_ok=True)
         paths = {kind: os.path.join(output_dir, f"comparison.{kind}") for kind in ("md", "json", "png")}
@@ -149,6 +198,8 @@ class ComparisonResult:
             json.dump(self.to_dict(), handle, indent=2)
             handle.write("\n")
         plot_comparison(self, paths["png"])
+        if self.samples is not None:
+            paths["samples_png"] = plot_sample_efficiency(self, os.path.join(output_dir, "sample_efficiency.png"))
         return paths
 
 
@@ -163,71 +214,138 @@ def _merge(method: str, params: Mapping[str, Any], base: nn.Module, experts: Map
     return merge_models(base, experts, method, **params)
 
 
-def compare_post_merging(  # noqa: C901 - one loop over the grid; each row's failure and drift is one branch
+def check_post_merging(post_merging: Sequence[str] | Mapping[str, Mapping[str, Any] | None] | None,
+                       svc_alpha: float | None = None) -> dict[str, dict[str, Any]]:
+    """The grid's step → parameters (laid over its paper defaults), every step, parameter name and value
+    checked against its declaration before anything is computed: step names (default: every registered
+    step) or a mapping step → parameters (None: the defaults); `svc_alpha` is the "svc" step's ``alpha``.
+    Raises ValueError naming ``post_merging`` (or ``svc_alpha``), the step and the parameter."""
+    offered = post_merging_steps()
+    if post_merging is None:
+        post_merging = offered
+    if not post_merging:
+        raise ValueError("`post_merging` must name at least one step (\"none\": the merge as it is).")
+    if isinstance(post_merging, str) or not isinstance(post_merging, (Mapping, Sequence)):
+        raise ValueError(f"`post_merging` must be step names or a mapping step → parameters, got {post_merging!r}.")
+    unknown = [s for s in post_merging if s not in offered]
+    if unknown:
+        raise ValueError(f"`post_merging`: unknown steps {unknown}; this build offers {list(offered)}.")
+    given = post_merging if isinstance(post_merging, Mapping) else dict.fromkeys(post_merging)
+    checked: dict[str, dict[str, Any]] = {}
+    for name, values in given.items():
+        if values is not None and not isinstance(values, Mapping):
+            raise ValueError(f"`post_merging[{name!r}]` must be a mapping of parameters, got {values!r}.")
+        step = get_step(name)
+        checked[name] = {**step.paper_defaults, **step.checked_parameters(values, "`post_merging`: ")}
+    if svc_alpha is not None:
+        try:
+            alpha = SVC_ALPHA.check(svc_alpha)
+        except ValueError as err:
+            raise ValueError(f"`svc_alpha` {err}.") from None
+        if "svc" in checked:
+            checked["svc"]["alpha"] = alpha
+    return checked
+
+
+def check_samples(samples: Sequence[int] | None, calibration_data: Mapping[str, Any]) -> list[int] | None:
+    """The numbers of calibration examples per task of the sample-efficiency axis, in increasing order:
+    integers ≥ 1, none given twice, none above the examples a task's (sized) calibration data hold;
+    ValueError naming ``samples`` otherwise. None stays None (the steps run once)."""
+    if samples is None:
+        return None
+    if isinstance(samples, (str, bytes)) or not isinstance(samples, Sequence) or not samples:
+        raise ValueError(f"`samples` must be a non-empty list of integers ≥ 1, got {samples!r}.")
+    for count in samples:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"`samples` must hold integers ≥ 1, got {count!r}.")
+    if len(set(samples)) != len(samples):
+        raise ValueError(f"`samples` lists a number twice: {list(samples)}.")
+    for task, data in calibration_data.items():
+        held = examples_in(data)
+        if held is not None and max(samples) > held:
+            raise ValueError(f"`samples`: {max(samples)} calibration examples per task asked for, but "
+                             f"calibration_data[{task!r}] holds {held}.")
+    return sorted(samples)
+
+
+def examples_in(data: Any) -> int | None:
+    """How many examples one task's calibration data hold: a `datasets.Dataset`'s rows, or the sum of
+    the batch sizes of a list of tensor batches (their first entry's first dimension); None when unknown."""
+    if isinstance(data, (list, tuple)) and all(isinstance(b, Mapping) and b for b in data):
+        sizes = [getattr(next(iter(b.values())), "shape", None) for b in data]
+        return sum(int(size[0]) for size in sizes) if all(size for size in sizes) else None  # type: ignore[index]
+    if hasattr(data, "num_rows") and hasattr(data, "__len__"):
+        return len(data)
+    return None
+
+
+def compare_post_merging(  # noqa: C901 - one loop over the grid; each row's failure, scoring and cost is a branch
     base: nn.Module,
     experts: Mapping[str, nn.Module],
     calibration_data: Mapping[str, Any],
     evaluate: Callable[[nn.Module], Mapping[str, float]],
     *,
     merges: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
-    post_merging: Sequence[str] | None = None,
+    post_merging: Sequence[str] | Mapping[str, Mapping[str, Any] | None] | None = None,
     featcal_config: Any = None,
     processing_class: Any = None,
     evaluate_expert: Callable[[nn.Module, str], float] | None = None,
     device: Any = None,
     log: Callable[[str], None] | None = None,
     svc_alpha: float | None = None,
+    samples: Sequence[int] | None = None,
 ) -> ComparisonResult:
-    """Run the grid merges × post-merging steps and score every result.
+    """Run the grid merges × post-merging steps and score every result, with its seconds and peak memory.
 
     Args:
         base, experts: the pre-trained model and task → fine-tuned expert (in memory).
         calibration_data: task → calibration data, as for `FeatCalCalibrator` (also the data of a
-            merge method that needs it, such as RegMean).
+            merge method that needs it, such as RegMean). Every step that needs data draws the same
+            examples from it: `featcal_config`'s ``num_samples_per_task`` drawn with its ``seed``
+            (`hf_featcal.data.sample_examples`; a list of batches: the first ones), the one calibration
+            set of the grid. Give examples that are not the evaluation's (a train split).
         evaluate: model → {task: score} (higher is better; a "mean" key, if any, is ignored and
             recomputed as the plain mean over the tasks).
         merges: method names (with `DEFAULT_MERGES` parameters) or method → parameters (`check_merges`).
-        post_merging: steps from `post_merging_steps()`; default all of them.
-        featcal_config: the `FeatCalConfig` of the FeatCal runs (default: the paper's defaults).
-        processing_class: passed to FeatCal and RegMean for `datasets.Dataset` calibration data.
-        evaluate_expert: (expert, task) → its score on its own task (default: ``evaluate(expert)[task]``,
-            which scores every task).
-        device: the device FeatCal runs on (default: accelerate's) and SVC's SVDs run on (default:
-            where the weights are).
+        post_merging: steps of `post_merging_steps()` (default: all of them), or step → parameters
+            laid over its paper defaults (`check_post_merging`).
+        featcal_config: the `FeatCalConfig` of the FeatCal runs and of every step's calibration draw
+            (default: the paper's defaults).
+        processing_class: passed to the steps and RegMean for `datasets.Dataset` calibration data.
+        evaluate_expert: (model, task) → its score on that task alone: the experts' row (each expert on
+            its task) and every row whose result has per-task modules (each task scored once, inside
+            ``task_modules.for_task(model, task)``). Default: ``evaluate(model)[task]``, which scores
+            every task each time.
+        device: the device the steps run on (default: accelerate's for FeatCal, where the weights are
+            for SVC's SVDs).
         log: called with one line per finished row (e.g. `print`).
         svc_alpha: α of every "svc" row (default: per merge, FusionBench's setting after that merge,
             `hf_featcal.merging.svc.svc_alpha_for`).
+        samples: numbers of calibration examples per task (`check_samples`): every step that needs
+            calibration data runs at each, on the first that many of the grid's draw (rows
+            "<merge>+<step>@<n>"); the merges, and the steps without data, run once. None: once, at
+            `featcal_config.num_samples_per_task`.
 
     Before any row is computed, a ValueError names what would fail every row: an unknown method or
     step, a parameter name or value its declaration refuses, an ``svc_alpha`` outside (0, inf), a task
-    without calibration data or with empty data, and (with a FeatCal step) a `forward_dtype` the models'
-    dtype cannot run. A row that fails later is recorded in `errors`. `evaluate` must score every task:
-    a ValueError names the missing tasks (a merged row fails with it; the experts' row, computed first,
-    stops the grid).
+    without calibration data or with empty data, a `samples` value a task's data cannot give, and (with
+    a FeatCal step) a `forward_dtype` the models' dtype cannot run. A row that fails later is recorded in
+    `errors`. `evaluate` must score every task: a ValueError names the missing tasks (a merged row fails
+    with it; the experts' row, computed first, stops the grid).
     """
-    from .calibrator import FeatCalCalibrator
     from .config import FeatCalConfig
-    from .merging import singular_value_calibration
 
     config = featcal_config if featcal_config is not None else FeatCalConfig()
     merges = check_merges(merges)
-    offered = post_merging_steps()
-    steps = tuple(offered if post_merging is None else post_merging)
-    unknown = [s for s in steps if s not in offered]
-    if unknown:
-        raise ValueError(f"`post_merging`: unknown steps {unknown}; this build offers {list(offered)}.")
-    if svc_alpha is not None:
-        try:
-            svc_alpha = SVC_ALPHA.check(svc_alpha)
-        except ValueError as err:
-            raise ValueError(f"`svc_alpha` {err}.") from None
+    steps = check_post_merging(post_merging, svc_alpha)
     check_calibration_tasks(experts, calibration_data)
+    counts = check_samples(samples, calibration_data)
     if any(step.startswith("featcal") for step in steps):  # what FeatCal would refuse in every row
         from .pipeline.checks import check_forward_dtype
 
         check_forward_dtype(config, {"base": base, **{f"experts[{t!r}]": e for t, e in experts.items()}})
     tasks = list(experts)
-    result = ComparisonResult(tasks=tasks)
+    result = ComparisonResult(tasks=tasks, samples=counts, memory_method=rss_method())
 
     def scores_of(model: nn.Module, wanted: Sequence[str], what: str) -> Mapping[str, Any]:
         values = evaluate(model)
@@ -238,74 +356,91 @@ def compare_post_merging(  # noqa: C901 - one loop over the grid; each row's fai
                              f"{sorted(values) if isinstance(values, Mapping) else type(values).__name__}).")
         return values
 
-    def score(model: nn.Module) -> dict[str, float]:
-        values = scores_of(model, tasks, "a merged model")
-        out = {t: float(values[t]) for t in tasks}
-        out["mean"] = sum(out.values()) / len(tasks)
+    def own(model: nn.Module, task: str, what: str = "the model of task") -> float:
+        if evaluate_expert is not None:
+            return evaluate_expert(model, task)
+        return scores_of(model, [task], f"{what}[{task!r}]" if what == "experts" else f"{what} {task!r}")[task]
+
+    def with_mean(out: dict[str, float]) -> dict[str, float]:
+        out["mean"] = sum(out[t] for t in tasks) / len(tasks)
         return out
 
-    def finish(row: str, start: float) -> None:
-        result.seconds[row] = round(time.perf_counter() - start, 2)
+    def score(outcome: PostMergingResult) -> dict[str, float]:
+        if outcome.task_modules is None:
+            values = scores_of(outcome.model, tasks, "a merged model")
+            return with_mean({t: float(values[t]) for t in tasks})
+        out = {}
+        for task in tasks:  # each task once, with its own module applied
+            with outcome.task_modules.for_task(outcome.model, task):
+                out[task] = float(own(outcome.model, task))
+        return with_mean(out)
+
+    def record(row: str, cost: Cost, outcome: PostMergingResult | None = None) -> None:
+        result.seconds[row] = round(cost.seconds, 2)
+        if cost.peak_rss_mib is not None:
+            result.memory[row] = round(cost.peak_rss_mib, 1)
+        if cost.peak_cuda_mib is not None:
+            result.device_memory[row] = round(cost.peak_cuda_mib, 1)
+        if outcome is not None and row in result.scores:
+            result.needs_task[row] = outcome.needs_task
+            result.added_parameters[row] = outcome.added_parameters
         if log is not None:
             shown = (f"mean {result.scores[row]['mean']:.2f}" if row in result.scores
                      else f"failed ({result.errors[row]})")
-            log(f"{row}: {shown} [{result.seconds[row]:.1f} s]")
+            memory = f", {result.memory[row]:.0f} MiB" if row in result.memory else ""
+            log(f"{row}: {shown} [{result.seconds[row]:.1f} s{memory}]")
 
-    start = time.perf_counter()
-    own = evaluate_expert if evaluate_expert is not None else (
-        lambda expert, task: scores_of(expert, [task], f"experts[{task!r}]")[task])
-    result.scores["experts"] = {t: float(own(expert, t)) for t, expert in experts.items()}
-    result.scores["experts"]["mean"] = sum(result.scores["experts"].values()) / len(tasks)
-    finish("experts", start)
+    with measure_cost() as cost:
+        result.scores["experts"] = with_mean({t: float(own(expert, t, "experts")) for t, expert in experts.items()})
+    record("experts", cost)
+    plan = [(step, n) for step in steps if step != "none"
+            for n in (counts if counts is not None and get_step(step).needs_calibration_data else [None])]
     for method, params in merges.items():
-        start = time.perf_counter()
-        try:
-            merged = _merge(method, params, base, experts, calibration_data, config, processing_class)
-        except Exception as err:  # noqa: BLE001 - a failing combination is reported, the grid goes on
-            for step in steps:
-                result.errors[method if step == "none" else f"{method}+{step}"] = f"merge: {type(err).__name__}: {err}"
-            finish(method if "none" in steps else f"{method}+{steps[0]}", start)
-            continue
-        if "none" in steps:
+        with measure_cost() as cost:
             try:
-                result.scores[method] = score(merged)
-            except Exception as err:  # noqa: BLE001
-                result.errors[method] = f"{type(err).__name__}: {err}"
-            finish(method, start)
-        for step in (s for s in steps if s != "none"):
-            row, start = f"{method}+{step}", time.perf_counter()
-            if step == "svc":
+                merged = _merge(method, params, base, experts, calibration_data, config, processing_class)
+            except Exception as err:  # noqa: BLE001 - a failing combination is reported, the grid goes on
+                merged = None
+                for step, n in [("none", None), *plan]:
+                    if step in steps:
+                        result.errors[grid_row(method, step, n)] = f"merge: {type(err).__name__}: {err}"
+            if merged is not None and "none" in steps:
                 try:
-                    alpha = svc_alpha if svc_alpha is not None else svc_alpha_for(method)
-                    result.scores[row] = score(singular_value_calibration(merged, base, experts, alpha=alpha,
-                                                                          device=device))
+                    result.scores[method] = score(PostMergingResult(merged))
+                except Exception as err:  # noqa: BLE001
+                    result.errors[method] = f"{type(err).__name__}: {err}"
+        record(grid_row(method, "none" if "none" in steps else plan[0][0], None if "none" in steps else plan[0][1]),
+               cost, PostMergingResult(merged))
+        if merged is None:
+            continue
+        for step, n in plan:
+            row = grid_row(method, step, n)
+            step_config = config if n is None else dataclasses.replace(config, num_samples_per_task=n)
+            outcome = None
+            with measure_cost() as cost:
+                try:
+                    outcome = get_step(step).run(merged, base, experts, calibration_data, config=step_config,
+                                                 processing_class=processing_class, device=device, **steps[step])
+                    result.scores[row] = score(outcome)
                 except Exception as err:  # noqa: BLE001
                     result.errors[row] = f"{type(err).__name__}: {err}"
-                finish(row, start)
-                continue
-            step_config = dataclasses.replace(config, granularity="module") if step == "featcal_module" else config
-            try:
-                calibrator = FeatCalCalibrator(copy.deepcopy(merged), base, experts, calibration_data, step_config,
-                                               processing_class=processing_class, device=device,
-                                               show_progress=False)
-                calibrated = calibrator.calibrate()
-                result.scores[row] = score(calibrated)
-                if calibrator.report is not None:
-                    tasks_drift = calibrator.report.tasks
-                    result.drift[row] = {t: d["after"][-1] for t, d in tasks_drift.items()}
-                    result.drift.setdefault(method, {t: d["before"][-1] for t, d in tasks_drift.items()})
-            except Exception as err:  # noqa: BLE001
-                result.errors[row] = f"{type(err).__name__}: {err}"
-            finish(row, start)
+            if outcome is not None and outcome.report is not None:
+                drift = outcome.report.tasks
+                result.drift[row] = {t: d["after"][-1] for t, d in drift.items()}
+                result.drift.setdefault(method, {t: d["before"][-1] for t, d in drift.items()})
+            record(row, cost, outcome)
+            del outcome
     return result
 
 
 def compare_demo(output_dir: str | os.PathLike, *, seed: int = 0, cache_dir: str | os.PathLike | None = None,
                  samples_per_task: int = 64, merges: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
-                 post_merging: Sequence[str] | None = None, scenario_overrides: Mapping[str, Any] | None = None,
-                 scenario: str = "digits", log: Callable[[str], None] | None = print) -> ComparisonResult:
-    """The grid on an offline demo scenario; writes the table, JSON and chart into `output_dir`. Scores
-    are test accuracy in %.
+                 post_merging: Sequence[str] | Mapping[str, Mapping[str, Any] | None] | None = None,
+                 scenario_overrides: Mapping[str, Any] | None = None, scenario: str = "digits",
+                 log: Callable[[str], None] | None = print, samples: Sequence[int] | None = None) -> ComparisonResult:
+    """The grid on an offline demo scenario; writes the table, JSON and charts into `output_dir`. Scores
+    are test accuracy in %; calibration examples come from each task's train split (the first
+    `samples_per_task`, or the first of each number of `samples`), never the test split.
 
     `scenario` is "digits" (tiny CLIP vision encoder trained from scratch, four digit tasks;
     `hf_featcal.scenarios.digits`) or "minilm" (the real all-MiniLM-L6-v2 encoder, four tasks of real
@@ -322,16 +457,14 @@ def compare_demo(output_dir: str | os.PathLike, *, seed: int = 0, cache_dir: str
         from .scenarios.digits import build_digits_scenario
 
         built: Any = build_digits_scenario(seed=seed, cache_dir=cache_dir, **overrides)
-        evaluate_expert = None
     elif scenario == "minilm":
         from .scenarios.minilm import build_minilm_scenario
 
-        overrides.setdefault("calibration_samples", samples_per_task)
+        if "calibration_samples" in overrides:
+            samples_per_task = overrides["calibration_samples"]
+        # enough examples for every number of the axis; the grid's own draw stays `samples_per_task`
+        overrides["calibration_samples"] = max([samples_per_task, *(samples or [])])
         built = build_minilm_scenario(seed=seed, cache_dir=cache_dir, **overrides)
-        samples_per_task = overrides["calibration_samples"]
-
-        def evaluate_expert(expert: nn.Module, task: str) -> float:
-            return 100.0 * built.evaluate_task(expert, task)
     else:
         raise ValueError(f"`scenario` must be 'digits' or 'minilm', got {scenario!r}")
     with warnings.catch_warnings():
@@ -341,7 +474,7 @@ def compare_demo(output_dir: str | os.PathLike, *, seed: int = 0, cache_dir: str
             lambda model: {t: 100.0 * v for t, v in built.evaluate(model).items()},
             merges=merges, post_merging=post_merging,
             featcal_config=FeatCalConfig(num_samples_per_task=samples_per_task),
-            evaluate_expert=evaluate_expert, log=log,
+            evaluate_expert=lambda model, task: 100.0 * built.evaluate_task(model, task), log=log, samples=samples,
         )
     result.save(output_dir)
     return result
@@ -349,13 +482,16 @@ def compare_demo(output_dir: str | os.PathLike, *, seed: int = 0, cache_dir: str
 
 def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
                    merges: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
-                   post_merging: Sequence[str] | None = None, device: str | None = None,
-                   log: Callable[[str], None] | None = print) -> ComparisonResult:
+                   post_merging: Sequence[str] | Mapping[str, Mapping[str, Any] | None] | None = None,
+                   device: str | None = None, log: Callable[[str], None] | None = print,
+                   samples: Sequence[int] | None = None) -> ComparisonResult:
     """The grid on a validated recipe (`hf_featcal.recipes.Recipe`): its base, experts, calibration
     data, FeatCal settings and evaluation (the family's headline score per task, in %); its `merge`
     section is not used. The grid is the recipe's `compare` section (default: `DEFAULT_MERGES` × every
-    post-merging step), restricted by `merges` / `post_merging` when given. Writes comparison.md /
-    .json / .png into `output_dir` (default: the recipe's output_dir).
+    post-merging step; its ``samples``), restricted by `merges` / `post_merging` / `samples` when given.
+    The calibration examples are the recipe's calibration data (its ``split``, train by default; not the
+    evaluation's). Writes comparison.md / .json / .png (and sample_efficiency.png) into `output_dir`
+    (default: the recipe's output_dir).
 
     The experts are held in memory (RegMean runs each expert's own forward; the ceiling row
     evaluates each expert on its own task)."""
@@ -379,8 +515,10 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
     grid = recipe.compare
     if merges is None and grid is not None:
         merges = grid.merges
-    if post_merging is None and grid is not None:
-        post_merging = grid.post_merging
+    if post_merging is None and grid is not None and grid.post_merging is not None:
+        post_merging = {step: grid.step_parameters.get(step) for step in grid.post_merging}
+    if samples is None and grid is not None:
+        samples = grid.samples
     if device is None:
         import torch
 
@@ -398,7 +536,7 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
         merges=merges, post_merging=post_merging, featcal_config=recipe.featcal,
         processing_class=family.calibration_processing_class(inputs.processing),
         evaluate_expert=lambda expert, task: 100.0 * evaluate(expert, [task])[0][task],
-        device=device, log=log,
+        device=device, log=log, samples=samples,
     )
     result.save(out)
     return result

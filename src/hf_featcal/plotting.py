@@ -12,7 +12,7 @@ from typing import Any
 
 from .report import DriftReport
 
-__all__ = ["comparison_figure", "plot_comparison", "plot_drift"]
+__all__ = ["comparison_figure", "plot_comparison", "plot_drift", "plot_sample_efficiency", "sample_efficiency_figure"]
 
 
 def plot_drift(
@@ -95,7 +95,8 @@ def plot_drift(
 
 
 #: Colours of the compare grid's post-merging steps (another step takes the next free one of the cycle).
-_STEP_COLOURS = {"none": "#9e9e9e", "featcal": "#1f77b4", "featcal_module": "#17becf", "svc": "#ff7f0e"}
+_STEP_COLOURS = {"none": "#9e9e9e", "featcal": "#1f77b4", "featcal_module": "#17becf", "svc": "#ff7f0e",
+                 "surgery": "#2ca02c", "prob_surgery": "#d62728"}
 
 
 def plot_comparison(result: Any, path: str | os.PathLike, *, dpi: int = 120) -> str:
@@ -166,6 +167,69 @@ def comparison_figure(result: Any) -> Any:
         on_top = blended_transform_factory(axes.transData, axes.transAxes)
         axes.text(ceiling, 1.0, f"experts {ceiling:.1f}", transform=on_top, va="bottom", ha="center", fontsize=7)
     figure.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize="small", frameon=False)
+    return figure
+
+
+def plot_sample_efficiency(result: Any, path: str | os.PathLike, *, dpi: int = 120) -> str:
+    """Write `sample_efficiency_figure(result)` (a `compare.ComparisonResult` with ``samples``) as an
+    image file; returns the path."""
+    figure = sample_efficiency_figure(result)
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    figure.savefig(path, dpi=dpi)
+    return path
+
+
+def sample_efficiency_figure(result: Any) -> Any:
+    """Mean score against calibration examples per task (log axis, ticks at the numbers run), one panel
+    per merge: one line with markers per post-merging step run at each number, the merge itself and the
+    steps without data as flat lines (dotted), the experts' mean as the dashed black ceiling. A failed
+    run is a gap in its line. Returns the matplotlib ``Figure`` (Agg canvas)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if not result.samples:
+        raise ValueError("the comparison has no sample-efficiency axis (it was run without `samples`)")
+    counts = list(result.samples)
+    curves = result.curves()
+    merges = list(curves)
+    ceiling = result.scores["experts"]["mean"] if "experts" in result.scores else None
+    columns = min(len(merges), 3) or 1
+    panels = -(-max(len(merges), 1) // columns)
+    figure = Figure(figsize=(max(6.4, 4.2 * columns), 3.3 * panels + 0.8), layout="constrained")
+    FigureCanvasAgg(figure)
+    steps = list(dict.fromkeys(step for merge in merges for step in curves[merge]))
+    free = iter(c for c in _colours(len(steps) + len(_STEP_COLOURS)) if c not in _STEP_COLOURS.values())
+    colours = {step: _STEP_COLOURS.get(step) or next(free) for step in steps}
+    handles: dict[str, Any] = {}
+    for index, merge in enumerate(merges):
+        axes = figure.add_subplot(panels, columns, index + 1)
+        for step, points in curves[merge].items():
+            label = f"{merge} (merge only)" if step == "none" else step
+            if "any" in points:  # run once: a flat line across the axis
+                if points["any"] is None:
+                    continue
+                line = axes.plot([counts[0], counts[-1]], [points["any"]] * 2, linestyle=":", linewidth=1.6,
+                                 color=colours[step], label=label)[0]
+                handles.setdefault("merge only" if step == "none" else f"{step} (no data)", line)
+                continue
+            values = [points.get(str(n)) for n in counts]
+            line = axes.plot(counts, [float("nan") if v is None else v for v in values], marker="o", markersize=4,
+                             linewidth=1.6, color=colours[step], label=label)[0]
+            handles.setdefault(step, line)
+        if ceiling is not None:
+            handles.setdefault("experts (ceiling)", axes.axhline(ceiling, color="black", linestyle="--",
+                                                                  linewidth=1))
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(counts, [str(n) for n in counts])
+        axes.minorticks_off()
+        axes.set_title(merge, fontsize="medium")
+        axes.set_xlabel("calibration examples per task")
+        axes.set_ylabel("mean score")
+        axes.grid(True, alpha=0.3)
+    figure.suptitle("accuracy against calibration examples per task")
+    figure.legend(list(handles.values()), list(handles), loc="outside lower center",
+                  ncol=min(len(handles), 3 if columns == 1 else 5), fontsize="small", frameon=False)
     return figure
 
 

@@ -31,10 +31,10 @@ from typing import Any
 
 from .merging import MergeParameter, get_method, merge_methods
 from .merging.params import show_value as _show
+from .post_merging import step_names
 
 __all__ = [
     "MergeParameter",
-    "POST_MERGING_STEPS",
     "RECIPE_SECTIONS",
     "RecipeKey",
     "TASK",
@@ -86,10 +86,6 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*)
 
 #: Stands for any expert task name in a key path (``calibration.tasks.<task>.split``).
 TASK = "<task>"
-
-#: The post-merging steps the compare grid offers (rows "<merge>+<step>"; "none" is the merge as it is;
-#: "svc" is `hf_featcal.merging.svc.singular_value_calibration`).
-POST_MERGING_STEPS: tuple[str, ...] = ("none", "featcal", "featcal_module", "svc")
 
 #: What a value of each kind looks like, in the rendered schema.
 _KIND_TEXT = {
@@ -148,6 +144,8 @@ class RecipeKey:
         """E.g. ``clip | flan_t5 | open_clip``, ``<int ≥ 1 or null>``."""
         if self.value_text is not None:
             return self.value_text
+        if self.kind == "list" and self.allowed():
+            return "[" + " | ".join(self.allowed()) + ", ...]"
         if self.allowed():
             return " | ".join(self.allowed())
         if self.kind == "int":
@@ -279,9 +277,13 @@ RECIPE_SECTIONS: dict[str, tuple[RecipeKey, ...]] = {
     "compare": (
         RecipeKey("merges", "mapping", "method -> parameters laid over its defaults (null: the defaults)",
                   value_text="{<method>: {<param>: <value>} | null}", default_text="hf_featcal.compare.DEFAULT_MERGES"),
-        RecipeKey("post_merging", "list", "the post-merging steps",
-                  value_text="[" + " | ".join(POST_MERGING_STEPS) + ", ...]",
-                  default_text="every step this build offers"),
+        # choices: the registered post-merging steps (`hf_featcal.post_merging`), read when asked
+        RecipeKey("post_merging", "list", "the post-merging steps; or a mapping step -> parameters laid over its "
+                  "paper defaults (null: the defaults)", default_text="every step this build offers",
+                  choices_of=step_names),
+        RecipeKey("samples", "list", "calibration examples per task: every post-merging step that needs data runs at "
+                  "each (the sample-efficiency chart); null: once, at featcal.num_samples_per_task",
+                  value_text="[<int ≥ 1>, ...]", nullable=True),
     ),
 }
 

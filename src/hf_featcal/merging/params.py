@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
 
-__all__ = ["CALIBRATION_ARGUMENTS", "MERGE_CONFIG_ATTRIBUTE", "SCALING_FACTOR", "MergeMethod", "MergeParameter"]
+__all__ = [
+    "CALIBRATION_ARGUMENTS", "MERGE_CONFIG_ATTRIBUTE", "SCALING_FACTOR", "DeclaredFunction", "MergeMethod",
+    "MergeParameter",
+]
 
 #: Name of the config attribute that records how a model was merged.
 MERGE_CONFIG_ATTRIBUTE = "hf_featcal_merge"
@@ -96,15 +99,13 @@ SCALING_FACTOR = MergeParameter(
 
 
 @dataclass(frozen=True)
-class MergeMethod:
-    """One merge method, as its file in `hf_featcal.merging.methods` declares and registers it.
+class DeclaredFunction:
+    """A function with declared parameters: the shape a merge method (`MergeMethod`) and a post-merging
+    step (`hf_featcal.post_merging.PostMergingStep`) share.
 
-    ``function(base_model, experts, **parameters)`` returns the merged model; a method that
-    ``needs_calibration_data`` also takes the `CALIBRATION_ARGUMENTS`. ``parameters`` are in the
-    order of the function's signature, with its defaults; ``paper_defaults`` are the parameters the
-    ``hf-featcal compare`` grid sets (the paper's setting); ``aliases`` are other accepted names (the
-    ``method`` a ``config.hf_featcal_merge`` record holds).
-    """
+    ``function`` takes the `fixed_arguments` (the models, the data, what the caller provides) and the
+    declared ``parameters`` (in the order of its signature, with its defaults); ``paper_defaults`` are
+    the parameters the ``hf-featcal compare`` grid sets (the paper's setting)."""
 
     name: str
     function: Callable[..., Any]
@@ -113,13 +114,16 @@ class MergeMethod:
     parameters: tuple[MergeParameter, ...] = ()
     paper_defaults: Mapping[str, Any] = field(default_factory=dict)
     needs_calibration_data: bool = False
-    aliases: tuple[str, ...] = ()
-    #: α of Singular Value Calibration after this merge (FusionBench's SVC config for it; None: SVC's
-    #: default), what the compare grid and ``hf-featcal merge --svc`` use unless α is given
-    svc_alpha: float | None = None
+
+    #: what the declarations are called in errors
+    kind_text = "function"
+
+    def fixed_arguments(self) -> tuple[str, ...]:
+        """The function's arguments that are not declared parameters."""
+        return ()
 
     def declared(self) -> dict[str, MergeParameter]:
-        """Name -> declaration of the method's parameters."""
+        """Name -> declaration of the parameters."""
         return {p.name: p for p in self.parameters}
 
     def check(self, **values: object) -> tuple:
@@ -135,21 +139,50 @@ class MergeMethod:
         return tuple(out)
 
     def check_declaration(self) -> None:
-        """The parameters name exactly the function's own (besides the models and, for a method that
-        needs calibration data, the `CALIBRATION_ARGUMENTS`), with its defaults, and the paper defaults
-        are values the declarations accept (a drift is a programming error, caught at registration)."""
-        fixed = ("base_model", "experts", *(CALIBRATION_ARGUMENTS if self.needs_calibration_data else ()))
+        """The parameters name exactly the function's own (besides the `fixed_arguments`), with its
+        defaults, and the paper defaults are values the declarations accept (a drift is a programming
+        error, caught at registration)."""
+        fixed = self.fixed_arguments()
         signature = inspect.signature(self.function).parameters
         from_signature = {n: p.default for n, p in signature.items() if n not in fixed}
         from_declarations = {p.name: p.default for p in self.parameters}
         if from_signature != from_declarations:
             raise RuntimeError(
-                f"merge method {self.name!r}: {self.function.__name__}'s parameters {from_signature} differ from "
+                f"{self.kind_text} {self.name!r}: {self.function.__name__}'s parameters {from_signature} differ from "
                 f"its declarations {from_declarations}"
             )
+        missing = [n for n in fixed if n not in signature]
+        if missing:
+            raise RuntimeError(f"{self.kind_text} {self.name!r}: {self.function.__name__} lacks the arguments "
+                               f"{missing}")
         unknown = [n for n in self.paper_defaults if n not in from_declarations]
         if unknown:
-            raise RuntimeError(f"merge method {self.name!r}: paper defaults for undeclared parameters {unknown}")
+            raise RuntimeError(f"{self.kind_text} {self.name!r}: paper defaults for undeclared parameters {unknown}")
         self.check(**self.paper_defaults)
+
+
+@dataclass(frozen=True)
+class MergeMethod(DeclaredFunction):
+    """One merge method, as its file in `hf_featcal.merging.methods` declares and registers it.
+
+    ``function(base_model, experts, **parameters)`` returns the merged model; a method that
+    ``needs_calibration_data`` also takes the `CALIBRATION_ARGUMENTS`. ``parameters`` are in the
+    order of the function's signature, with its defaults; ``paper_defaults`` are the parameters the
+    ``hf-featcal compare`` grid sets (the paper's setting); ``aliases`` are other accepted names (the
+    ``method`` a ``config.hf_featcal_merge`` record holds).
+    """
+
+    aliases: tuple[str, ...] = ()
+    #: α of Singular Value Calibration after this merge (FusionBench's SVC config for it; None: SVC's
+    #: default), what the compare grid and ``hf-featcal merge --svc`` use unless α is given
+    svc_alpha: float | None = None
+
+    kind_text = "merge method"
+
+    def fixed_arguments(self) -> tuple[str, ...]:
+        return ("base_model", "experts", *(CALIBRATION_ARGUMENTS if self.needs_calibration_data else ()))
+
+    def check_declaration(self) -> None:
+        super().check_declaration()
         if self.svc_alpha is not None and not (isinstance(self.svc_alpha, float) and self.svc_alpha > 0):
             raise RuntimeError(f"merge method {self.name!r}: svc_alpha must be a float > 0, got {self.svc_alpha!r}")

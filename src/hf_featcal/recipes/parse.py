@@ -17,6 +17,7 @@ from typing import Any
 from ..config import FeatCalConfig
 from ..families import ModelFamily, get_family, iter_families, source_schemes
 from ..merging import get_method, merge_methods, paper_defaults
+from ..post_merging import get_step, step_names
 from ..schema import (
     FAMILY_KEY_ATTRIBUTES,
     TASK,
@@ -26,7 +27,6 @@ from ..schema import (
 )
 from .spec import (
     DEFAULT_NUM_EXAMPLES,
-    POST_MERGING_STEPS,
     CompareSpec,
     DatasetSpec,
     EvaluationSpec,
@@ -138,7 +138,12 @@ class Recipe:
         if self.compare is not None:
             result["compare"] = {"merges": copy.deepcopy(self.compare.merges)}
             if self.compare.post_merging is not None:
-                result["compare"]["post_merging"] = list(self.compare.post_merging)
+                parameters = self.compare.step_parameters
+                result["compare"]["post_merging"] = (
+                    {s: copy.deepcopy(parameters.get(s)) for s in self.compare.post_merging} if parameters
+                    else list(self.compare.post_merging))
+            if self.compare.samples is not None:
+                result["compare"]["samples"] = list(self.compare.samples)
         return result
 
 
@@ -350,17 +355,49 @@ def _parse_compare(v: KeyChecker, section: Any) -> CompareSpec:
                 except ValueError as err:
                     raise v.error(f"{path}.{key}", str(err)) from None
             merges[method] = {**defaults[method], **checked}
-    steps = section.get("post_merging")
-    if steps is not None:
-        steps = v.string_list(steps, "compare.post_merging")
-        offered = POST_MERGING_STEPS
-        for i, step in enumerate(steps):
+    steps, step_parameters = _parse_post_merging(v, section.get("post_merging"))
+    samples = section.get("samples")
+    if samples is not None:
+        if not isinstance(samples, list) or not samples:
+            raise v.error("compare.samples", f"must be a non-empty list of integers ≥ 1 (or null), got {show(samples)}")
+        for i, count in enumerate(samples):
+            v.integer(count, f"compare.samples[{i}]", minimum=1)
+            if count in samples[:i]:
+                raise v.error(f"compare.samples[{i}]", f"{count} is listed twice")
+    return CompareSpec(merges=merges, post_merging=steps, step_parameters=step_parameters, samples=samples)
+
+
+def _parse_post_merging(v: KeyChecker, raw: Any) -> tuple[list[str] | None, dict[str, dict[str, Any]]]:
+    """``compare.post_merging``: a list of registered steps, or a mapping step → parameters (checked by
+    the step's declarations; null: its defaults). Returns the steps and the parameters given."""
+    if raw is None:
+        return None, {}
+    offered = step_names()
+    if isinstance(raw, Mapping):
+        if not raw:
+            raise v.error("compare.post_merging", "must not be empty")
+        parameters: dict[str, dict[str, Any]] = {}
+        for step, values in raw.items():
+            path = f"compare.post_merging.{step}"
             if step not in offered:
-                raise v.error(f"compare.post_merging[{i}]",
-                              f"unknown post-merging step {step!r}; this build offers {list(offered)}")
-            if step in steps[:i]:
-                raise v.error(f"compare.post_merging[{i}]", f"step {step!r} is listed twice")
-    return CompareSpec(merges=merges, post_merging=steps)
+                raise v.error(path, f"unknown post-merging step; this build offers {list(offered)}")
+            if values is not None and not isinstance(values, Mapping):
+                raise v.error(path, f"must be a mapping of parameters or null, got {show(values)}")
+            try:
+                checked = get_step(step).checked_parameters(values)
+            except ValueError as err:
+                raise v.error(path, str(err)) from None
+            if checked:
+                parameters[step] = checked
+        return list(raw), parameters
+    steps = v.string_list(raw, "compare.post_merging")
+    for i, step in enumerate(steps):
+        if step not in offered:
+            raise v.error(f"compare.post_merging[{i}]",
+                          f"unknown post-merging step {step!r}; this build offers {list(offered)}")
+        if step in steps[:i]:
+            raise v.error(f"compare.post_merging[{i}]", f"step {step!r} is listed twice")
+    return steps, {}
 
 
 # -------------------------------------------------------------------------------- featcal

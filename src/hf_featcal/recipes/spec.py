@@ -13,7 +13,6 @@ from typing import Any
 
 from ..schema import (
     HUB_ID,
-    POST_MERGING_STEPS,
     RecipeKey,
     check_integer,
     check_string,
@@ -22,7 +21,6 @@ from ..schema import (
 )
 
 __all__ = [
-    "POST_MERGING_STEPS",
     "CompareSpec",
     "DatasetSpec",
     "EvaluationSpec",
@@ -104,11 +102,14 @@ class EvaluationSpec:
 
 @dataclass
 class CompareSpec:
-    """The grid of `hf-featcal compare RECIPE`: method → parameters, and the post-merging steps
-    (None: every step of `POST_MERGING_STEPS`)."""
+    """The grid of `hf-featcal compare RECIPE`: method → parameters; the post-merging steps (None: every
+    registered step, `hf_featcal.post_merging.step_names`) with the parameters laid over each one's
+    paper defaults; and the numbers of calibration examples per task the steps run at (None: once)."""
 
     merges: dict[str, dict[str, Any]]
     post_merging: list[str] | None = None
+    step_parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
+    samples: list[int] | None = None
 
 
 class KeyChecker:

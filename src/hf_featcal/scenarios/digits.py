@@ -495,9 +495,13 @@ class DigitsScenario(MergingScenario):
         """Per-task accuracy of ``vision_model`` with every task's head."""
         return evaluate_tasks(vision_model, self.heads, self.data, split)
 
+    def evaluate_task(self, vision_model: nn.Module, task: str, split: str = "test") -> float:
+        """Accuracy of ``vision_model`` with ``task``'s head on that task's ``split`` (one task scored)."""
+        return accuracy(vision_model, self.heads[task], *self._split(task, split))
+
     def evaluate_experts(self, split: str = "test") -> dict[str, float]:
         """Each expert's accuracy on its own task."""
-        return {t: accuracy(self.experts[t], self.heads[t], *self._split(t, split)) for t in self.tasks}
+        return {t: self.evaluate_task(self.experts[t], t, split) for t in self.tasks}
 
     def _split(self, task: str, split: str) -> tuple[Tensor, Tensor]:
         d = self.data[task]
