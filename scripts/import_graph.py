@@ -38,7 +38,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     )),
     ("recipe declarations and scenarios", ("schema", "recipes.spec", "scenarios", "scenarios.*")),
     ("model families (recipe keys, processing, evaluation, saving per family)", ("families", "families.*")),
-    ("the runners: recipes, compare, CLI", ("recipes", "recipes.*", "compare", "cli", "__main__")),
+    ("the runners: recipes, compare, CLI", ("recipes", "recipes.*", "compare", "cli", "cli.*", "__main__")),
 ]
 
 
