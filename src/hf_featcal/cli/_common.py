@@ -33,7 +33,6 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-
 FORMATTER = argparse.RawDescriptionHelpFormatter
 
 

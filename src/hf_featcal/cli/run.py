@@ -1,5 +1,4 @@
-"""``hf-featcal run RECIPE.yaml``: a whole YAML recipe, merge → FeatCal → evaluate → save (→ push).
-"""
+"""``hf-featcal run RECIPE.yaml``: a whole YAML recipe, merge → FeatCal → evaluate → save (→ push)."""
 
 from __future__ import annotations
 
