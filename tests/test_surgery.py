@@ -44,8 +44,9 @@ def clip_setting(seed: int = 0):
 
 
 def surgery_reference(z, down, up):
-    """ẑ = z − U·ReLU(D·z), row by row, in float64."""
-    return torch.stack([row - up @ torch.clamp(down @ row, min=0) for row in z])
+    """ẑ = z − U·ReLU(D·z), one vector (the last dimension) at a time."""
+    rows = z.reshape(-1, z.shape[-1])
+    return torch.stack([row - up @ torch.clamp(down @ row, min=0) for row in rows]).reshape(z.shape)
 
 
 # ---------------------------------------------------------------------------- the modules
@@ -287,3 +288,124 @@ def test_bad_models_and_data_are_refused_before_any_forward():
     with pytest.raises(ValueError, match="no known representation point"):
         fit_surgery(torch.nn.Linear(2, 2), experts, data)
     assert not forwards
+
+
+def test_module_init_follows_the_seed_not_the_global_random_state():
+    point = representation_point(CLIPModel(tiny_clip_config()))
+    torch.manual_seed(5)
+    first = TaskModules("surgery", TASKS, point, seed=0)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(6)
+    second = TaskModules("surgery", TASKS, point, seed=0)
+    torch.manual_seed(6)
+    other = TaskModules("surgery", TASKS, point, seed=1)
+    assert torch.equal(first.corrections[0].down.weight, second.corrections[0].down.weight)
+    assert not torch.equal(first.corrections[0].down.weight, first.corrections[1].down.weight)  # per task
+    assert not torch.equal(first.corrections[0].down.weight, other.corrections[0].down.weight)
+    torch.manual_seed(5)
+    TaskModules("surgery", TASKS, point, seed=0)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global random state is left as it was
+
+
+# ---------------------------------------------------------------------------- other architectures
+def _text(generator, labels: bool = False):
+    ids = torch.randint(2, 40, (3, 7), generator=generator)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[0, 4:] = 0  # padding
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if labels:
+        target = torch.randint(2, 40, (3, 5), generator=generator)
+        target[1, 3:] = -100
+        batch["labels"] = target
+    return batch
+
+
+def _check_for_task(model, modules, task, run, read, selected):
+    """Under `for_task`, the representation (`read` of the output of `run`) becomes the module's correction
+    of it, computed by hand in float64 on the selected rows; the rest of the output is unchanged."""
+    with torch.no_grad():
+        plain = read(run())
+        with modules.for_task(model, task):
+            corrected = read(run())
+        module = modules.module_for(task)
+        expected = plain.clone()
+        expected[selected] = surgery_reference(plain[selected], module.down.weight, module.up.weight)
+        torch.testing.assert_close(corrected, expected, rtol=1e-10, atol=1e-10)
+        assert float((expected - plain).abs().max()) > 1e-4
+
+
+def _trained(point, dtype=torch.float64):
+    torch.manual_seed(0)
+    modules = TaskModules("surgery", ["a"], point).to(dtype)
+    with torch.no_grad():
+        modules.module_for("a").up.weight.normal_()
+    return modules
+
+
+def test_bert_and_vit_read_the_pooled_token_of_the_last_hidden_state(generator):
+    from transformers import BertConfig, BertForSequenceClassification, ViTConfig, ViTForImageClassification
+
+    bert = BertForSequenceClassification(BertConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        num_labels=3)).eval().double()
+    batch = _text(generator)
+    point = representation_point(bert)
+    assert (point.module, point.selection, point.token_index) == ("bert.encoder.layer.1", "token", 0)
+    hidden = bert(**batch, output_hidden_states=True).hidden_states[-1]
+    torch.testing.assert_close(representations(bert, [batch]), hidden[:, 0].float())
+    _check_for_task(bert, _trained(point), "a", lambda: bert.bert(**batch).last_hidden_state, lambda h: h,
+                    (slice(None), 0))
+
+    vit = ViTForImageClassification(ViTConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, image_size=8,
+        patch_size=4, num_labels=3)).eval().double()
+    pixels = {"pixel_values": torch.randn(4, 3, 8, 8, generator=generator, dtype=torch.float64)}
+    point = representation_point(vit)
+    assert (point.module, point.selection, point.token_index) == ("vit.layernorm", "token", 0)
+    torch.testing.assert_close(representations(vit, [pixels]), vit.vit(**pixels).last_hidden_state[:, 0].float())
+    _check_for_task(vit, _trained(point), "a", lambda: vit.vit(**pixels).last_hidden_state, lambda h: h,
+                    (slice(None), 0))
+
+
+def test_t5_and_llama_read_the_last_hidden_state_at_the_weighted_positions(generator):
+    from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(
+        vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2, decoder_start_token_id=0,
+        feed_forward_proj="gated-gelu")).eval().double()
+    batch = _text(generator, labels=True)
+    point = representation_point(t5)
+    assert (point.module, point.selection) == ("decoder.final_layer_norm", "positions")
+    hidden = t5(**batch, output_hidden_states=True).decoder_hidden_states[-1]
+    weighted = batch["labels"] != -100
+    torch.testing.assert_close(representations(t5, [batch]), hidden[weighted].float())
+    assert len(representations(t5, [batch])) == int(weighted.sum()) == 13
+    # at inference every decoder position is corrected (the module acts on one vector at a time)
+    _check_for_task(t5, _trained(point), "a", lambda: t5(**batch, output_hidden_states=True),
+                    lambda out: out.decoder_hidden_states[-1], (slice(None), slice(None)))
+
+    llama = LlamaForCausalLM(LlamaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, pad_token_id=0)).eval().double()
+    batch = _text(generator)
+    point = representation_point(llama)
+    assert (point.module, point.selection) == ("model.norm", "positions")
+    hidden = llama(**batch, output_hidden_states=True).hidden_states[-1]
+    torch.testing.assert_close(representations(llama, [batch]), hidden[batch["attention_mask"] > 0].float())
+    batch["labels"] = batch["input_ids"].masked_fill(torch.arange(7) < 3, -100)  # only the answer positions
+    counted = (batch["attention_mask"] > 0) & (batch["labels"] != -100)
+    torch.testing.assert_close(representations(llama, [batch]), hidden[counted].float())
+
+
+def test_open_clip_reads_the_image_tower_before_normalisation(generator):
+    pytest.importorskip("open_clip")
+    from openclip_models import tiny_clip, tiny_tower
+
+    for model in (tiny_clip().double(), tiny_tower().double()):
+        pixels = {"pixel_values": torch.randn(4, 3, 8, 8, generator=generator, dtype=torch.float64)}
+        point = representation_point(model)
+        assert point.dim == 8 and point.module == ("visual" if hasattr(model, "visual") else "")
+        encode = getattr(model, "encode_image", model)
+        torch.testing.assert_close(representations(model, [pixels]), encode(pixels["pixel_values"]).float())
+        _check_for_task(model, _trained(point), "a", lambda m=encode, p=pixels: m(p["pixel_values"]),
+                        lambda z: z, (slice(None),))
