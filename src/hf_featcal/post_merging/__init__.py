@@ -7,6 +7,9 @@
   `hf_featcal.compare` read the steps there.
 * `hf_featcal.post_merging.steps`: one file per step (none, featcal, featcal_module, svc, surgery,
   prob_surgery), each with its ``apply`` and the `PostMergingStep` it registers.
+* Representation corrections (Representation Surgery and ProbSurgery): `surgery` (`fit_surgery`),
+  `task_modules` (`TaskModules`, applied with ``for_task(model, task)``), `representation` (where each
+  architecture's head reads), `corrections` (the modules).
 
 Importing this package loads no torch: the step files import it inside their functions.
 """

@@ -30,7 +30,9 @@ def fit(method: str, merged: Any, experts: Mapping[str, Any], calibration_data: 
     from ..surgery import fit_surgery
 
     settings = config if config is not None else FeatCalConfig()
+    # the draw (data_seed) is FeatCal's; the modules' init and batch order follow the same seed
     modules = fit_surgery(merged, experts, calibration_data, method=method, seed=settings.seed,
-                          num_samples_per_task=settings.num_samples_per_task, processing_class=processing_class,
-                          device=device, **parameters)
+                          data_seed=settings.seed, num_samples_per_task=settings.num_samples_per_task,
+                          max_length=settings.max_length, processing_class=processing_class, device=device,
+                          **parameters)
     return PostMergingResult(merged, task_modules=modules)
