@@ -60,8 +60,8 @@ def test_compare_demo_prints_the_table_of_the_models_it_names(tmp_path, capsys):
 def test_compare_demo_refuses_unknown_names_before_any_work(tmp_path, capsys):
     assert cli.main(["compare", "--demo", "--merges", "slerp", "--cache-dir", str(tmp_path / "c")]) == 2
     assert "--merges: unknown methods ['slerp']" in capsys.readouterr().err
-    assert cli.main(["compare", "--demo", "--post-merging", "surgery", "--cache-dir", str(tmp_path / "c")]) == 2
-    assert "--post-merging: unknown steps ['surgery']" in capsys.readouterr().err
+    assert cli.main(["compare", "--demo", "--post-merging", "magic", "--cache-dir", str(tmp_path / "c")]) == 2
+    assert "--post-merging: unknown steps ['magic']" in capsys.readouterr().err
     assert cli.main(["compare", "--cache-dir", str(tmp_path / "c")]) == 2
     assert "give --demo or a RECIPE" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
@@ -140,7 +140,9 @@ BAD_COMPARE = [
     ("compare.merges.regmean.reduction", {"merges": {"regmean": {"reduction": 1.5}}}),
     ("compare.merges.dare.rescale_mode", {"merges": {"dare": {"rescale_mode": "l2"}}}),
     ("compare.merges.regmean", {"merges": {"regmean": 0.9}}),
-    ("compare.post_merging[1]", {"post_merging": ["none", "surgery"]}),
+    ("compare.post_merging[1]", {"post_merging": ["none", "magic"]}),
+    ("compare.post_merging.surgery", {"post_merging": {"surgery": {"rank": 0}}}),
+    ("compare.samples[0]", {"samples": [0]}),
     ("compare.grid", {"grid": []}),
 ]
 

@@ -409,8 +409,10 @@ def compare_post_merging(  # noqa: C901 - one loop over the grid; each row's fai
                     result.scores[method] = score(PostMergingResult(merged))
                 except Exception as err:  # noqa: BLE001
                     result.errors[method] = f"{type(err).__name__}: {err}"
-        record(grid_row(method, "none" if "none" in steps else plan[0][0], None if "none" in steps else plan[0][1]),
-               cost, PostMergingResult(merged))
+        if "none" in steps:
+            record(method, cost, PostMergingResult(merged))
+        elif merged is None:  # the merge's failure and cost on its first step's row
+            record(grid_row(method, *plan[0]), cost)
         if merged is None:
             continue
         for step, n in plan:
