@@ -4,12 +4,7 @@ all offer it without another file changing; reading the registry loads no torch.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -19,9 +14,13 @@ from hf_featcal import cli, merging, recipes, schema
 from hf_featcal.compare import check_merges, compare_post_merging, default_merges
 from hf_featcal.config import FeatCalConfig
 from hf_featcal.merging import MERGE_CONFIG_ATTRIBUTE, merge_methods, merge_models, registry
-from testing_utils import SHIPPED_METHODS, build_clip_setting
-
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+from testing_utils import (
+    SHIPPED_METHODS,
+    SRC,
+    build_clip_setting,
+    import_source,
+    loads_torch,
+)
 
 # A method file as one would add it under hf_featcal/merging/methods/, written to a temporary folder:
 # "base_only" keeps the base and adds `offset` to every floating weight (0 by default: the base alone);
@@ -64,12 +63,7 @@ register(MergeMethod("data_probe", data_probe, summary="a probe", reference="a t
 def added_methods(tmp_path, monkeypatch):
     """The methods of `_METHOD_FILE`, registered by importing it (the registry restored afterwards)."""
     monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
-    path = tmp_path / "base_only.py"
-    path.write_text(textwrap.dedent(_METHOD_FILE))
-    spec = importlib.util.spec_from_file_location("added_merge_methods", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_source(tmp_path, "base_only.py", _METHOD_FILE, "added_merge_methods")
 
 
 def _weights_plus(model, offset):
@@ -165,10 +159,7 @@ def test_the_registry_lists_the_shipped_methods_with_their_declarations():
     "from hf_featcal import schema; schema.render_recipe_schema()",
 ])
 def test_reading_the_registry_loads_no_torch(code):
-    script = f"import json, sys\n{code}\nprint(json.dumps('torch' in sys.modules))"
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True, env=env).stdout
-    assert json.loads(out.strip().splitlines()[-1]) is False
+    assert loads_torch(code) is False
 
 
 def test_every_method_and_post_merging_step_has_a_row_in_the_docs_table():

@@ -7,12 +7,8 @@ reading the registry loads no torch."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -23,9 +19,8 @@ from hf_featcal.config import FeatCalConfig
 from hf_featcal.post_merging import registry
 from hf_featcal.recipes.parse import _parse_compare
 from hf_featcal.recipes.spec import KeyChecker, RecipeError
-from testing_utils import build_clip_setting
+from testing_utils import build_clip_setting, import_source, loads_torch
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 SHIPPED_STEPS = ["none", "featcal", "featcal_module", "svc", "surgery", "prob_surgery"]
 
 # A step file as one would add it under hf_featcal/post_merging/steps/, written to a temporary folder:
@@ -81,12 +76,7 @@ register_step(PostMergingStep(
 def added_step(tmp_path, monkeypatch):
     """The step of `_STEP_FILE`, registered by importing it (the registry restored afterwards)."""
     monkeypatch.setattr(registry, "_STEPS", dict(registry._STEPS))
-    path = tmp_path / "task_offset.py"
-    path.write_text(textwrap.dedent(_STEP_FILE))
-    spec = importlib.util.spec_from_file_location("added_post_merging_step", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_source(tmp_path, "task_offset.py", _STEP_FILE, "added_post_merging_step")
 
 
 def test_an_added_step_reaches_the_schema_recipes_and_the_cli(added_step, monkeypatch, capsys):
@@ -225,10 +215,7 @@ def test_the_registry_lists_the_shipped_steps_with_their_declarations():
     "from hf_featcal import cli; cli.main(['compare', '--help'])",
 ])
 def test_reading_the_step_registry_loads_no_torch(code):
-    script = f"import json, sys\n{code}\nprint(json.dumps('torch' in sys.modules))"
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True, env=env).stdout
-    assert json.loads(out.strip().splitlines()[-1]) is False
+    assert loads_torch(code) is False
 
 
 def test_a_save_with_per_task_modules_writes_and_lists_them_for_a_push(generator, tmp_path):

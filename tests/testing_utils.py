@@ -6,6 +6,13 @@ one calibration up to float32 rounding."""
 from __future__ import annotations
 
 import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from types import ModuleType
 
 import torch
 from transformers import CLIPConfig, CLIPVisionConfig, CLIPVisionModel
@@ -132,3 +139,25 @@ def assert_same_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
     assert current.keys() == state.keys()
     for key, value in state.items():
         assert torch.equal(current[key], value), key
+
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+def import_source(folder, file_name: str, source: str, module_name: str) -> ModuleType:
+    """`source` written to `folder/file_name` and imported as `module_name` (a registry test's added file)."""
+    path = os.path.join(folder, file_name)
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(textwrap.dedent(source))
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def loads_torch(code: str) -> bool:
+    """Whether running `code` in a fresh interpreter (this tree's package first) imports torch."""
+    script = f"import json, sys\n{code}\nprint(json.dumps('torch' in sys.modules))"
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])

@@ -101,7 +101,11 @@ _STEP_COLOURS = {"none": "#9e9e9e", "featcal": "#1f77b4", "featcal_module": "#17
 
 def plot_comparison(result: Any, path: str | os.PathLike, *, dpi: int = 120) -> str:
     """Write `comparison_figure(result)` (a `compare.ComparisonResult`) as an image file; returns the path."""
-    figure = comparison_figure(result)
+    return _save_figure(comparison_figure(result), path, dpi)
+
+
+def _save_figure(figure: Any, path: str | os.PathLike, dpi: int) -> str:
+    """`figure` written to `path` (its folders made); returns the path."""
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     figure.savefig(path, dpi=dpi)
@@ -173,11 +177,7 @@ def comparison_figure(result: Any) -> Any:
 def plot_sample_efficiency(result: Any, path: str | os.PathLike, *, dpi: int = 120) -> str:
     """Write `sample_efficiency_figure(result)` (a `compare.ComparisonResult` with ``samples``) as an
     image file; returns the path."""
-    figure = sample_efficiency_figure(result)
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    figure.savefig(path, dpi=dpi)
-    return path
+    return _save_figure(sample_efficiency_figure(result), path, dpi)
 
 
 def sample_efficiency_figure(result: Any) -> Any:
