@@ -244,3 +244,28 @@ def test_a_save_with_per_task_modules_writes_and_lists_them_for_a_push(generator
         assert torch.equal(loaded(pixel_values=x).pooler_output, expected)
     with torch.no_grad():  # the modules change the output: the check above could fail
         assert not torch.allclose(loaded(pixel_values=x).pooler_output, expected)
+
+
+def test_a_surgery_row_is_the_score_of_fit_surgerys_modules_task_by_task(generator):
+    from hf_featcal.post_merging.surgery import fit_surgery
+
+    base, experts, merged, data = build_clip_setting(generator)
+    probes = {t: torch.randn(3, 3, 8, 8, generator=generator) for t in experts}
+
+    def score_on(model, task):
+        with torch.no_grad():
+            return float(model(pixel_values=probes[task]).pooler_output.sum())
+
+    config = FeatCalConfig(num_samples_per_task=8, seed=5)
+    result = compare_post_merging(base, experts, data, lambda m: {t: score_on(m, t) for t in experts},
+                                  merges=["task_arithmetic"], post_merging={"surgery": {"steps": 4, "rank": 2}},
+                                  featcal_config=config, evaluate_expert=score_on)
+    assert result.errors == {}
+    # the same modules, trained directly on the grid's draw (8 examples, seed 5), applied task by task
+    modules = fit_surgery(merged, experts, data, method="surgery", steps=4, rank=2, seed=5, data_seed=5,
+                          num_samples_per_task=8)
+    for task in experts:
+        with modules.for_task(merged, task):
+            assert result.scores["task_arithmetic+surgery"][task] == pytest.approx(score_on(merged, task), rel=1e-5)
+    assert result.needs_task["task_arithmetic+surgery"] is True
+    assert result.added_parameters["task_arithmetic+surgery"] == modules.num_parameters() == 2 * 2 * 2 * 16
