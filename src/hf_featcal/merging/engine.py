@@ -53,6 +53,7 @@ from ..model_io import (
     resolve_checkpoint,
 )
 from ..pipeline.checks import check_compatible
+from ..progress import progress_bar
 from .params import MERGE_CONFIG_ATTRIBUTE
 
 __all__ = [
@@ -276,7 +277,8 @@ def merge_task_vectors(
     weights.  Task vectors of an expert that lacks a key are absent from that key's list.  A
     non-finite value in an input is refused when its tensor is first read (naming the expert or the
     base and the tensor), a non-finite result before it is written (naming ``scaling_factor``); the
-    result is the function's own copy, so the caller's models stay as they were.  The result records
+    result is the function's own copy, so the caller's models stay as they were.  A progress bar counts
+    the tensors (`hf_featcal.progress`: hidden by transformers' ``disable_progress_bar()``).  The result records
     ``{"method": method, **params, "experts": [...]}`` (`record_merge`)."""
     validate_base(base_model)
     validate_experts(experts)
@@ -292,10 +294,10 @@ def merge_task_vectors(
         with torch.no_grad():
             if prepare is not None:
                 prepare(readers, state)
-            for key in dict.fromkeys(canonical.values()):
+            covered = [key for key in dict.fromkeys(canonical.values()) if any(key in r.keys for r in readers)]
+            bar = stack.enter_context(progress_bar(covered, desc=f"Merging ({method})", unit="tensor"))
+            for key in bar:
                 covering = [r for r in readers if key in r.keys]
-                if not covering:
-                    continue
                 target = state[key]
                 base32 = target.detach().float()
                 delta = delta_fn(key, [(r, r.task_vector(key, base32)) for r in covering])

@@ -121,6 +121,7 @@ def singular_value_calibration(
     from torch import nn
 
     from ..model_io import load_model, resolve_checkpoint
+    from ..progress import progress_bar
     from .engine import (
         canonical_keys,
         float_state,
@@ -155,7 +156,7 @@ def singular_value_calibration(
         base = open_expert("base_model", base_model, result, state, canonical, label, stack, "`base_model`")
         readers = [open_expert(name, source, result, state, canonical, label, stack)
                    for name, source in experts.items()]
-        for key in matrices:
+        for key in stack.enter_context(progress_bar(matrices, desc="SVC", unit="matrix")):
             if not any(key in reader.keys for reader in readers):
                 continue
             if key not in base.keys:

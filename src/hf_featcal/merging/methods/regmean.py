@@ -276,6 +276,7 @@ def regmean_merging(
 
     from ...architectures import get_layer_map
     from ...pipeline.context import check_finite
+    from ...progress import progress_bar
     from ..engine import record_merge
 
     check_arguments(base_model, experts, calibration_data, "RegMean")
@@ -290,7 +291,7 @@ def regmean_merging(
     # `check_compatible`), before any Gram
     merged = simple_average(base_model, experts)
     grams = {}
-    for task, expert in experts.items():
+    for task, expert in progress_bar(experts.items(), total=len(experts), desc="RegMean: Grams", unit="expert"):
         grams[task] = expert_grams(expert, batches[task], gram_rule=gram_rule)
         for (si, bi, name), gram in grams[task].items():  # NaN features: named here, not by the solver
             check_finite(gram, features_where(task, bi, stack_names[si], name))
