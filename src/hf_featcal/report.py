@@ -75,12 +75,13 @@ class DriftReport:
 
     def summary_markdown(self) -> str:
         """A table per task: last-block drift and the mean over blocks, before and after; what the
-        head reads (relative drift at the last block, before → after), marked "rises" where it rose."""
+        head reads (relative drift at the last block, before → after; lower is better, as for every drift),
+        marked "rises" where it rose."""
         if not self.tasks:
             return "No drift was measured."
         lines = [
             "| task | last block before | last block after | mean over blocks before | mean over blocks after "
-            "| head reads (relative) before → after |",
+            "| head reads: relative distance to the expert (lower is better), before → after |",
             "|---|---:|---:|---:|---:|---|",
         ]
         rising = set(self.rising_tasks())
