@@ -10,8 +10,8 @@
 # torchvision::nms does not exist". So the default x86_64 install is the CUDA build, on a CPU-only machine
 # too: about 3 GB of downloads, a 6.6 GB .venv. (aarch64's PyPI pair is a CPU build: about 0.7 GB.)
 # `bash scripts/setup.sh --without-open-clip` installs torch==2.13.0 instead and skips the open_clip extra (its
-# tests are then skipped): the lean CPU build 2.13.0+cpu (a 0.19 GB wheel, about 1 GB in .venv) where pip can
-# find it, as on the project's machines (pip's find-links); from PyPI alone pip takes the CUDA build of 2.13.0.
+# tests are then skipped): the lean CPU build 2.13.0+cpu (a 0.19 GB wheel; a 2.1 GB .venv with the extras) where
+# pip can find it, as on the project's machines (pip's find-links); from PyPI alone pip takes the CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

@@ -26,7 +26,7 @@ DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "hf_featcal")
 
 
 class CLIError(Exception):
-    """A user error in the command line (printed without a traceback, exit status 2)."""
+    """A usage error: the command line is wrong (printed without a traceback, exit status 2)."""
 
 
 def log(message: str) -> None:
@@ -56,8 +56,26 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_common(parser: argparse.ArgumentParser) -> None:
+#: --device's help, the same on every command.
+DEVICE_HELP = ("where to compute, e.g. cuda, cuda:1 or cpu (default: this process's GPU if one is available, else "
+               "the CPU; as accelerate picks it, so torchrun / accelerate launch give each process its own)")
+
+
+def add_common(parser: argparse.ArgumentParser, device_help: str = DEVICE_HELP) -> None:
+    """The options every command takes, with the same defaults: --device, --quiet, --debug."""
+    parser.add_argument("--device", help=device_help)
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bars (the merge's, the calibration's, the scenarios' training, "
+                             "transformers' and datasets')")
     parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+
+
+def default_output_dir(command: str) -> str:
+    """Where a command without --output-dir writes: ``./outputs/<command>-<date>-<time>`` (a new folder per run,
+    so a run never replaces another's files)."""
+    import time
+
+    return os.path.join("outputs", f"{command}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 def help_text(text: str) -> str:

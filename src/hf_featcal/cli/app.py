@@ -1,5 +1,6 @@
 """The ``hf-featcal`` parser (one subparser per module of `COMMANDS`) and the entry point `main`, which
-turns user errors into one line on stderr and exit status 2.
+turns errors into one line on stderr: exit status 2 for a usage error (the command line or the recipe is
+wrong), 1 for a run that failed (a model that does not fit, a file that cannot be read, a hub failure).
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hf-featcal``; returns the exit status (0 on success).
 
-    User errors (invalid recipe or options, missing files, models that do not fit, hub failures)
-    print one line ``hf-featcal <command>: error: ...`` on stderr and return 2 (also when found
-    while running); ``--debug`` re-raises them with the traceback.
+    Errors print one line ``hf-featcal <command>: error: ...`` on stderr. A usage error (an invalid option,
+    recipe or path: argparse's, `CLIError`, `RecipeError`, `FamilyUsageError`) returns 2; a run that failed
+    (``ValueError``, ``OSError``, ... raised while working: inputs that do not fit, unreadable files, hub
+    failures) returns 1; Ctrl-C returns 130. ``--debug`` re-raises them with the traceback.
     """
     parser = build_parser()
     try:
@@ -95,4 +97,4 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         reason = " ".join(str(err).split())  # one line, whatever the message
         print(f"{name}: error: {type(err).__name__}: {reason} (--debug shows the traceback)", file=sys.stderr)
-        return 2
+        return 1

@@ -83,9 +83,7 @@ def register(commands: Any) -> None:
     p.add_argument("--processor",
                    help="processor / tokenizer folder or hub id (default: the model folder, else the base)")
     _add_featcal_options(p)
-    p.add_argument("--device", help="device for calibration, e.g. cuda or cpu (default: accelerate's)")
     add_recipe_options(p, "", ("output_dir", "push_to_hub", "private", "overwrite"), required=("output_dir",))
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_common(p)
     p.set_defaults(func=run)
 

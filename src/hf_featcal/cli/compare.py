@@ -10,6 +10,7 @@ from typing import Any
 
 from ._common import (
     DEFAULT_CACHE_DIR,
+    DEVICE_HELP,
     FORMATTER,
     PROG,
     CLIError,
@@ -17,6 +18,7 @@ from ._common import (
     add_common,
     check_device,
     check_output_dir,
+    default_output_dir,
     log,
     positive_int,
     quiet_warnings,
@@ -58,8 +60,8 @@ def register(commands: Any) -> None:
     )
     p.add_argument("recipe", metavar="RECIPE", nargs="?", help="a recipe file (YAML); or give --demo")
     p.add_argument("--demo", action="store_true", help="the offline digits demo scenario (as hf-featcal demo)")
-    p.add_argument("--output-dir", help="where comparison.md/.json/.png go (default: ./hf-featcal-compare for "
-                   "--demo, the recipe's output_dir for a recipe)")
+    p.add_argument("--output-dir", help="where comparison.md/.json/.png go (default: a new folder "
+                   "./outputs/compare-<date>-<time> for --demo, the recipe's output_dir for a recipe)")
     p.add_argument("--merges", nargs="+", metavar="METHOD",
                    help="only these merge methods (default: all; a recipe's compare.merges)")
     p.add_argument("--post-merging", nargs="+", metavar="STEP",
@@ -74,10 +76,7 @@ def register(commands: Any) -> None:
     demo.add_argument("--fast", action="store_true",
                       help="a smaller, quickly trained scenario (a smoke test; accuracies are lower)")
     demo.add_argument("--real-weights", action="store_true", help=REAL_WEIGHTS_HELP)
-    recipe = p.add_argument_group("RECIPE options")
-    recipe.add_argument("--device", help="device, e.g. cuda or cpu (default: cuda if available)")
-    recipe.add_argument("--quiet", action="store_true", help="no progress bars")
-    add_common(p)
+    add_common(p, DEVICE_HELP + "; --demo runs on the CPU")
     p.set_defaults(func=run)
 
 
@@ -99,9 +98,8 @@ def run(args: argparse.Namespace) -> int:
     merges = list(dict.fromkeys(args.merges)) if args.merges else None
     steps = list(dict.fromkeys(args.post_merging)) if args.post_merging else None
     if args.demo:
-        for option in ("device", "quiet"):
-            if getattr(args, option):
-                raise CLIError(f"--{option} is for a RECIPE, not --demo")
+        if args.device not in (None, "cpu"):
+            raise CLIError(f"--device {args.device}: compare --demo runs on the CPU (a RECIPE's grid takes a device)")
         return _compare_demo(args, merges, steps)
     return _compare_recipe(args, merges, steps)
 
@@ -113,13 +111,15 @@ def _compare_demo(args: argparse.Namespace, merges: list[str] | None, steps: lis
 
     name, words, overrides = demo_scenario(args)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    output_dir = args.output_dir or "hf-featcal-compare"
+    output_dir = args.output_dir or default_output_dir("compare")
     check_output_dir(output_dir, model_folder=False)  # tables and plots, not a model save
     cache_dir = os.path.expanduser(args.cache_dir)
-    log(f"Building the scenario of {words} (cache: {cache_dir}) ...")
+    log(f"Building the scenario of {words} (cache: {cache_dir}); the grid goes to {output_dir}/ ...")
     start = time.perf_counter()
-    result = compare_demo(output_dir, seed=args.seed, cache_dir=cache_dir, samples_per_task=args.samples_per_task,
-                          merges=merges, post_merging=steps, scenario_overrides=overrides, scenario=name, log=log)
+    with ProgressBars(args.quiet):
+        result = compare_demo(output_dir, seed=args.seed, cache_dir=cache_dir, samples_per_task=args.samples_per_task,
+                              merges=merges, post_merging=steps, scenario_overrides=overrides, scenario=name,
+                              log=log)
     print(f"Test accuracy (%) on {words}; last-block drift ‖h_merged − h_expert‖ per token\n")
     print(result.to_markdown())
     print(f"({time.perf_counter() - start:.1f} s) Saved comparison.md, comparison.json and comparison.png to "

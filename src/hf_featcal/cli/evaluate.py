@@ -12,6 +12,7 @@ from ..families import ModelFamily, family_names, get_family
 from ._common import (
     FORMATTER,
     CLIError,
+    ProgressBars,
     add_common,
     add_recipe_options,
     check_device,
@@ -67,14 +68,47 @@ def register(commands: Any) -> None:
     p.add_argument("--clip-model",
                    help="CLIP: the CLIPModel whose text tower builds the zero-shot heads (default: the model)")
     p.add_argument("--class-names", type=task_value, action="append", default=[], metavar="TASK=A,B,...",
-                   help="CLIP: class names of TASK in label order, comma-separated (needed for custom tasks)")
+                   help="CLIP: class names of TASK in label order, comma-separated (default for a custom task: "
+                        "the names of its dataset's ClassLabel column 'label')")
     p.add_argument("--template", type=task_value, action="append", default=[], metavar="TASK=TEMPLATE",
                    help="CLIP: a prompt template with '{c}' for TASK; repeat for several")
     p.add_argument("--processor", help="processor / tokenizer folder or hub id (default: the model, else --clip-model)")
-    p.add_argument("--device", help="device, e.g. cuda or cpu")
     p.add_argument("--output-json", metavar="FILE", help="also write the scores as JSON (missing folders are created)")
     add_common(p)
     p.set_defaults(func=run)
+
+
+def _built_in_clip_task(task: str) -> bool:
+    from ..evaluation.clip_templates import CLIP_CLASS_NAMES, CLIP_TASK_ALIASES
+
+    return task in CLIP_CLASS_NAMES or task in CLIP_TASK_ALIASES
+
+
+def _class_label_names(v: Any, source: str, config: str | None, split: str | None, task: str) -> list[str] | None:
+    """The class names of the dataset's ``label`` column when it is a ``ClassLabel`` (in label order), read
+    from the dataset's features (a local folder's metadata, a hub dataset's card); None when it has none."""
+    import datasets
+
+    from ..recipes import RecipeError
+
+    try:
+        local = v.local_path(source, f"--data {task}", "dataset")
+    except RecipeError as err:
+        raise CLIError(str(err)) from None
+    try:
+        if local is not None:
+            loaded = datasets.load_from_disk(local)
+            if isinstance(loaded, datasets.DatasetDict):
+                loaded = loaded[split] if split in loaded else next(iter(loaded.values()))
+            features = loaded.features
+        else:
+            features = datasets.load_dataset_builder(source, config).info.features
+    except (OSError, ValueError, ConnectionError) as err:  # the evaluation itself reports it, naming --data
+        log(f"--data {task}: could not read its label names ({type(err).__name__}); give --class-names {task}=...")
+        return None
+    label = (features or {}).get("label")
+    names = getattr(label, "names", None)
+    return list(names) if isinstance(label, datasets.ClassLabel) and names else None
 
 
 def _evaluation_spec(args: argparse.Namespace, family: ModelFamily) -> Any:
@@ -97,6 +131,13 @@ def _evaluation_spec(args: argparse.Namespace, family: ModelFamily) -> Any:
             if task not in tasks:
                 raise CLIError(f"{option} {task}=...: {task!r} is not among the --task values {tasks}")
     family.check_evaluate_options(class_names=class_names, templates=templates, clip_model=args.clip_model)
+    if "class_names" in family.evaluation_keys:
+        for task in tasks:
+            if task in data and task not in class_names and not _built_in_clip_task(task):
+                split = args.evaluation_split or family.default_evaluation_split(task)
+                names = _class_label_names(v, data[task], configs.get(task), split, task)
+                if names is not None:
+                    class_names[task] = names
     specs: dict[str, DatasetSpec] = {}
     for task in tasks:
         dataset, config, glue_task = family.evaluation_source(task, data, configs, class_names)
@@ -127,20 +168,21 @@ def run(args: argparse.Namespace) -> int:
     if args.family is not None:
         _evaluation_spec(args, get_family(args.family))  # check the arguments before loading anything
     log(f"Loading {args.model} ...")
-    model = load_model(model_source, "--model")
-    family = family_of(model, args.family)
-    spec = _evaluation_spec(args, family)
-    clip_model = family.command_text_model(model, clip_source, load_model)
-    processing = first_processing(family, [args.processor, model_source, clip_source])
-    family.check_evaluation_processing(processing)
-    device = args.device
-    if device is None:
-        import torch
+    with ProgressBars(args.quiet):
+        model = load_model(model_source, "--model")
+        family = family_of(model, args.family)
+        spec = _evaluation_spec(args, family)
+        clip_model = family.command_text_model(model, clip_source, load_model)
+        processing = first_processing(family, [args.processor, model_source, clip_source])
+        family.check_evaluation_processing(processing)
+        device = args.device
+        if device is None:
+            import torch
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    start = time.perf_counter()
-    scores, details = evaluate_model(family.name, model, spec, processing=processing, clip_model=clip_model,
-                                     device=device)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        start = time.perf_counter()
+        scores, details = evaluate_model(family.name, model, spec, processing=processing, clip_model=clip_model,
+                                         device=device)
     metric = family.evaluation_label
     splits = ", ".join(sorted({spec.datasets[t].split or "" for t in spec.tasks}))
     print(f"{metric} (%), split {splits}"

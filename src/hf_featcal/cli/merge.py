@@ -10,10 +10,13 @@ from typing import Any
 
 from ..families import detect_family
 from ._common import (
+    DEVICE_HELP,
     FORMATTER,
     CLIError,
+    ProgressBars,
     add_common,
     add_recipe_options,
+    check_device,
     check_output_dir,
     check_source,
     help_text,
@@ -58,7 +61,7 @@ def register(commands: Any) -> None:
     _add_svc_options(p)
     p.add_argument("--output-dir", required=True, help="folder the merged model is saved to")
     add_recipe_options(p, "", ("overwrite",))
-    add_common(p)
+    add_common(p, DEVICE_HELP + "; merge: where --svc computes (the merge itself streams tensors on the CPU)")
     p.set_defaults(func=run)
 
 
@@ -79,7 +82,15 @@ def _add_merge_options(parser: argparse.ArgumentParser) -> None:
     from ..merging import merge_methods
 
     offered = list(merge_methods(calibration_data=False))
-    parser.add_argument("--method", default="task_arithmetic", choices=offered,
+
+    def method(text: str) -> str:
+        if text in merge_methods(calibration_data=True):
+            from ..recipes.parse import needs_data_reason
+
+            raise argparse.ArgumentTypeError(needs_data_reason(text))
+        return text
+
+    parser.add_argument("--method", default="task_arithmetic", type=method, choices=offered,
                         help="merge method (default: task_arithmetic)")
     for name, users in _merge_options().items():
         parameter = users[0][1]
@@ -145,15 +156,17 @@ def run(args: argparse.Namespace) -> int:
     alpha = _svc_alpha(args)
     inputs = {"--base": base, **{f"--expert {task}": source for task, source in experts.items()}}
     check_output_dir(args.output_dir, inputs=inputs, overwrite=bool(args.overwrite))
+    check_device(args.device)
     start = time.perf_counter()
-    merged = merge_experts(base, experts, spec, log=log)  # the recipe run's merge stage
-    described = spec.describe()
-    if alpha is not None:
-        from ..merging import singular_value_calibration
+    with ProgressBars(args.quiet):
+        merged = merge_experts(base, experts, spec, log=log)  # the recipe run's merge stage
+        described = spec.describe()
+        if alpha is not None:
+            from ..merging import singular_value_calibration
 
-        log(f"Singular Value Calibration (alpha={alpha:g}) ...")
-        merged = singular_value_calibration(merged, base, experts, alpha=alpha)
-        described += f" + SVC (alpha={alpha:g})"
+            log(f"Singular Value Calibration (alpha={alpha:g}) ...")
+            merged = singular_value_calibration(merged, base, experts, alpha=alpha, device=args.device)
+            described += f" + SVC (alpha={alpha:g})"
     from ..saving import atomic_folder, save_model_files
 
     family = detect_family(merged)

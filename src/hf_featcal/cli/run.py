@@ -50,9 +50,7 @@ def register(commands: Any) -> None:
     add_recipe_options(p, "", ("output_dir", "push_to_hub", "private", "overwrite"), override=True)
     p.add_argument("--no-push", action="store_true", help="do not push even if the recipe says so")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation before and after calibration")
-    p.add_argument("--device", help="device, e.g. cuda or cpu (default: accelerate's)")
     p.add_argument("--check", action="store_true", help="only validate the recipe and print what would run")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_common(p)
     p.set_defaults(func=run)
 

@@ -296,6 +296,15 @@ def _parse_merge(v: KeyChecker, section: Any) -> MergeSpec:
     return validate_merge_spec(method, {k: val for k, val in section.items() if k != "method"}, v)
 
 
+def needs_data_reason(method: str) -> str:
+    """Why a merge method that needs calibration data (RegMean, RegMean++) is not a merge step of its own,
+    and where it runs."""
+    return (f"{method!r} needs calibration data, which a merge on its own does not take: run it in the grid of "
+            f"`hf-featcal compare RECIPE` (a recipe with a calibration section and compare: merges: "
+            f"{{{method}: {{}}}}) or from Python: hf_featcal.merging.merge_models(base, experts, {method!r}, "
+            "calibration_data=...)")
+
+
 def validate_merge_spec(method: Any, params: Mapping[str, Any], validator: KeyChecker | None = None) -> MergeSpec:
     """Check a merge method and its parameters (also used by the CLI); returns a `MergeSpec`.
 
@@ -304,6 +313,8 @@ def validate_merge_spec(method: Any, params: Mapping[str, Any], validator: KeyCh
     """
     v = validator if isinstance(validator, KeyChecker) else KeyChecker()
     offered = list(merge_methods(calibration_data=False))
+    if method in merge_methods(calibration_data=True):
+        raise v.error("merge.method", f"{needs_data_reason(method)}; a merge section takes one of {offered}")
     if method not in offered:
         raise v.error("merge.method", f"must be one of {offered}, got {method!r}")
     declared = merge_parameters(method)
