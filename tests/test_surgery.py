@@ -13,11 +13,13 @@ import pytest
 import torch
 from transformers import CLIPModel, CLIPVisionModel
 
+from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.post_merging.representation import representation_point, representations
 from hf_featcal.post_merging.surgery import (
     DEFAULT_STEPS,
     ProbSurgeryModule,
     SurgeryModule,
+    calibration_batches,
     fit_surgery,
     train_module,
 )
@@ -95,7 +97,7 @@ def test_both_start_as_the_identity_with_torch_default_init():
     assert torch.equal(mu, torch.zeros_like(mu)) and torch.equal(log_var, torch.zeros_like(log_var))
     assert torch.equal(prob(z), z)
     # D and A: torch's default Linear init, U(-1/√in, 1/√in), not zero
-    for weight in (surgery.down.weight, prob.encode.weight):
+    for weight in (surgery.down.weight.detach(), prob.encode.weight.detach()):
         assert float(weight.abs().max()) <= 1 / math.sqrt(8) and float(weight.abs().min()) > 0
     assert surgery.down.weight.shape == (16, 8) and prob.encode.weight.shape == (128, 8)
 
@@ -189,6 +191,25 @@ def test_shared_prob_surgery_needs_no_task():
         per_task(z)
 
 
+def test_calibration_data_is_drawn_as_featcal_draws_it(generator):
+    from datasets import Dataset
+
+    merged, experts, _ = clip_setting()
+    rows = {t: Dataset.from_dict({"pixel_values": torch.randn(40, 3, 8, 8, generator=generator).numpy()})
+            .with_format("torch") for t in TASKS}
+    ours = calibration_batches(merged, rows, num_samples_per_task=24)
+    featcal = FeatCalCalibrator(merged, None, experts, rows, FeatCalConfig(num_samples_per_task=24),
+                                show_progress=False).batches
+    for task in TASKS:
+        assert [len(b["pixel_values"]) for b in ours[task]] == [16, 8]
+        for a, b in zip(ours[task], featcal[task], strict=True):
+            assert torch.equal(a["pixel_values"], b["pixel_values"])
+    other = calibration_batches(merged, rows, num_samples_per_task=24, data_seed=1)
+    assert not torch.equal(other["cars"][0]["pixel_values"], ours["cars"][0]["pixel_values"])
+    modules = fit_surgery(merged, experts, rows, num_samples_per_task=24, steps=3)
+    assert modules.training_settings["rows_per_task"] == {"cars": 24, "dtd": 24}
+
+
 # ---------------------------------------------------------------------------- applying and saving
 def test_for_task_changes_image_features_by_the_correction_and_leaves_no_hook():
     merged, experts, data = clip_setting()
@@ -260,6 +281,7 @@ def test_a_model_save_with_modules_lists_them_in_its_manifest(tmp_path):
     (dict(seed=-1), "`seed`"),
     (dict(num_samples_per_task=0), "`num_samples_per_task`"),
     (dict(data_seed="a"), "`data_seed`"),
+    (dict(device="gpu-please"), "`device`"),
 ])
 def test_bad_arguments_are_refused_before_any_forward(change, match):
     merged, experts, data = clip_setting()

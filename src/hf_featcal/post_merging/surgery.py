@@ -38,7 +38,7 @@ from .corrections import CORRECTIONS, ProbSurgeryModule, SurgeryModule
 from .representation import RepresentationPoint, representation_point, representations, required_batch_keys
 from .task_modules import TaskModules, task_seed
 
-__all__ = ["DEFAULT_STEPS", "ProbSurgeryModule", "SurgeryModule", "fit_surgery", "train_module"]
+__all__ = ["DEFAULT_STEPS", "ProbSurgeryModule", "SurgeryModule", "calibration_batches", "fit_surgery", "train_module"]
 
 #: Training steps per task (per module) when `steps` is None: the papers' settings.
 DEFAULT_STEPS = {"surgery": 1000, "prob_surgery": 5000}
@@ -136,6 +136,15 @@ def _check_arguments(method: Any, rank: Any, hidden: Any, steps: Any, lr: Any, b
         _check_int("data_seed", data_seed, 0)
 
 
+def _check_device(device: Any) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"`device` must be a torch device or its name (e.g. 'cpu', 'cuda:0'), got {device!r}."
+        ) from None
+
+
 def _check_batches(task: str, batches: list[Batch], keys: tuple[str, ...]) -> None:
     for index, batch in enumerate(batches):
         missing = [key for key in keys if key not in batch]
@@ -180,6 +189,38 @@ def _expert_representations(
 
 
 # ---------------------------------------------------------------------------- the step
+def calibration_batches(
+    merged: nn.Module,
+    calibration_data: Mapping[str, Any],
+    *,
+    num_samples_per_task: int | None = None,
+    data_seed: int | None = None,
+    processing_class: Any = None,
+    data_collator: Callable[[list[dict]], Batch] | None = None,
+    max_length: int | None = None,
+) -> dict[str, list[Batch]]:
+    """Task → the calibration batches `fit_surgery` computes representations on: taken as
+    `FeatCalCalibrator` takes them (`data.prepare_batches`, `FeatCalConfig`'s default batch size, the
+    draw seeded with `data_seed`, default `FeatCalConfig`'s seed), so FeatCal and these steps given the
+    same data and numbers see the same examples. Every task gives a batch, and every batch has what the
+    representation's forward needs (ValueErrors naming the task and batch otherwise)."""
+    point = representation_point(merged)
+    layer_map = get_layer_map(merged, "merged")
+    defaults = FeatCalConfig()
+    text_limit = text_length_limit(max_length, layer_map.tower_config(model_config(merged)), processing_class)
+    keys = required_batch_keys(merged, point)
+    batches: dict[str, list[Batch]] = {}
+    for task, data in calibration_data.items():
+        batches[task] = prepare_batches(
+            task, data, main_input_name=layer_map.main_input_name, num_samples=num_samples_per_task,
+            batch_size=defaults.batch_size, seed=defaults.seed if data_seed is None else data_seed,
+            data_collator=data_collator, processing_class=processing_class, max_length=text_limit,
+        )
+        check_not_empty(task, batches[task])
+        _check_batches(task, batches[task], keys)
+    return batches
+
+
 def fit_surgery(
     merged: nn.Module,
     experts: Mapping[str, nn.Module | str | os.PathLike],
@@ -244,20 +285,12 @@ def fit_surgery(
     for source in sources.values():
         check_compatible(source, layer_map, merged, config)
         source.check_finite(merged)
-    train_device = torch.device(device) if device is not None else module_device(merged)
-    defaults = FeatCalConfig()
-    text_limit = text_length_limit(max_length, layer_map.tower_config(config), processing_class)
-    keys = required_batch_keys(merged, point)
-    batches: dict[str, list[Batch]] = {}
-    for task in tasks:
-        batches[task] = prepare_batches(
-            task, calibration_data[task], main_input_name=layer_map.main_input_name,
-            num_samples=num_samples_per_task, batch_size=defaults.batch_size,
-            seed=defaults.seed if data_seed is None else data_seed, data_collator=data_collator,
-            processing_class=processing_class, max_length=text_limit,
-        )
-        check_not_empty(task, batches[task])
-        _check_batches(task, batches[task], keys)
+    train_device = _check_device(device) if device is not None else module_device(merged)
+    batches = calibration_batches(
+        merged, {task: calibration_data[task] for task in tasks}, num_samples_per_task=num_samples_per_task,
+        data_seed=data_seed, processing_class=processing_class, data_collator=data_collator, max_length=max_length,
+    )
+    data_seed = FeatCalConfig().seed if data_seed is None else data_seed
 
     # the frozen models' representations, once per calibration input
     inputs = {task: representations(merged, batches[task], point, argument="merged").to(train_device)
@@ -276,7 +309,7 @@ def fit_surgery(
         training={"steps": steps, "lr": lr, "batch_size": batch_size, "optimizer": "Adam",
                   "rows_per_task": {task: len(inputs[task]) for task in tasks},
                   "num_samples_per_task": num_samples_per_task,
-                  "data_seed": defaults.seed if data_seed is None else data_seed},
+                  "data_seed": data_seed},
     ).to(train_device)
     if shared:
         train_module(modules.module_for(None), torch.cat([inputs[t] for t in tasks]),
