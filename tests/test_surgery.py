@@ -431,3 +431,60 @@ def test_open_clip_reads_the_image_tower_before_normalisation(generator):
         torch.testing.assert_close(representations(model, [pixels]), encode(pixels["pixel_values"]).float())
         _check_for_task(model, _trained(point), "a", lambda m=encode, p=pixels: m(p["pixel_values"]),
                         lambda z: z, (slice(None),))
+
+
+# ---------------------------------------------------------------------------- experts from folders
+def test_folder_and_lora_experts_give_the_modules_of_the_same_experts_in_memory(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    merged, experts, data = clip_setting()
+    for task, expert in experts.items():
+        expert.save_pretrained(tmp_path / task)
+    from_folders = fit_surgery(merged, {t: str(tmp_path / t) for t in TASKS}, data, steps=10)
+    in_memory = fit_surgery(merged, experts, data, steps=10)
+    for key, value in in_memory.state_dict().items():
+        torch.testing.assert_close(from_folders.state_dict()[key], value, rtol=1e-5, atol=1e-7)
+
+    # LoRA adapters on the vision tower of a CLIPModel base: read as the base with the adapter merged in
+    tower = CLIPVisionModel(tiny_vision_config()).eval()
+    tower.load_state_dict(merged.vision_model.state_dict())
+    full = {}
+    for seed, task in enumerate(TASKS):
+        torch.manual_seed(seed)
+        adapted = get_peft_model(copy.deepcopy(tower), LoraConfig(r=2, target_modules=["q_proj", "fc1"],
+                                                                  init_lora_weights=False))
+        adapted.save_pretrained(tmp_path / f"lora-{task}")
+        full[task] = copy.deepcopy(adapted).merge_and_unload().eval()
+    with pytest.raises(ValueError, match="base_model"):
+        fit_surgery(merged, {t: str(tmp_path / f"lora-{t}") for t in TASKS}, data, steps=10)
+    from_adapters = fit_surgery(merged, {t: str(tmp_path / f"lora-{t}") for t in TASKS}, data, steps=10,
+                                base_model=tower)
+    from_full = fit_surgery(merged, full, data, steps=10)
+    for key, value in from_full.state_dict().items():
+        torch.testing.assert_close(from_adapters.state_dict()[key], value, rtol=1e-5, atol=1e-7)
+
+
+def test_fit_surgery_leaves_the_merged_model_and_its_mode_as_they_were():
+    merged, experts, data = clip_setting()
+    state = {k: v.clone() for k, v in merged.state_dict().items()}
+    merged.train()
+    experts["cars"].train()
+    fit_surgery(merged, experts, data, steps=3)
+    assert merged.training and all(m.training for m in merged.modules())
+    assert experts["cars"].training and not experts["dtd"].training
+    assert all(torch.equal(v, state[k]) for k, v in merged.state_dict().items())
+    assert not merged.visual_projection._forward_hooks and not merged.visual_projection._forward_pre_hooks
+
+
+def test_from_pretrained_refuses_what_it_cannot_read(tmp_path):
+    with pytest.raises(FileNotFoundError, match=CONFIG_NAME):
+        TaskModules.from_pretrained(tmp_path)
+    merged, experts, data = clip_setting()
+    fit_surgery(merged, experts, data, steps=3).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / CONFIG_NAME).read_text())
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({**config, "format": 99}))
+    with pytest.raises(ValueError, match="format"):
+        TaskModules.from_pretrained(tmp_path)
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({**config, "hyper_parameters": {"rank": 4}}))
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        TaskModules.from_pretrained(tmp_path)

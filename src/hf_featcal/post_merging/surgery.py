@@ -156,23 +156,23 @@ def _check_batches(task: str, batches: list[Batch], keys: tuple[str, ...]) -> No
 
 
 # ---------------------------------------------------------------------------- experts
-def _expert_model(source: ModelSource) -> nn.Module:
+def _expert_model(source: ModelSource, base_model: Any) -> nn.Module:
     """The expert as a whole model: the caller's, or loaded from its folder / hub id (a LoRA adapter:
-    merged into the base it records)."""
+    a copy of `base_model` with the adapter merged in)."""
     if isinstance(source, InMemorySource):
         return source.model
     assert source.name is not None  # a source opened from a folder or hub id keeps its name
-    return load_model(source.name, source.argument)
+    return load_model(source.name, source.argument, base=base_model)
 
 
 def _expert_representations(
-    merged: nn.Module, source: ModelSource, point: RepresentationPoint, batches: list[Batch]
+    merged: nn.Module, source: ModelSource, point: RepresentationPoint, batches: list[Batch], base_model: Any = None
 ) -> Tensor:
     """The expert's representations: its own model's, where it has the merged model's representation
     point (a full CLIPModel expert uses its own projection); else (a bare tower, e.g. a CLIPVisionModel
     expert of a merged CLIPModel) the merged architecture with the expert's tower weights loaded into a
     copy, so the parts outside the tower (CLIP's projection) are the merged model's."""
-    expert = _expert_model(source)
+    expert = _expert_model(source, base_model)
     try:
         own = representation_point(expert)
     except (ValueError, TypeError):
@@ -242,6 +242,7 @@ def fit_surgery(
     data_seed: int | None = None,
     data_collator: Callable[[list[dict]], Batch] | None = None,
     max_length: int | None = None,
+    base_model: nn.Module | str | os.PathLike | None = None,
 ) -> TaskModules:
     """Train Representation Surgery (`method="surgery"`) or ProbSurgery (`"prob_surgery"`) modules that
     correct `merged`'s representation (`representation.representation_point`) towards each task's expert.
@@ -249,7 +250,7 @@ def fit_surgery(
     Args:
         merged: the merged model (frozen: never changed; run in eval mode).
         experts: task → expert (a model, a local folder or a hub id; a LoRA adapter folder is merged
-            into the base it records). A bare tower (a `CLIPVisionModel` expert of a merged `CLIPModel`)
+            into `base_model`). A bare tower (a `CLIPVisionModel` expert of a merged `CLIPModel`)
             is read through the merged model's parts outside the tower (its projection).
         calibration_data: task → `datasets.Dataset` or iterable of batches, as `FeatCalCalibrator`
             takes it (never the test split).
@@ -269,6 +270,8 @@ def fit_surgery(
         data_seed: the draw's seed; None: `FeatCalConfig`'s default seed, so FeatCal and these steps
             draw the same examples.
         data_collator, max_length: as `FeatCalCalibrator` / `FeatCalConfig.max_length`.
+        base_model: the model LoRA adapter experts were trained on (a model, folder or hub id); needed
+            only for adapter experts.
 
     Every argument is checked before any forward. Returns the trained `TaskModules` (apply them with
     `modules.for_task(merged, task)`).
@@ -281,7 +284,8 @@ def fit_surgery(
     tasks = check_tasks(experts, calibration_data)
     layer_map = get_layer_map(merged, "merged")
     config = model_config(merged)
-    sources = {task: make_source(experts[task], f"experts[{task!r}]", layer_map) for task in tasks}
+    base = None if base_model is None else make_source(base_model, "base_model", layer_map)
+    sources = {task: make_source(experts[task], f"experts[{task!r}]", layer_map, base) for task in tasks}
     for source in sources.values():
         check_compatible(source, layer_map, merged, config)
         source.check_finite(merged)
@@ -297,7 +301,8 @@ def fit_surgery(
               for task in tasks}
     targets = {}
     for task in tasks:
-        targets[task] = _expert_representations(merged, sources[task], point, batches[task]).to(train_device)
+        targets[task] = _expert_representations(merged, sources[task], point, batches[task],
+                                                base_model).to(train_device)
         if targets[task].shape != inputs[task].shape:
             raise ValueError(f"`experts[{task!r}]` gives representations of shape {tuple(targets[task].shape)}, "
                              f"the merged model {tuple(inputs[task].shape)}.")
