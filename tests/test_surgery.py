@@ -330,6 +330,34 @@ def test_module_init_follows_the_seed_not_the_global_random_state():
 
 
 # ---------------------------------------------------------------------------- other architectures
+def test_clip_towers_with_and_without_projection(generator):
+    from transformers import CLIPVisionModelWithProjection
+
+    pixels = {"pixel_values": torch.randn(4, 3, 8, 8, generator=generator, dtype=torch.float64)}
+    tower = CLIPVisionModel(tiny_vision_config()).eval().double()
+    point = representation_point(tower)
+    assert (point.module, point.dim) == ("post_layernorm", 16)
+    torch.testing.assert_close(representations(tower, [pixels]), tower(**pixels).pooler_output.float())
+    projected = CLIPVisionModelWithProjection(tiny_clip_config().vision_config).eval().double()
+    point = representation_point(projected)
+    assert point.module == "visual_projection"
+    torch.testing.assert_close(representations(projected, [pixels]), projected(**pixels).image_embeds.float())
+    # modules trained on one representation are refused on a model that reads another
+    modules = _trained(representation_point(CLIPModel(tiny_clip_config())))
+    with pytest.raises(ValueError, match="`model`"), modules.for_task(tower, "a"):
+        pass
+    assert not tower.post_layernorm._forward_hooks
+
+
+def test_apply_corrects_a_tensor_and_still_applies_a_function_to_submodules():
+    modules = _trained(representation_point(CLIPModel(tiny_clip_config())))
+    z = torch.randn(3, 8, dtype=torch.float64)
+    assert torch.equal(modules.apply(z, "a"), modules(z, "a"))
+    seen = []
+    assert modules.apply(lambda m: seen.append(type(m).__name__)) is modules
+    assert seen.count("Linear") == 2 and seen[-1] == "TaskModules"
+
+
 def _text(generator, labels: bool = False):
     ids = torch.randint(2, 40, (3, 7), generator=generator)
     mask = torch.ones(3, 7, dtype=torch.long)
