@@ -65,7 +65,7 @@ def train_module(
     optimizer = torch.optim.Adam(module.parameters(), lr=lr)
     rows, position = len(inputs), len(inputs)
     order = torch.empty(0, dtype=torch.long)
-    losses = []
+    losses: list[Tensor] = []
     progress = _progress(steps, description) if show_progress else None
     module.train()
     try:
@@ -77,23 +77,23 @@ def train_module(
             loss = module.training_loss(inputs[index], targets[index], generator)  # type: ignore[operator]
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            value = float(loss.detach())
-            # checked before the step, so the module keeps the last finite parameters
-            if not math.isfinite(value) or not all(bool(torch.isfinite(p.grad).all())
-                                                   for p in module.parameters() if p.grad is not None):
+            # checked before the step, so the module keeps the last finite parameters; one sum carries
+            # any NaN/Inf of the loss and the gradients, so the check costs one device sync per step
+            grads = [p.grad.abs().sum() for p in module.parameters() if p.grad is not None]
+            if not math.isfinite(float(loss.detach() + torch.stack(grads).sum())):
                 raise ValueError(
                     f"{description or 'the module'}: the loss or its gradient became non-finite at step {step} "
-                    f"(loss {value}); lower `lr`."
+                    f"(loss {float(loss.detach())}); lower `lr`."
                 )
             optimizer.step()
-            losses.append(value)
+            losses.append(loss.detach())
             if progress is not None:
                 progress.update(1)
     finally:
         module.eval()
         if progress is not None:
             progress.close()
-    return losses
+    return torch.stack(losses).tolist() if losses else []
 
 
 def _progress(total: int, description: str) -> Any:
