@@ -516,3 +516,40 @@ def test_from_pretrained_refuses_what_it_cannot_read(tmp_path):
     (tmp_path / CONFIG_NAME).write_text(json.dumps({**config, "hyper_parameters": {"rank": 4}}))
     with pytest.raises(RuntimeError, match="size mismatch"):
         TaskModules.from_pretrained(tmp_path)
+
+
+def test_fit_surgery_on_t5_trains_on_the_target_positions(generator):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                      decoder_start_token_id=0, feed_forward_proj="gated-gelu")
+    torch.manual_seed(0)
+    merged = T5ForConditionalGeneration(config).eval()
+    experts = {t: perturbed(merged, generator, 0.2).eval() for t in TASKS}
+    data = {t: [_text(generator, labels=True), _text(generator, labels=True)] for t in TASKS}
+    modules = fit_surgery(merged, experts, data, steps=200, lr=1e-2)
+    assert modules.training_settings["rows_per_task"] == {"cars": 26, "dtd": 26}  # labels ≠ -100, two batches
+    z = representations(merged, data["cars"])
+    target = representations(experts["cars"], data["cars"])
+    with torch.no_grad():
+        assert float((modules(z, "cars") - target).abs().mean()) < 0.8 * float((z - target).abs().mean())
+    with modules.for_task(merged, "cars"):
+        generated = merged.generate(data["cars"][0]["input_ids"], max_new_tokens=3, do_sample=False)
+    assert generated.shape[0] == 3 and not merged.decoder.final_layer_norm._forward_hooks
+
+
+def test_fit_surgery_on_an_open_clip_tower_with_clip_experts(generator):
+    pytest.importorskip("open_clip")
+    from openclip_models import tiny_clip, tiny_tower
+
+    torch.manual_seed(0)
+    experts = {t: tiny_clip() for t in TASKS}
+    merged = tiny_tower()
+    merged.load_state_dict(experts["cars"].visual.state_dict())
+    data = {t: pixel_batches(generator, [6]) for t in TASKS}
+    modules = fit_surgery(merged, experts, data, steps=5)
+    assert modules.point.module == "" and modules.num_parameters() == 2 * 2 * 16 * 8
+    # the cars expert's tower is the merged model: its representation is the merged one exactly, the L1
+    # gradient at ẑ = z is zero and its U stays zero; dtd's moves
+    assert torch.equal(modules.module_for("cars").up.weight, torch.zeros(8, 16))
+    assert float(modules.module_for("dtd").up.weight.abs().max()) > 0
