@@ -56,7 +56,7 @@ MODEL_FOLDER_PATTERNS: tuple[str, ...] = (
     "*.tiktoken", "chat_template.jinja", "chat_template.json", "additional_chat_templates",
     "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
     "open_clip_config.json", "open_clip_pytorch_model.bin",
-    "featcal_*",
+    "featcal_*", "post_merging_*",
 )
 
 #: Remote files a new upload replaces: the weight files and indexes transformers / open_clip write (shards
