@@ -334,8 +334,8 @@ def fb_regmean_plusplus(setting: Setting, reduction: float) -> tuple[Any, str]:
         probe = layer(torch.zeros(1, 2, setting.base.config.hidden_size), attention_mask=None)
     if not isinstance(probe, tuple):
         problems.append("it takes [0] of each encoder layer's output, a tensor in transformers 5, i.e. the first "
-                        "example only: it raises on some shapes, else wrong Grams from the second layer on (layer_batches_forward "
-                        "adapted)")
+                        "example only: it raises on some shapes, else wrong Grams from the second layer on "
+                        "(layer_batches_forward adapted)")
         algorithm_class = type(algorithm_class.__name__, (algorithm_class,), {"layer_batches_forward": _layer_outputs})
     merged = fb_run(algorithm_class(**arguments), setting, wrap=wrap)
     note = f"FusionBench fails as shipped: {'; '.join(problems)}. Adapted: " if problems else ""
