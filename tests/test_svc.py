@@ -243,6 +243,45 @@ def test_folders_are_read_lazily_and_give_the_same_result(tmp_path, monkeypatch)
     assert getattr(from_folders.config, MERGE_CONFIG_ATTRIBUTE)["method"] == "task_arithmetic"
 
 
+def lora_experts(base: nn.Module, folder, targets: dict[str, list[str]]) -> dict[str, nn.Module]:
+    """PEFT LoRA adapters on `base` (random A and B), saved under `folder`/<task>; returns each merged into
+    a copy of the base with PEFT's own `merge_and_unload` (the experts in full, for the reference)."""
+    from peft import LoraConfig, get_peft_model
+
+    full = {}
+    for seed, (task, modules) in enumerate(targets.items()):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=2, lora_alpha=8, target_modules=modules,
+                                                                    init_lora_weights=False))
+        peft_model.save_pretrained(folder / task)
+        full[task] = peft_model.merge_and_unload().eval()
+    return full
+
+
+def test_lora_adapter_experts_are_read_on_the_base_not_on_the_merge(tmp_path):
+    """ΔW_i of an adapter expert is B_i A_i · scale (the adapter on the base), whatever the merge did: SVC
+    with adapter folders equals the float64 reference on the experts PEFT merges into the base."""
+    base = tiny_llama()
+    full = lora_experts(base, tmp_path, {"a": ["q_proj", "up_proj"], "b": ["q_proj", "v_proj"]})
+    merged = task_arithmetic(base, full, scaling_factor=0.6)
+    adapters = {task: str(tmp_path / task) for task in full}
+    calibrated = singular_value_calibration(merged, base, adapters, alpha=0.1)
+
+    adapted = [k for k in matrix_keys(base) if any(f".{m}." in k for m in ("q_proj", "up_proj", "v_proj"))]
+    expected = reference_svc(float64_state(merged), float64_state(base), [float64_state(e) for e in full.values()],
+                             adapted, 0.1)
+    state, merged_state = calibrated.state_dict(), merged.state_dict()
+    for key in matrix_keys(base):
+        if key in adapted:
+            torch.testing.assert_close(state[key].double(), expected[key], rtol=1e-6, atol=1e-7, msg=key)
+            assert not torch.equal(state[key], merged_state[key]), key  # SVC changed it
+        else:  # no adapter covers it: left as merged
+            assert torch.equal(state[key], merged_state[key]), key
+    in_memory = singular_value_calibration(merged, base, full, alpha=0.1)  # the full experts: the same matrices
+    for key in adapted:
+        torch.testing.assert_close(state[key], in_memory.state_dict()[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
 # --------------------------------------------------------------------------------------- compare, recipes, CLI
 def test_the_compare_grid_runs_svc_after_each_merge(clip_setting, generator):
     base, experts, _, data = clip_setting

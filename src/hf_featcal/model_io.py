@@ -500,9 +500,14 @@ class LoraAdapter:
         return self._tensors.read(self.biases[module]).float()
 
     def digest(self) -> Any:
+        """What the expert's weights depend on, for resume fingerprints: the A/B weights and biases, and
+        adapter_config.json (`lora_alpha`, `alpha_pattern`, `use_rslora`, `fan_in_fan_out` and the
+        target modules change the deltas without changing a weight file)."""
         from .checkpointing import file_digest
 
-        return [(os.path.basename(self._path), file_digest(self._path))]
+        # the config as read (its values, not its layout: a file rewritten with the same values is the same expert)
+        return [(os.path.basename(self._path), file_digest(self._path)),
+                (ADAPTER_CONFIG_NAME, json.dumps(self.config, sort_keys=True))]
 
 
 def lora_module_paths(

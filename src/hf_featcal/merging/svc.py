@@ -153,7 +153,8 @@ def singular_value_calibration(
     calibrated = 0
     with contextlib.ExitStack() as stack, torch.no_grad():
         base = open_expert("base_model", base_model, result, state, canonical, label, stack, "`base_model`")
-        readers = [open_expert(name, source, result, state, canonical, label, stack)
+        # an adapter expert is the base model plus its delta (ΔW_i = B_i A_i · scale), not the merge plus it
+        readers = [open_expert(name, source, result, state, canonical, label, stack, base=base)
                    for name, source in experts.items()]
         for key in matrices:
             if not any(key in reader.keys for reader in readers):
