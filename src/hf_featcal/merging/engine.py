@@ -52,7 +52,7 @@ from ..model_io import (
     match_keys,
     resolve_checkpoint,
 )
-from ..pipeline.checks import check_compatible
+from ..pipeline.checks import check_compatible, check_same_function
 from .params import MERGE_CONFIG_ATTRIBUTE
 
 __all__ = [
@@ -190,7 +190,9 @@ def open_expert(
     the library knows the base's family, the expert must also pass the calibrator's compatibility
     check (`hf_featcal.pipeline.checks.check_compatible`: model type, the configuration's geometry
     such as layer and head counts and activation, the tower's shapes), so that a merge FeatCal would
-    refuse is refused here, before any tensor is merged.  (A LoRA adapter is the base plus deltas:
+    refuse is refused here, before any tensor is merged; without a layer map, the configuration
+    check alone (`hf_featcal.pipeline.checks.check_same_function`: every field that changes the
+    function).  (A LoRA adapter is the base plus deltas:
     it has the base's configuration by construction.)  ``argument`` names the source in errors
     (default ``experts[name]``; a post-merging step opens the base model this way too).
 
@@ -210,6 +212,11 @@ def open_expert(
         assert not isinstance(source, nn.Module)  # only a path or hub id resolves to a checkpoint
         if layer_map is not None:  # the calibrator's check, on the config and shapes alone
             check_compatible(make_source(source, argument, layer_map), layer_map, merged, model_config(merged))
+        elif checkpoint.folder is not None and os.path.isfile(os.path.join(checkpoint.folder, "config.json")):
+            from transformers import AutoConfig
+
+            check_same_function(argument, model_config(merged),
+                                AutoConfig.from_pretrained(checkpoint.folder, trust_remote_code=False), "base")
         tensors = stack.enter_context(LazyTensors(checkpoint.files, argument))  # files open until the merge ends
         shapes = {key: tensors.shape(key) for key in tensors.keys() if tensors.is_floating(key)}
         fetch = tensors.read
@@ -218,6 +225,8 @@ def open_expert(
         model = source if isinstance(source, nn.Module) else load_model(source, argument)
         if layer_map is not None:
             check_compatible(InMemorySource(model, argument, layer_map), layer_map, merged, model_config(merged))
+        else:  # no layer map: the configuration alone
+            check_same_function(argument, model_config(merged), model_config(model), "base")
         state = float_state(model)
         shapes = {k: tuple(v.shape) for k, v in state.items()}
         fetch = state.__getitem__
