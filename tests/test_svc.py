@@ -360,3 +360,24 @@ def test_a_method_declaring_a_bad_svc_alpha_is_refused_at_registration(bad):
 
     with pytest.raises(RuntimeError, match="svc_alpha must be a float > 0"):
         dataclasses.replace(get_method("task_arithmetic"), svc_alpha=bad).check_declaration()
+
+
+def test_only_the_experts_the_merge_recorded_are_accepted(monkeypatch):
+    """The merge record names its experts: SVC with other ones (one more, one less, another name) is
+    refused, naming both lists, before the base or any expert is read; a merge without a record is taken."""
+    base = tiny_llama()
+    experts = experts_of(base, count=2)
+    merged = task_arithmetic(base, experts)
+    opened = []
+    original = engine.open_expert
+    monkeypatch.setattr(engine, "open_expert", lambda *a, **k: opened.append(a[0]) or original(*a, **k))
+    extra = experts_of(base, count=3)
+    for given in ({"task0": experts["task0"]}, extra, {"task0": experts["task0"], "other": experts["task1"]}):
+        with pytest.raises(ValueError, match=r"`experts` must be the experts `merged_model` was merged from, which "
+                                             r"its merge record names: \['task0', 'task1'\]; got \["):
+            singular_value_calibration(merged, base, given)
+    assert opened == []
+    singular_value_calibration(merged, base, dict(reversed(experts.items())))  # the order does not matter
+    unrecorded = copy.deepcopy(merged)
+    delattr(unrecorded.config, MERGE_CONFIG_ATTRIBUTE)
+    singular_value_calibration(unrecorded, base, extra)
