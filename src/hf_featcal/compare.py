@@ -25,6 +25,7 @@ from torch import nn
 from .merging import MergeParameter, get_method, paper_defaults
 from .merging.svc import SVC_ALPHA, svc_alpha_for
 from .recipes.spec import POST_MERGING_STEPS
+from .report import markdown_cell
 
 #: Merge method → its parameters in the grid (the paper settings each method declares), every
 #: registered method in registration order.
@@ -84,11 +85,6 @@ def check_calibration_tasks(experts: Mapping[str, Any], calibration_data: Any) -
         if hasattr(data, "__len__") and not isinstance(data, (str, bytes, Mapping)) and len(data) == 0:
             raise ValueError(f"calibration_data[{task!r}] is empty: every merge and FeatCal need examples of each "
                              "task.")
-
-
-def markdown_cell(text: str) -> str:
-    """`text` as one Markdown table cell: on one line, its `|` escaped."""
-    return " ".join(str(text).split()).replace("|", "\\|")
 
 
 def mean_key(tasks: Sequence[str]) -> str:

@@ -42,9 +42,9 @@ def check_not_empty(task: str, batches: list[Batch]) -> None:
 #: Config fields that may differ between models merged or calibrated together, because they do not
 #: change the function the weights compute (names, labels and their heads' bookkeeping, storage dtype,
 #: library version, output and cache switches, the attention kernel, tokenizer and generation ids,
-#: initialisation, whether a decoder exists; and every field whose name holds "dropout", "pdrop", "drop_path" or "layerdrop",
-#: the identity at inference). Every other
-#: field of a transformers config must be equal (`function_differences`).
+#: initialisation, whether a decoder exists; and every field whose name holds "dropout", "pdrop",
+#: "drop_path" or "layerdrop", the identity at inference). Every other field of a transformers config
+#: must be equal (`function_differences`).
 FUNCTION_NEUTRAL_FIELDS = frozenset({
     "_name_or_path", "name_or_path", "_commit_hash", "architectures", "transformers_version", "torch_dtype",
     "dtype", "id2label", "label2id", "num_labels", "problem_type", "finetuning_task", "task_specific_params",
