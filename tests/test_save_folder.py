@@ -391,16 +391,12 @@ def test_a_file_put_beside_a_save_is_not_replaced_without_overwrite(calibrator, 
 
 _KILLED_SAVE = """
 import os, shutil, sys
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 from hf_featcal import saving
 
-folder, kill_at = sys.argv[1], sys.argv[2]
-torch.manual_seed(1)
-model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                                     num_attention_heads=2, num_key_value_heads=1))
+folder, source, kill_at = sys.argv[1:]
 with saving.atomic_folder(folder) as staging:
-    model.save_pretrained(staging)
+    for name in os.listdir(source):  # the new save: the files of a model saved at `source`
+        shutil.copy(os.path.join(source, name), staging)
     if kill_at == "cleanup":  # every entry renamed in; killed while deleting the old ones
         shutil.rmtree = lambda *args, **kwargs: os._exit(9)
     else:  # killed before the kill_at-th rename of the swap: no `except`, no `finally` runs
@@ -436,9 +432,10 @@ def test_a_save_killed_between_its_renames_is_repaired_by_the_next_load_or_save(
     folder = tmp_path / "out"
     with atomic_folder(folder) as staging:
         tiny(0).save_pretrained(staging)
+    tiny(1).save_pretrained(tmp_path / "new")
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    killed = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(folder), kill_at], env=environment,
-                            capture_output=True, text=True, timeout=300)
+    killed = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(folder), str(tmp_path / "new"), kill_at],
+                            env=environment, capture_output=True, text=True, timeout=300)
     assert killed.returncode == 9, killed.stderr
     assert any(name.startswith(".featcal-previous-") for name in os.listdir(folder))  # the broken state
 

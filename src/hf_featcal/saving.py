@@ -128,10 +128,14 @@ def check_output_dir(
     writable (`check_writable_folder`); it is not, does not lie inside and does not contain any local
     folder the run reads from (`inputs`: argument name → path; hub ids and in-memory models are
     skipped); and it is absent, empty, or an earlier save of this library (it holds `MANIFEST_NAME`)
-    unless `overwrite`. Raises TypeError / ValueError naming `argument`. Nothing is created."""
+    unless `overwrite`. A save there that was killed between its renames is first finished or undone
+    (`repair_interrupted_save`), so that the folder is judged as the one save it then holds. Raises
+    TypeError / ValueError naming `argument`. Nothing is created."""
     check_writable_folder(output_dir, argument)
     given = os.fspath(output_dir)
     target = os.path.realpath(given)  # a symlinked output folder: fill what it points to
+    if os.path.isdir(target):
+        repair_interrupted_save(target)
     for name, source in (inputs or {}).items():
         if not isinstance(source, (str, os.PathLike)) or not os.fspath(source):
             continue
@@ -225,7 +229,6 @@ def atomic_folder(
     folder (the temporary folder is made inside it: a mount point works), the entries the previous
     manifest lists and those this save writes are renamed aside, the new ones renamed in, then the old
     ones deleted; any other entry (yours, another process's) is left as it is."""
-    repair_interrupted_save(output_dir)  # a save killed between its renames: finished or undone first
     target = check_output_dir(output_dir, argument, inputs=inputs, overwrite=overwrite)
     if os.path.isdir(target):
         staging = os.path.join(target, f"{_TEMPORARY_PREFIX}{_STAGING_TAG}{uuid.uuid4().hex[:12]}")
@@ -282,8 +285,9 @@ def repair_interrupted_save(folder: str | os.PathLike) -> str | None:
     hidden ``previous-`` folder, the new one's partly in its hidden ``saving-`` folder. Where every new
     entry was renamed in (the ``saving-`` folder is empty or gone), the new save is complete and the old
     entries are deleted; otherwise the new entries renamed in so far go back and the old ones are
-    renamed back: the previous save, as it was. Called by every save into a folder and every load of a
-    local folder (`hf_featcal.model_io`); nothing happens (one `listdir`) without such folders. Returns
+    renamed back: the previous save, as it was. Called by `check_output_dir` (every save, and the checks
+    before a run) and every load of a local folder (`hf_featcal.model_io`); nothing happens (one
+    `listdir`) without such folders. Not for a folder another process is saving into right now. Returns
     "completed" / "restored" (also logged as a warning), or None when there was nothing to repair."""
     folder = os.fspath(folder)
     try:
