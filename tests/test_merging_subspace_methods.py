@@ -283,8 +283,8 @@ def test_tsv_m_warns_naming_the_matrices_more_experts_than_their_rank_keep_as_th
     base = LlamaForCausalLM(config).eval()  # k_proj and v_proj are 2 × 16: rank 2 < 3 experts
     generator = torch.Generator().manual_seed(1)
     experts = {f"task{i}": perturbed(base, generator, 0.05) for i in range(3)}
-    with pytest.warns(UserWarning, match=r"3 experts exceed the rank of 2 matrices, which keep the base model's "
-                                         r"value .*'model\.layers\.0\.self_attn\.k_proj\.weight', "
+    with pytest.warns(UserWarning, match=r"TSV-M: 2 matrices have a rank min\(m, n\) below the 3 experts and keep "
+                                         r"the base model's value .*'model\.layers\.0\.self_attn\.k_proj\.weight', "
                                          r"'model\.layers\.0\.self_attn\.v_proj\.weight'\]"):
         merged = merge_models(base, experts, "tsv_m").state_dict()
     for key in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight"):

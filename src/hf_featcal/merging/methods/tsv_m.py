@@ -108,8 +108,8 @@ def tsv_merging(base_model: ModelLike, experts: Mapping[str, ModelLike], scaling
                                 scaling_factor=scaling_factor)
     if base_kept:
         warnings.warn(
-            f"TSV-M: {len(experts)} experts exceed the rank of {len(base_kept)} matrices, which keep the base "
-            f"model's value (k = rank // {len(experts)} = 0 triplets per task): {base_kept[:10]}"
+            f"TSV-M: {len(base_kept)} matrices have a rank min(m, n) below the {len(experts)} experts and keep the "
+            f"base model's value (k = rank // {len(experts)} = 0 triplets per task): {base_kept[:10]}"
             + (f" and {len(base_kept) - 10} more" if len(base_kept) > 10 else ""),
             UserWarning, stacklevel=2,
         )
