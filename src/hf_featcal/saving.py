@@ -69,6 +69,8 @@ STALE_WEIGHT_PATTERNS: list[str] = [
 
 #: Prefix of the temporary entries a save or a push makes (inside or beside the target).
 _TEMPORARY_PREFIX = ".featcal-"
+#: a save's staging folder (inside an existing target) and where the entries it replaces wait meanwhile
+_STAGING_TAG, _PREVIOUS_TAG = "saving-", "previous-"
 
 
 def _is_weight_file(name: str) -> bool:
@@ -126,10 +128,14 @@ def check_output_dir(
     writable (`check_writable_folder`); it is not, does not lie inside and does not contain any local
     folder the run reads from (`inputs`: argument name → path; hub ids and in-memory models are
     skipped); and it is absent, empty, or an earlier save of this library (it holds `MANIFEST_NAME`)
-    unless `overwrite`. Raises TypeError / ValueError naming `argument`. Nothing is created."""
+    unless `overwrite`. A save there that was killed between its renames is first finished or undone
+    (`repair_interrupted_save`), so that the folder is judged as the one save it then holds. Raises
+    TypeError / ValueError naming `argument`. Nothing is created."""
     check_writable_folder(output_dir, argument)
     given = os.fspath(output_dir)
     target = os.path.realpath(given)  # a symlinked output folder: fill what it points to
+    if os.path.isdir(target):
+        repair_interrupted_save(target)
     for name, source in (inputs or {}).items():
         if not isinstance(source, (str, os.PathLike)) or not os.fspath(source):
             continue
@@ -225,7 +231,7 @@ def atomic_folder(
     ones deleted; any other entry (yours, another process's) is left as it is."""
     target = check_output_dir(output_dir, argument, inputs=inputs, overwrite=overwrite)
     if os.path.isdir(target):
-        staging = os.path.join(target, f"{_TEMPORARY_PREFIX}saving-{uuid.uuid4().hex[:12]}")
+        staging = os.path.join(target, f"{_TEMPORARY_PREFIX}{_STAGING_TAG}{uuid.uuid4().hex[:12]}")
     else:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         staging = _sibling(target, "saving")
@@ -256,7 +262,7 @@ def _put_in_place(staging: str, target: str, argument: str, overwrite: bool) -> 
         # created meanwhile: checked as any existing folder, the files swapped in from a staging
         # folder inside it
         check_output_dir(target, argument, overwrite=overwrite)
-        inner = os.path.join(target, f"{_TEMPORARY_PREFIX}saving-{uuid.uuid4().hex[:12]}")
+        inner = os.path.join(target, f"{_TEMPORARY_PREFIX}{_STAGING_TAG}{uuid.uuid4().hex[:12]}")
         os.rename(staging, inner)  # same parent file system: the target was created beside it
         try:
             _swap_files(inner, target, overwrite, argument)
@@ -267,6 +273,59 @@ def _put_in_place(staging: str, target: str, argument: str, overwrite: bool) -> 
     else:
         check_output_dir(target, argument, overwrite=overwrite)  # changed since the up-front check?
     _swap_files(staging, target, overwrite, argument)
+
+
+def _previous_name(staging_name: str) -> str:
+    return staging_name.replace(_STAGING_TAG, _PREVIOUS_TAG, 1)
+
+
+def repair_interrupted_save(folder: str | os.PathLike) -> str | None:
+    """Finish or undo a save into `folder` that was killed (SIGKILL, power loss: no `except` ran) between
+    its renames, which leaves a folder that loads as neither save: the old save's entries partly in a
+    hidden ``previous-`` folder, the new one's partly in its hidden ``saving-`` folder. Where every new
+    entry was renamed in (the ``saving-`` folder is empty or gone), the new save is complete and the old
+    entries are deleted; otherwise the new entries renamed in so far go back and the old ones are
+    renamed back: the previous save, as it was. Called by `check_output_dir` (every save, and the checks
+    before a run) and every load of a local folder (`hf_featcal.model_io`); nothing happens (one
+    `listdir`) without such folders. Not for a folder another process is saving into right now. Returns
+    "completed" / "restored" (also logged as a warning), or None when there was nothing to repair."""
+    folder = os.fspath(folder)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    outcome = None
+    for previous_name in sorted(n for n in names if n.startswith(_TEMPORARY_PREFIX + _PREVIOUS_TAG)):
+        previous = os.path.join(folder, previous_name)
+        staging = os.path.join(folder, previous_name.replace(_PREVIOUS_TAG, _STAGING_TAG, 1))
+        with interrupts_deferred():
+            if not os.path.isdir(staging) or not os.listdir(staging):
+                shutil.rmtree(previous, ignore_errors=True)  # the new save is all in place
+                outcome = "completed"
+            else:
+                _roll_back(folder, staging, previous)
+                outcome = "restored"
+            shutil.rmtree(staging, ignore_errors=True)
+        warnings.warn(
+            f"{folder!r}: a save there was interrupted between its renames; "
+            + ("its new files were all in place: the save is complete." if outcome == "completed"
+               else "the previous save is restored as it was."), stacklevel=2,
+        )
+    return outcome
+
+
+def _roll_back(folder: str, staging: str, previous: str) -> None:
+    """The entries the killed save renamed in go back to `staging`, the old ones out of `previous`."""
+    manifest = os.path.join(staging, MANIFEST_NAME)
+    # the new save's entries: its manifest's list, from `staging` or (renamed in already) from the folder
+    new = read_manifest(staging) if os.path.isfile(manifest) else read_manifest(folder)
+    moved_in = [name for name in (new or []) if os.path.lexists(os.path.join(folder, name))
+                and not os.path.lexists(os.path.join(staging, name))]
+    for name in moved_in:
+        os.rename(os.path.join(folder, name), os.path.join(staging, name))
+    for name in os.listdir(previous):
+        os.rename(os.path.join(previous, name), os.path.join(folder, name))
+    os.rmdir(previous)
 
 
 def _swap_files(staging: str, target: str, overwrite: bool, argument: str = "output_dir") -> None:
@@ -291,7 +350,9 @@ def _swap_files(staging: str, target: str, overwrite: bool, argument: str = "out
                 f"overwrite=True: weight files this save does not write stay in {target!r}: {left} "
                 "(remove them if they belong to another model: loaders may pick them up).", stacklevel=4,
             )
-    previous = os.path.join(target, f"{_TEMPORARY_PREFIX}previous-{uuid.uuid4().hex[:12]}")
+    # named after the staging folder, so that a save killed between the renames is found and repaired
+    # (`repair_interrupted_save`)
+    previous = os.path.join(target, _previous_name(os.path.basename(staging)))
     os.mkdir(previous)
     moved_out: list[str] = []
     moved_in: list[str] = []
