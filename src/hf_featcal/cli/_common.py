@@ -186,13 +186,21 @@ def check_output_dir(
         raise CLIError(str(err)) from None
 
 
-def check_output_file(path: str, option: str) -> None:
-    """Refuse, before any work, a file path that is a folder or whose folder cannot be created and
-    written (missing folders are created when the file is written)."""
+def check_output_file(path: str, option: str, inputs: dict[str, str | None] | None = None) -> None:
+    """Refuse, before any work, a file path that is a folder, an existing file inside one of the local
+    folders the command reads (`inputs`: option → source; writing there would replace a file of that
+    model) or whose folder cannot be created and written (missing folders are created when the file is
+    written)."""
     from ..saving import FolderError, check_writable_folder
 
     if os.path.isdir(path):
         raise CLIError(f"{option}: {path!r} is a folder; give a file path")
+    target = os.path.realpath(path)
+    for name, source in (inputs or {}).items():
+        folder = os.path.realpath(source) if source and os.path.isdir(source) else None
+        if folder is not None and os.path.isfile(target) and os.path.commonpath([target, folder]) == folder:
+            raise CLIError(f"{option}: {path!r} is a file of the folder of {name} ({source!r}), which this command "
+                           "reads: writing the scores there would replace it. Give a file path outside that folder")
     try:
         check_writable_folder(os.path.dirname(os.path.abspath(path)), option)
     except FolderError as err:

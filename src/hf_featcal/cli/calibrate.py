@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     model_source = check_source(args.model, "--model")
     base_source = check_source(args.base, "--base") if args.base else None
     experts = {t: check_source(s, f"--expert {t}") for t, s in task_pairs(args.experts, "--expert").items()}
-    data = task_pairs(args.data, "--data")
+    data = {t: check_source(d, f"--data {t}", kind="dataset") for t, d in task_pairs(args.data, "--data").items()}
     configs = task_pairs(args.data_config, "--data-config")
     for option, mapping in (("--data", data), ("--data-config", configs)):
         for task in mapping:
