@@ -360,7 +360,8 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
     The experts are held in memory (RegMean runs each expert's own forward; the ceiling row
     evaluates each expert on its own task)."""
     from .model_io import load_model
-    from .recipes import RecipeError, check_fast_mode, prepare_recipe_inputs, recipe_evaluator
+    from .recipes import RecipeError, prepare_recipe_inputs, recipe_evaluator
+    from .recipes.preflight import check_recipe_inputs
     from .saving import check_writable_folder
 
     say = log if log is not None else (lambda message: None)
@@ -387,7 +388,9 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
         device = "cuda" if torch.cuda.is_available() else "cpu"
 
     inputs = prepare_recipe_inputs(recipe, evaluate=True, log=say)
-    check_fast_mode(recipe, inputs.base)
+    steps = post_merging if post_merging is not None else post_merging_steps()
+    # what would fail every FeatCal row (module selection, batches) or every score (class names), before any merge
+    check_recipe_inputs(recipe, inputs, featcal=any(s.startswith("featcal") for s in steps), device=device)
     say(f"Loading {len(recipe.experts)} experts ...")
     experts = {t: load_model(source, f"experts.{t}") for t, source in recipe.experts.items()}
     evaluate = recipe_evaluator(recipe, inputs, device)

@@ -315,8 +315,9 @@ def _swap_files(staging: str, target: str, overwrite: bool, argument: str = "out
     os.rmdir(staging)
 
 
-#: An absolute POSIX path in text (not part of a URL or of `owner/name`): redacted from what is pushed.
-_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~<>-])/[^\s\"'`|,;)\]}>]+")
+#: An absolute POSIX path in text, also after a scheme (open_clip's ``local-dir:/...``, ``file:///...``) but
+#: not the second part of `owner/name`: redacted from what is pushed when its first component exists here.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~<>-])/(?!/)[^\s\"'`|,;)\]}>]+")
 #: JSON files larger than this are not rewritten when pushed (weights indexes, tokenizers: no local paths).
 _REDACT_JSON_LIMIT = 2 << 20
 
@@ -338,7 +339,7 @@ def _redact_text(text: str) -> str:
 
 def _redact_value(value: Any) -> Any:
     if isinstance(value, str):
-        return _redacted(value) if value.startswith("/") and _local_path(value) else value
+        return _redacted(value) if value.startswith("/") and _local_path(value) else _redact_text(value)
     if isinstance(value, list):
         return [_redact_value(item) for item in value]
     if isinstance(value, dict):
@@ -408,11 +409,15 @@ def push_folder(
     """Create (if needed) the hub model repo `repo_id` (`private` as in `HfApi.create_repo`) and upload
     exactly the files of the save in `folder` (its manifest's; no other file of the folder, no local
     absolute path) in one commit; remote weight files of an earlier upload that this one does not write
-    (stale shards) are deleted in the same commit. Returns `upload_folder`'s result."""
+    (stale shards) are deleted in the same commit. Returns `upload_folder`'s result. Refused first
+    (`hf_featcal.hub.check_push_target`): no token, or `private` into an existing public repository."""
     from huggingface_hub import HfApi
 
+    from .hub import check_push_target
+
+    api = HfApi(token=token)
+    check_push_target(repo_id, private=private, token=token, api=api)  # before anything is staged
     with push_staging(folder) as staging:
-        api = HfApi(token=token)
         api.create_repo(repo_id, private=private, exist_ok=True)
         return api.upload_folder(repo_id=repo_id, folder_path=staging, commit_message=commit_message,
                                  delete_patterns=STALE_WEIGHT_PATTERNS)

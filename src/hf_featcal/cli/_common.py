@@ -186,6 +186,19 @@ def check_output_dir(
         raise CLIError(str(err)) from None
 
 
+def check_push(repo_id: str | None, private: bool | None, option: str = "--push-to-hub") -> None:
+    """Refuse, before any work, a push that cannot succeed: no token, or --private into an existing
+    public repository (`hf_featcal.hub.check_push_target`)."""
+    if not repo_id:
+        return
+    from ..hub import check_push_target
+
+    try:
+        check_push_target(repo_id, private=private, argument=option)
+    except ValueError as err:
+        raise CLIError(str(err).replace(f"`{option}`", option, 1)) from None
+
+
 def check_output_file(path: str, option: str, inputs: dict[str, str | None] | None = None) -> None:
     """Refuse, before any work, a file path that is a folder, an existing file inside one of the local
     folders the command reads (`inputs`: option → source; writing there would replace a file of that

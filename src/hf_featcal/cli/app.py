@@ -9,14 +9,14 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ..families import FamilyUsageError
-from . import calibrate, compare, demo, evaluate, merge, run
+from . import calibrate, compare, demo, evaluate, merge, push, run
 from ._common import FORMATTER, PROG, CLIError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: The commands, in the order ``hf-featcal --help`` lists them; a new command is a module with
 #: ``register(commands)`` (adds its subparser, ``set_defaults(func=run)``) and a line here.
-COMMANDS = (merge, calibrate, evaluate, run, demo, compare)
+COMMANDS = (merge, calibrate, evaluate, run, push, demo, compare)
 
 _MAIN_EPILOG = """\
 examples:

@@ -19,6 +19,7 @@ from ._common import (
     add_recipe_options,
     check_device,
     check_output_dir,
+    check_push,
     check_source,
     family_of,
     first_processing,
@@ -154,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--data: no calibration dataset for {missing}; give --data TASK=DATASET or --data-default")
     config = _featcal_config(args)
     check_device(args.device)
+    check_push(args.push_to_hub, args.private)
     check_output_dir(args.output_dir, inputs=_calibrate_inputs(args, model_source, base_source, experts, data),
                       overwrite=bool(args.overwrite))
 

@@ -92,8 +92,13 @@ def run(args: argparse.Namespace) -> int:
 
     from ..calibrator import FeatCalCalibrator
     from ..config import FeatCalConfig
+    from ..merging import get_method
     from ..plotting import plot_drift
 
+    try:  # the demo's Task Arithmetic λ, checked by its declaration before the scenario is built
+        get_method("task_arithmetic").declared()["scaling_factor"].check(args.scaling_factor)
+    except ValueError as err:
+        raise CLIError(f"--scaling-factor {err}") from None
     check_output_dir(args.output_dir, overwrite=bool(args.overwrite))  # before the scenario is built
     name, words, overrides = demo_scenario(args)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))

@@ -38,7 +38,8 @@ shuffled with ``featcal.seed`` and cut); the :class:`~hf_featcal.FeatCalConfig` 
 ``num_samples_per_task=None``.
 
 The package: `spec` (the spec dataclasses, `RecipeError`, `KeyChecker`), `parse` (YAML → `Recipe`),
-`load` (datasets, evaluation) and `run` (the stages, the card, the upload).
+`load` (datasets, evaluation), `preflight` (what `run`, `compare` and ``run --check`` check before the
+merge) and `run` (the stages, the card, the upload).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from .parse import (
     parse_recipe,
     validate_merge_spec,
 )
+from .preflight import check_recipe_inputs, check_recipe_targets
 from .run import (
     CalibrationRun,
     RecipeInputs,
@@ -104,6 +106,8 @@ __all__ = [
     "check_family",
     "check_fast_mode",
     "check_output_dir",
+    "check_recipe_inputs",
+    "check_recipe_targets",
     "evaluate_model",
     "load_calibration_data",
     "load_dataset_spec",
