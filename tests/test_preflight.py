@@ -297,3 +297,41 @@ def test_private_into_an_existing_public_repo_is_refused(world, tmp_path, monkey
     # without --private nothing is asked of the repository's visibility
     asked = len(calls["repo_info"])
     assert cli.main(["push", folder, "me/public"]) == 0 and len(calls["repo_info"]) == asked
+
+
+# ====================================================== issue 38 item 6: adapters where models go
+def _adapter_without_recorded_base(world, tmp_path) -> str:
+    """A PEFT LoRA adapter of the world's base CLIPModel whose adapter_config.json records no base."""
+    import json
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import CLIPModel
+
+    base = CLIPModel.from_pretrained(world / "base")
+    adapter = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "fc1"], init_lora_weights=False))
+    folder = tmp_path / "adapter"
+    adapter.save_pretrained(folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = None
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_calibrate_names_its_options_for_an_adapter(world, tmp_path, capsys, no_loading):
+    adapter = _adapter_without_recorded_base(world, tmp_path)
+    out = tmp_path / "out"
+    common = [*_experts(world), *_data(world), "--lambda-ratio", "0.05", "--batch-size", "8", "--num-examples", "8",
+              "--output-dir", str(out), "--quiet"]
+    # --base given an adapter: the option is named, and what it takes
+    assert cli.main(["calibrate", "--model", str(world / "base"), "--base", adapter, *common]) == 2
+    line = _one_error_line(capsys, "calibrate")
+    assert f"--base: '{adapter}' is a LoRA adapter, not a full model: --base takes the model the experts" in line
+    assert "base_model" not in line and no_loading == []
+    # --model an adapter without a recorded base and no --base: asks for --base
+    assert cli.main(["calibrate", "--model", adapter, *common]) == 2
+    assert (f"--model: '{adapter}' is a LoRA adapter that records no base model: pass the model it was trained on "
+            "as --base") in _one_error_line(capsys, "calibrate")
+    assert no_loading == [] and not out.exists()
+    # ... and with --base, the adapter is applied to it (not "pass the base model")
+    assert cli.main(["calibrate", "--model", adapter, "--base", str(world / "base"), *common]) == 0
+    assert (out / "featcal_manifest.json").exists()

@@ -158,6 +158,33 @@ def check_source(value: str, option: str, kind: str = "model") -> str:
         raise CLIError(str(err)) from None
 
 
+def adapter_base(source: str | None) -> str | None:
+    """For a local LoRA adapter folder (it holds adapter_config.json): the base it records ("" when none);
+    None when `source` is not an adapter folder."""
+    import json
+
+    path = os.path.join(source, "adapter_config.json") if source else ""
+    if not source or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            recorded = json.load(handle).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    return recorded if isinstance(recorded, str) else ""
+
+
+def check_not_adapter_base(source: str | None, option: str = "--base") -> None:
+    """Refuse a LoRA adapter given where the model the experts were fine-tuned from is expected."""
+    recorded = adapter_base(source)
+    if recorded is None:
+        return
+    trained_on = f" (its adapter_config.json records {recorded!r})" if recorded else ""
+    raise CLIError(f"{option}: {source!r} is a LoRA adapter, not a full model: {option} takes the model the experts "
+                   f"were fine-tuned from, the one the adapter was trained on{trained_on}. Pass that model as "
+                   f"{option} and the adapter as --expert TASK=ADAPTER")
+
+
 def check_device(device: str | None) -> None:
     """Refuse a --device this machine cannot use (before anything is loaded)."""
     if device is None:

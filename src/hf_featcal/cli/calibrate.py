@@ -15,9 +15,11 @@ from ._common import (
     FORMATTER,
     CLIError,
     ProgressBars,
+    adapter_base,
     add_common,
     add_recipe_options,
     check_device,
+    check_not_adapter_base,
     check_output_dir,
     check_push,
     check_source,
@@ -142,6 +144,10 @@ def run(args: argparse.Namespace) -> int:
     `load_calibration_data` → `build_calibrator` → `calibrate_merged` → `save_run` → `push_run`."""
     model_source = check_source(args.model, "--model")
     base_source = check_source(args.base, "--base") if args.base else None
+    check_not_adapter_base(base_source)
+    if adapter_base(model_source) == "" and base_source is None:  # an adapter is a model only on its base
+        raise CLIError(f"--model: {args.model!r} is a LoRA adapter that records no base model: pass the model it was "
+                       "trained on as --base (the adapter is then applied to it)")
     experts = {t: check_source(s, f"--expert {t}") for t, s in task_pairs(args.experts, "--expert").items()}
     data = {t: check_source(d, f"--data {t}", kind="dataset") for t, d in task_pairs(args.data, "--data").items()}
     configs = task_pairs(args.data_config, "--data-config")
@@ -197,7 +203,7 @@ def _calibrate(
     from ..schema import recipe_keys
 
     log(f"Loading the merged model {args.model} ...")
-    model = load_model(model_source, "--model")
+    model = load_model(model_source, "--model", base=base_source)  # an adapter --model: applied to --base
     family = family_of(model, args.family)
     try:  # before the calibration data are loaded
         check_forward_dtype(config, {"--model": model})

@@ -14,6 +14,7 @@ from ._common import (
     CLIError,
     add_common,
     add_recipe_options,
+    check_not_adapter_base,
     check_output_dir,
     check_source,
     help_text,
@@ -133,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     from ..recipes import RecipeError, merge_experts, validate_merge_spec
 
     base = check_source(args.base, "--base")
+    check_not_adapter_base(base)
     experts = {t: check_source(s, f"--expert {t}") for t, s in task_pairs(args.experts, "--expert").items()}
     options = _merge_options()
     params = {name: getattr(args, name) for name in options if getattr(args, name) is not None}
