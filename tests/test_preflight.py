@@ -80,16 +80,25 @@ def test_evaluate_refuses_an_output_json_that_would_replace_a_file_of_the_model(
 
 
 # ====================================================== issue 38 item 2: one pre-flight
+class MergeCalls(list):
+    """The methods merged, in order; `params`: the keyword arguments of each merge."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.params: list[dict] = []
+
+
 @pytest.fixture
 def merge_spy(monkeypatch):
     """Records every merge (the real merge still runs): a refusal before the merge leaves it empty."""
     from hf_featcal import merging
 
-    calls: list[str] = []
+    calls = MergeCalls()
     real = merging.merge_models
 
     def spy(base, experts, method, **kwargs):
         calls.append(method)
+        calls.params.append(kwargs)
         return real(base, experts, method, **kwargs)
 
     monkeypatch.setattr(merging, "merge_models", spy)
@@ -335,3 +344,63 @@ def test_calibrate_names_its_options_for_an_adapter(world, tmp_path, capsys, no_
     # ... and with --base, the adapter is applied to it (not "pass the base model")
     assert cli.main(["calibrate", "--model", adapter, "--base", str(world / "base"), *common]) == 0
     assert (out / "featcal_manifest.json").exists()
+
+
+# ====================================================== issue 41 item 3: replacing another's save
+def test_a_save_of_another_command_or_model_is_replaced_only_with_overwrite(world, tmp_path, capsys, merge_spy):
+    import json
+
+    out = tmp_path / "out"
+    base = str(world / "base")
+    assert cli.main(["calibrate", "--model", base, "--base", base, *_experts(world), *_data(world),
+                     "--lambda-ratio", "0.05", "--batch-size", "8", "--num-examples", "8", "--output-dir", str(out),
+                     "--quiet"]) == 0
+    manifest = json.loads((out / "featcal_manifest.json").read_text())
+    assert manifest["written_by"] == {"command": "hf-featcal calibrate", "base": base}
+    calibrated = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    merge = ["merge", "--base", base, *_experts(world), "--method", "task_arithmetic", "--output-dir", str(out)]
+    # a merge into the calibrated save: refused before merging, naming both writers; nothing changed
+    assert cli.main(merge) == 2
+    line = _one_error_line(capsys, "merge")
+    assert (f"holds an earlier save by `hf-featcal calibrate` of the base '{base}', and this save is by "
+            f"`hf-featcal merge` of the base '{base}': replacing it needs overwrite=True (CLI: --overwrite") in line
+    assert merge_spy == [] and {p.name: p.read_bytes() for p in out.iterdir()} == calibrated
+    # with --overwrite: replaced, and one line says what
+    assert cli.main([*merge, "--overwrite"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("Replaced")]
+    assert said == [f"Replaced the earlier save in {out} (by `hf-featcal calibrate` of the base '{base}'; "
+                    f"{len(manifest['files']) + 1} files)"]
+    assert "featcal_drift_report.json" not in {p.name for p in out.iterdir()}  # the calibrated save's files went
+    # the same command on the same base replaces its own save (saying so); on another base it is refused
+    assert cli.main(merge) == 0
+    assert "Replaced the earlier save in" in capsys.readouterr().err
+    other = str(world / "experts" / "zorbs")
+    assert cli.main(["merge", "--base", other, *_experts(world), "--method", "task_arithmetic",
+                     "--output-dir", str(out)]) == 2
+    assert f"this save is by `hf-featcal merge` of the base '{other}'" in _one_error_line(capsys, "merge")
+    assert merge_spy == ["task_arithmetic", "task_arithmetic"]
+
+
+# ====================================================== issue 41 item 5: compare's grid
+def test_compare_recipe_defaults_to_its_own_merge_and_says_the_grid_size_first(world, tmp_path, capsys, merge_spy):
+    import json
+
+    from hf_featcal.compare import DEFAULT_MERGES
+
+    out = tmp_path / "out"
+    recipe = _recipe(world, output_dir=str(out), merge={"method": "task_arithmetic", "scaling_factor": 0.7})
+    path = _write(world / "grid-own.yaml", recipe)
+    assert cli.main(["compare", path, "--post-merging", "none", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    grid_line = (f"Grid: 1 merge × 1 post-merging step = 1 rows, plus the experts' row (--all-merges: "
+                 f"{len(DEFAULT_MERGES)} merges)")
+    assert grid_line in captured.err.splitlines()
+    assert captured.err.index(grid_line) < captured.err.index("Loading the base model")  # before any work
+    assert "merges: the recipe's own (task_arithmetic (scaling_factor=0.7))" in captured.out
+    assert list(json.loads((out / "comparison.json").read_text())["scores"]) == ["experts", "task_arithmetic"]
+    assert list(merge_spy) == ["task_arithmetic"] and merge_spy.params[0]["scaling_factor"] == 0.7
+    # --merges picks from every merge (at its defaults) when the recipe has no compare section
+    assert cli.main(["compare", path, "--merges", "average", "--post-merging", "none", "--quiet"]) == 0
+    assert "Grid: 1 merge × 1 post-merging step = 1 rows, plus the experts' row\n" in capsys.readouterr().err
+    assert list(json.loads((out / "comparison.json").read_text())["scores"]) == ["experts", "average"]

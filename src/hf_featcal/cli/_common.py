@@ -199,16 +199,18 @@ def check_device(device: str | None) -> None:
 
 def check_output_dir(
     path: str, option: str = "--output-dir", *, inputs: dict[str, Any] | None = None, overwrite: bool = False,
-    model_folder: bool = True,
+    model_folder: bool = True, written_by: dict[str, str] | None = None,
 ) -> None:
     """Refuse, before merging or calibrating, an output folder the save would refuse (the run's
     `check_output_dir` stage: not writable, one of the `inputs` or inside / around one, non-empty and
-    not an earlier save unless `overwrite`); `model_folder=False`: writability only."""
+    not an earlier save, or an earlier save of another command or base than `written_by`, unless
+    `overwrite`); `model_folder=False`: writability only."""
     from ..recipes import RecipeError
     from ..recipes import check_output_dir as check_for_save
 
     try:
-        check_for_save(path, option, inputs=inputs, overwrite=overwrite, model_folder=model_folder)
+        check_for_save(path, option, inputs=inputs, overwrite=overwrite, model_folder=model_folder,
+                       written_by=written_by)
     except RecipeError as err:
         raise CLIError(str(err)) from None
 

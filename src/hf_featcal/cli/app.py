@@ -5,6 +5,7 @@ turns user errors into one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable, Sequence
 
@@ -80,6 +81,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..recipes import RecipeError  # after parsing: --help loads no recipe machinery
     command: Callable[[argparse.Namespace], int] = args.func
     name = f"{PROG} {args.command}"
+    saves = logging.getLogger("hf_featcal.saving")  # its one line per replaced save, printed on stderr
+    said = logging.StreamHandler(sys.stderr)
+    said.setFormatter(logging.Formatter("%(message)s"))
+    saves.addHandler(said)
+    level = saves.level
+    saves.setLevel(logging.INFO)
     try:
         return command(args)
     except (CLIError, RecipeError, FamilyUsageError) as err:
@@ -96,3 +103,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         reason = " ".join(str(err).split())  # one line, whatever the message
         print(f"{name}: error: {type(err).__name__}: {reason} (--debug shows the traceback)", file=sys.stderr)
         return 2
+    finally:
+        saves.removeHandler(said)
+        saves.setLevel(level)

@@ -163,10 +163,15 @@ def run(args: argparse.Namespace) -> int:
     check_device(args.device)
     check_push(args.push_to_hub, args.private)
     check_output_dir(args.output_dir, inputs=_calibrate_inputs(args, model_source, base_source, experts, data),
-                      overwrite=bool(args.overwrite))
+                      overwrite=bool(args.overwrite), written_by=_writer(model_source, base_source))
 
     with ProgressBars(args.quiet):
         return _calibrate(args, model_source, base_source, experts, data, configs, default, config)
+
+
+def _writer(model_source: str, base_source: str | None) -> dict[str, str]:
+    """What the save records of its writer (an earlier save of another is replaced only with --overwrite)."""
+    return {"command": "hf-featcal calibrate", "base": base_source or model_source}
 
 
 def _calibrate_inputs(
@@ -229,7 +234,8 @@ def _calibrate(
     finally:
         ridge = finish()
     plot, _ = save_run(run, args.output_dir, family, processing, overwrite=bool(args.overwrite),
-                       inputs=_calibrate_inputs(args, model_source, base_source, experts, data))
+                       inputs=_calibrate_inputs(args, model_source, base_source, experts, data),
+                       written_by=_writer(model_source, base_source))
     if run.calibrator.report is not None:
         print("Feature drift per task (before → after FeatCal)\n")
         print(run.calibrator.report.summary_markdown())

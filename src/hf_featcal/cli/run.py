@@ -115,15 +115,16 @@ def _check(args: argparse.Namespace, recipe: Any) -> int:
     from ..recipes.run import prepare_recipe_inputs
 
     evaluation = "off" if recipe.evaluation is None else f"{len(recipe.evaluation.tasks)} tasks"
-    if recipe_sources_are_local(recipe):
+    if recipe_sources_are_local(recipe, evaluate=not args.no_eval):
         with ProgressBars(True):
             inputs = prepare_recipe_inputs(recipe, evaluate=not args.no_eval, log=log)
             check_recipe_inputs(recipe, inputs, evaluate=not args.no_eval, device=args.device)
         checked = ("the output folder, the push, the FeatCal module selection and every calibration batch against "
                    "the base" + (", the class names against the evaluation data" if evaluation != "off" else ""))
     else:
-        checked = ("the output folder and the push; the base or the calibration data are on the hub and are not "
-                   "downloaded: the module selection and the batches are checked when the run starts, before the merge")
+        checked = ("the output folder and the push; some sources (base, datasets) are on the hub and are not "
+                   "downloaded: the module selection, the batches and the class names are checked when the run "
+                   "starts, before the merge")
     print(f"The recipe is valid. Checked {checked}. Calibration examples per task: "
           f"{ {t: s.num_examples for t, s in recipe.calibration.items()} }; evaluation: {evaluation}.")
     return 0

@@ -14,8 +14,9 @@ the fields of `FeatCalConfig`), which also drive the validation and the matching
     <recipe schema>
 
 ``hf-featcal compare RECIPE`` runs the grid merges × post-merging steps on the recipe's base,
-experts, calibration data and evaluation and ignores its ``merge`` section (list that method and its
-parameters under ``compare.merges`` to have it in the grid). A method's parameters are laid over its
+experts, calibration data and evaluation; the merges are the recipe's ``compare.merges`` when it has a
+``compare`` section (without ``merges``: every merge), else its own ``merge`` (``--all-merges``: every
+merge; `hf_featcal.compare.recipe_grid`). A method's parameters are laid over its
 ``DEFAULT_MERGES`` entry; their names and values are checked here with the rest of the recipe (so
 ``run --check`` refuses a bad one too).
 

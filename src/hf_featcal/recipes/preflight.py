@@ -33,14 +33,20 @@ __all__ = [
     "check_recipe_targets",
     "recipe_input_folders",
     "recipe_sources_are_local",
+    "recipe_writer",
 ]
+
+
+def recipe_writer(recipe: Recipe) -> dict[str, str]:
+    """What a run's save records of its writer (`hf_featcal.saving.atomic_folder`'s ``written_by``)."""
+    return {"command": "hf-featcal run", "base": recipe.base}
 
 
 def check_recipe_targets(recipe: Recipe, *, push: bool = True, model_folder: bool = True) -> None:
     """Refuse an output folder the save would refuse (`model_folder=False`: compare's tables and plots,
     writability only) and, when `push` and the recipe pushes, a push that cannot succeed."""
     check_output_dir(recipe.output_dir, "output_dir", recipe.source, inputs=recipe_input_folders(recipe),
-                     overwrite=recipe.overwrite, model_folder=model_folder)
+                     overwrite=recipe.overwrite, model_folder=model_folder, written_by=recipe_writer(recipe))
     if push and recipe.push_to_hub:
         from ..hub import check_push_target
 
@@ -106,13 +112,19 @@ def _check_class_names(recipe: Recipe) -> None:
             )
 
 
-def recipe_sources_are_local(recipe: Recipe) -> bool:
-    """Whether the base and every calibration dataset are local (``run --check`` loads them; it does
-    not download)."""
+def recipe_sources_are_local(recipe: Recipe, evaluate: bool = True) -> bool:
+    """Whether everything the pre-flight loads is local: the base, every calibration dataset and, when
+    `evaluate`, the evaluation's datasets and CLIP model (``run --check`` loads them; it does not
+    download)."""
     import os
 
-    return os.path.exists(recipe.base.removeprefix("local-dir:")) and all(
-        spec.is_local for spec in recipe.calibration.values())
+    sources = [recipe.base]
+    if evaluate and recipe.evaluation is not None and recipe.evaluation.clip_model:
+        sources.append(recipe.evaluation.clip_model)
+    specs = list(recipe.calibration.values())
+    if evaluate and recipe.evaluation is not None:
+        specs += [recipe.evaluation.datasets[t] for t in recipe.evaluation.tasks]
+    return all(os.path.exists(s.removeprefix("local-dir:")) for s in sources) and all(s.is_local for s in specs)
 
 
 def check_output_dir(
@@ -123,6 +135,7 @@ def check_output_dir(
     inputs: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     model_folder: bool = True,
+    written_by: Mapping[str, str] | None = None,
 ) -> None:
     """Stage *check*: refuse, before anything is loaded, an output folder a save cannot go to
     (`hf_featcal.saving.check_output_dir`, the rule the save applies again): not writable, one of the
@@ -137,7 +150,7 @@ def check_output_dir(
 
     try:
         if model_folder:
-            check_save_folder(output_dir, key, inputs=inputs, overwrite=overwrite)
+            check_save_folder(output_dir, key, inputs=inputs, overwrite=overwrite, written_by=written_by)
         else:
             check_writable_folder(output_dir, key)
     except FolderError as err:

@@ -21,6 +21,7 @@ from .preflight import (
     check_recipe_inputs,
     check_recipe_targets,
     recipe_input_folders,
+    recipe_writer,
 )
 from .spec import DatasetSpec, EvaluationSpec, MergeSpec, RecipeError
 
@@ -201,12 +202,15 @@ def save_run(
     recipe: Recipe | None = None,
     overwrite: bool = False,
     inputs: Mapping[str, Any] | None = None,
+    written_by: Mapping[str, str] | None = None,
 ) -> tuple[str | None, str | None]:
     """Stage *save*: one save (`hf_featcal.saving.atomic_folder`, one manifest) of the calibrated folder
     (`save_calibrated`'s files) and, with the run's `recipe`, the before / after table
     (``featcal_evaluation.json``, the model card's evaluation section) and the resolved recipe
     (``featcal_recipe.yaml``). `output_dir` is checked as the *check* stage does (`inputs`: the run's
-    sources besides the calibrator's own; `overwrite`). Returns (drift plot path, scores table)."""
+    sources besides the calibrator's own; `overwrite`; `written_by`, recorded in the manifest: an
+    earlier save of another writer is replaced only with `overwrite`). Returns (drift plot path, scores
+    table)."""
     import yaml
 
     from ..evaluation.results import scores_table
@@ -219,7 +223,7 @@ def save_run(
     if not run.calibrator.state.is_main_process:
         return None, table
     with atomic_folder(output_dir, inputs={**run.calibrator.input_folders(), **(inputs or {})},
-                       overwrite=overwrite) as folder:
+                       overwrite=overwrite, written_by=written_by) as folder:
         plot_name = _write_calibrated(run.calibrator, folder, model_family, processing)
         if table is not None:
             assert recipe is not None
@@ -344,7 +348,7 @@ def run_recipe(
                            evaluation=recipe.evaluation if evaluate else None, clip_model=inputs.clip_model, log=log)
     timings.update(run.timings)
     plot_path, table = save_run(run, recipe.output_dir, recipe.family, inputs.processing, recipe=recipe,
-                                overwrite=recipe.overwrite, inputs=inputs_read)
+                                overwrite=recipe.overwrite, inputs=inputs_read, written_by=recipe_writer(recipe))
     pushed = push_run(recipe.output_dir, recipe.push_to_hub if push_to_hub else None, private=recipe.private, log=log)
     return RecipeResult(
         output_dir=recipe.output_dir,
