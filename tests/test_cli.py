@@ -467,7 +467,7 @@ def test_shipped_recipes_validate(name, capsys):
 
 
 # ============================================================================== help, demo
-@pytest.mark.parametrize("command", [[], ["merge"], ["calibrate"], ["evaluate"], ["run"], ["demo"]])
+@pytest.mark.parametrize("command", [[], ["merge"], ["calibrate"], ["evaluate"], ["run"], ["push"], ["demo"]])
 def test_help_of_every_command(command, capsys):
     assert cli.main([*command, "--help"]) == 0
     out = capsys.readouterr().out

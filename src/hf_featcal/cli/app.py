@@ -32,6 +32,7 @@ examples:
       --data mnist=ylecun/mnist --data svhn=ufldl-stanford/svhn --data-config svhn=cropped_digits \\
       --output-dir merged-featcal
   hf-featcal evaluate --model merged-featcal --task mnist --task svhn --max-samples 1000
+  hf-featcal push merged-featcal me/clip-vit-b32-mnist-svhn-featcal   # exactly the save's files
 
 Every command runs offline with local folders (save_pretrained / Dataset.save_to_disk) in place of hub ids.
 """
