@@ -19,6 +19,7 @@ from transformers import CLIPVisionModel
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.model_io import safetensors_files
 from hf_featcal.saving import atomic_folder, read_manifest
+from testing_utils import hub_stand_in
 
 
 @pytest.fixture
@@ -317,6 +318,7 @@ def test_push_to_hub_deletes_stale_remote_weights(calibrator, monkeypatch):
     upload does not rewrite (e.g. shards of an earlier push) are deleted in the same commit."""
     from huggingface_hub import HfApi
 
+    hub_stand_in(monkeypatch)  # a token, no repository yet; the calls below are recorded here
     calls = {}
     monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kwargs: None)
 

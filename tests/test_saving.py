@@ -11,6 +11,7 @@ from huggingface_hub import ModelCard
 from transformers import CLIPVisionModel
 
 from hf_featcal import DriftReport, FeatCalCalibrator, FeatCalConfig
+from testing_utils import hub_stand_in
 
 
 @pytest.fixture
@@ -59,6 +60,7 @@ def test_push_to_hub_uploads_the_saved_folder(calibrated, monkeypatch):
     """The hub cannot be reached here: record what the standard huggingface_hub calls receive."""
     from huggingface_hub import HfApi
 
+    hub_stand_in(monkeypatch)  # a token, no repository yet; the calls below are recorded here
     calibrator, _ = calibrated
     calls = {}
 

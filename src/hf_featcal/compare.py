@@ -358,21 +358,39 @@ def compare_demo(output_dir: str | os.PathLike, *, seed: int = 0, cache_dir: str
     return result
 
 
+def recipe_grid(recipe: Any, all_merges: bool = False) -> dict[str, dict[str, Any]]:
+    """The merges of a recipe's grid: its ``compare.merges`` (a ``compare`` section without ``merges``:
+    every merge); without a ``compare`` section, the recipe's own merge (method and parameters). With
+    `all_merges`, every merge (`DEFAULT_MERGES`), those methods with the parameters given there."""
+    if recipe.compare is not None:
+        chosen = dict(recipe.compare.merges)
+    else:
+        chosen = {recipe.merge.method: dict(recipe.merge.params)}
+    return {**default_merges(), **chosen} if all_merges else chosen
+
+
 def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
                    merges: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
                    post_merging: Sequence[str] | None = None, device: str | None = None,
-                   log: Callable[[str], None] | None = print) -> ComparisonResult:
+                   log: Callable[[str], None] | None = print, all_merges: bool = False) -> ComparisonResult:
     """The grid on a validated recipe (`hf_featcal.recipes.Recipe`): its base, experts, calibration
-    data, FeatCal settings and evaluation (the family's headline score per task, in %); its `merge`
-    section is not used. The grid is the recipe's `compare` section (default: `DEFAULT_MERGES` × every
-    post-merging step), restricted by `merges` / `post_merging` when given. Writes comparison.md /
-    .json / .png into `output_dir` (default: the recipe's output_dir).
+    data, FeatCal settings and evaluation (the family's headline score per task, in %). The grid is
+    `recipe_grid`'s (the recipe's `compare` section; without one, the recipe's own merge, or every
+    merge with `all_merges`) × every post-merging step, restricted by `merges` / `post_merging` when
+    given. Writes comparison.md / .json / .png into `output_dir` (default: the recipe's output_dir).
 
     The experts are held in memory (RegMean runs each expert's own forward; the ceiling row
+<<<<<<< HEAD
     evaluates each expert on its own task); a LoRA adapter expert is the recipe's base with the adapter
     applied (`hf_featcal.merging.engine.load_expert`), the expert `run` merges."""
     from .merging.engine import load_expert
     from .recipes import RecipeError, check_fast_mode, prepare_recipe_inputs, recipe_evaluator
+=======
+    evaluates each expert on its own task)."""
+    from .model_io import load_model
+    from .recipes import RecipeError, prepare_recipe_inputs, recipe_evaluator
+    from .recipes.preflight import check_recipe_inputs
+>>>>>>> h-preflight
     from .saving import check_writable_folder
 
     say = log if log is not None else (lambda message: None)
@@ -389,8 +407,8 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
     except ValueError as err:
         raise RecipeError("output_dir", str(err).split(" ", 1)[1], recipe.source) from None
     grid = recipe.compare
-    if merges is None and grid is not None:
-        merges = grid.merges
+    if merges is None:
+        merges = recipe_grid(recipe, all_merges)
     if post_merging is None and grid is not None:
         post_merging = grid.post_merging
     if device is None:
@@ -399,7 +417,9 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
         device = "cuda" if torch.cuda.is_available() else "cpu"
 
     inputs = prepare_recipe_inputs(recipe, evaluate=True, log=say)
-    check_fast_mode(recipe, inputs.base)
+    steps = post_merging if post_merging is not None else post_merging_steps()
+    # what would fail every FeatCal row (module selection, batches) or every score (class names), before any merge
+    check_recipe_inputs(recipe, inputs, featcal=any(s.startswith("featcal") for s in steps), device=device)
     say(f"Loading {len(recipe.experts)} experts ...")
     # an adapter goes on the recipe's base, as `run` merges it (not on the base its adapter_config.json names)
     experts = {t: load_expert(source, f"experts.{t}", inputs.base) for t, source in recipe.experts.items()}
