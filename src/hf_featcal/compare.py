@@ -380,17 +380,11 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
     given. Writes comparison.md / .json / .png into `output_dir` (default: the recipe's output_dir).
 
     The experts are held in memory (RegMean runs each expert's own forward; the ceiling row
-<<<<<<< HEAD
     evaluates each expert on its own task); a LoRA adapter expert is the recipe's base with the adapter
     applied (`hf_featcal.merging.engine.load_expert`), the expert `run` merges."""
     from .merging.engine import load_expert
-    from .recipes import RecipeError, check_fast_mode, prepare_recipe_inputs, recipe_evaluator
-=======
-    evaluates each expert on its own task)."""
-    from .model_io import load_model
     from .recipes import RecipeError, prepare_recipe_inputs, recipe_evaluator
     from .recipes.preflight import check_recipe_inputs
->>>>>>> h-preflight
     from .saving import check_writable_folder
 
     say = log if log is not None else (lambda message: None)
