@@ -17,7 +17,7 @@ from hf_featcal.cli.demo import accuracy_table
 from test_cli import TASKS, _recipe, _write
 
 world = test_cli.world  # the tiny local world of models and datasets (a module-scoped fixture)
-COMMANDS = ["merge", "calibrate", "evaluate", "run", "demo", "compare"]
+COMMANDS = ["merge", "calibrate", "evaluate", "run", "demo", "compare"]  # push computes nothing: --quiet only
 
 
 def _experts(world):
@@ -32,6 +32,12 @@ def test_every_command_takes_device_and_quiet_with_one_default(command, monkeypa
     options = {action.dest: action for action in parser._actions}
     assert options["quiet"].default is False and options["device"].default is None
     assert options["device"].help.startswith(DEVICE_HELP)
+
+
+def test_push_takes_quiet_but_no_device():
+    subparsers = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    options = {action.dest for action in subparsers.choices["push"]._actions}
+    assert "quiet" in options and "device" not in options
 
 
 def test_a_usage_error_exits_2_and_a_failed_run_exits_1(world, tmp_path, capsys):

@@ -17,6 +17,7 @@ from ._common import (
     add_common,
     add_recipe_options,
     check_device,
+    check_not_adapter_base,
     check_output_dir,
     check_source,
     help_text,
@@ -144,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
     from ..recipes import RecipeError, merge_experts, validate_merge_spec
 
     base = check_source(args.base, "--base")
+    check_not_adapter_base(base)
     experts = {t: check_source(s, f"--expert {t}") for t, s in task_pairs(args.experts, "--expert").items()}
     options = _merge_options()
     params = {name: getattr(args, name) for name in options if getattr(args, name) is not None}
@@ -155,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"{option}: {err.reason}") from None
     alpha = _svc_alpha(args)
     inputs = {"--base": base, **{f"--expert {task}": source for task, source in experts.items()}}
-    check_output_dir(args.output_dir, inputs=inputs, overwrite=bool(args.overwrite))
+    writer = {"command": "hf-featcal merge", "base": base}  # recorded in the manifest
+    check_output_dir(args.output_dir, inputs=inputs, overwrite=bool(args.overwrite), written_by=writer)
     check_device(args.device)
     start = time.perf_counter()
     with ProgressBars(args.quiet):
@@ -172,8 +175,8 @@ def run(args: argparse.Namespace) -> int:
     family = detect_family(merged)
     processing = maybe_processing(family, [base])
     to_save = family.processing_to_save(processing) if family is not None else []
-    with atomic_folder(args.output_dir, "--output-dir", inputs=inputs,
-                       overwrite=bool(args.overwrite)) as folder:  # as FeatCalCalibrator.save_model saves
+    with atomic_folder(args.output_dir, "--output-dir", inputs=inputs, overwrite=bool(args.overwrite),
+                       written_by=writer) as folder:  # as FeatCalCalibrator.save_model saves
         save_model_files(merged, folder, processing_class=to_save)
     saved = processing is not None
     print(f"Merged {type(merged).__name__} ({described}; tasks: {', '.join(experts)}) "
