@@ -30,7 +30,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         "evaluation._datasets", "evaluation.clip_templates", "evaluation.glue_metric*", "evaluation.results",
     )),
     ("architectures: the layer maps", ("architectures", "architectures.*")),
-    ("checkpoints and model sources", ("model_io", "saving", "experts")),
+    ("checkpoints and model sources", ("model_io", "saving", "experts", "processing")),
     ("calibration stages, drift report, evaluation",
      ("pipeline.*", "report", "plotting", "evaluation", "evaluation.*")),
     ("the library: calibrator, merging, search", (

@@ -8,7 +8,21 @@ import subprocess
 import sys
 
 import pytest
-from transformers import BertConfig, BertModel, CLIPVisionModel, T5Config, T5ForConditionalGeneration
+from transformers import (
+    BertConfig,
+    BertModel,
+    CLIPVisionModel,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+    RobertaConfig,
+    T5Config,
+    T5ForConditionalGeneration,
+    ViTConfig,
+    ViTModel,
+)
 
 from hf_featcal import cli
 from hf_featcal.families import detect_family, family_names, get_family, image_family_names
@@ -46,18 +60,38 @@ def test_families_detect_their_models():
     bert = BertModel(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                                 intermediate_size=16))
     assert open_clip is not None
+    decoder = dict(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                   num_key_value_heads=1)
     found = {name: detect_family(model) for name, model in [
         ("clip", CLIPVisionModel(tiny_vision_config())), ("t5", t5), ("open_clip CLIP", tiny_clip()),
-        ("open_clip tower", tiny_tower()), ("bert", bert)]}
+        ("open_clip tower", tiny_tower()), ("bert", bert),
+        ("roberta", RobertaConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2)),
+        ("vit", ViTModel(ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                                   image_size=8, patch_size=4))),
+        *((name, config(**decoder)) for name, config in [("llama", LlamaConfig), ("mistral", MistralConfig),
+                                                         ("qwen2", Qwen2Config), ("qwen3", Qwen3Config)]),
+        ("gpt2", GPT2Config(n_layer=1, n_embd=8, n_head=2))]}
     assert {name: f.name if f else None for name, f in found.items()} == {
-        "clip": "clip", "t5": "flan_t5", "open_clip CLIP": "open_clip", "open_clip tower": "open_clip", "bert": None}
-    assert family_names() == ("clip", "flan_t5", "open_clip")
+        "clip": "clip", "t5": "flan_t5", "open_clip CLIP": "open_clip", "open_clip tower": "open_clip", "bert": "bert",
+        "roberta": "bert", "vit": "vit", "llama": "causal_lm", "mistral": "causal_lm", "qwen2": "causal_lm",
+        "qwen3": "causal_lm", "gpt2": None}
+    # every architecture with a layer map has a family (the command line and recipes take it)
+    from hf_featcal.architectures import supported_model_types
+
+    configs = {"bert": BertConfig, "roberta": RobertaConfig, "vit": ViTConfig, "llama": LlamaConfig,
+               "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "t5": T5Config}
+    for model_type in supported_model_types():
+        if model_type in configs:
+            assert detect_family(configs[model_type]()) is not None, model_type
+    assert family_names() == ("bert", "causal_lm", "clip", "flan_t5", "open_clip", "vit")
     assert image_family_names() == ("clip", "open_clip")
-    # the score label each family prints above its evaluation table
-    assert [get_family(n).score_label for n in family_names()] == [
-        "zero-shot top-1 accuracy", "GLUE headline score", "zero-shot top-1 accuracy"]
-    with pytest.raises(KeyError, match="unknown model family 'bert'.*'clip', 'flan_t5', 'open_clip'"):
-        get_family("bert")
+    # the score label each family prints above its evaluation table, with its unit or direction
+    assert [get_family(n).score_heading() for n in family_names()] == [
+        "no built-in evaluation", "held-out perplexity (lower is better)", "zero-shot top-1 accuracy (%)",
+        "GLUE headline score (%)", "zero-shot top-1 accuracy (%)", "no built-in evaluation"]
+    assert [n for n in family_names() if not get_family(n).evaluates] == ["bert", "vit"]
+    with pytest.raises(KeyError, match="unknown model family 'gpt2'.*'bert', 'causal_lm', 'clip'"):
+        get_family("gpt2")
 
 
 def test_cli_names_the_supported_families_for_a_model_of_none(tmp_path, capsys):

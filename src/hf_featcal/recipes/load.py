@@ -85,7 +85,9 @@ def evaluate_model(
     clip_model: Any = None,
     device: Any = None,
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    """Score `model` on every task of `spec`; returns (task → headline score in [0, 1], details)."""
+    """Score `model` on every task of `spec`; returns (task → headline score, details). Scores the
+    family has beyond the tasks' (lm-evaluation-harness tasks) are in the details under their name
+    (``"lm_eval"``)."""
     model_family = get_family(family)
     scores: dict[str, float] = {}
     details: dict[str, Any] = {}
@@ -98,4 +100,5 @@ def evaluate_model(
         scores[task], details[task] = model_family.evaluate_task(
             model, task, ds, data_spec, spec, processing=processing, clip_model=clip_model, device=device
         )
+    details.update(model_family.evaluate_whole_model(model, spec, processing=processing, device=device))
     return scores, details
