@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -253,3 +254,74 @@ def test_text_recipe_keys_are_checked_before_anything_loads():
     recipe = parse_recipe(_with(_LLAMA, calibration={"default": {"dataset": "org/x", "messages_column": "chat"}}))
     assert recipe.evaluation.datasets["a"].messages_column == "chat"  # evaluation reads what calibration read
     assert recipe.evaluation.datasets["a"].split == "test" and recipe.calibration["a"].max_length == 512
+
+
+# ============================================================= lm-evaluation-harness tasks in a recipe
+_MC_TASK = """task: featcal_tiny_add
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: question
+doc_to_choice: choices
+doc_to_target: answer
+metric_list:
+  - metric: acc
+"""
+
+
+def _mc_docs() -> list[dict]:
+    docs = []
+    for a in range(4):
+        for b in range(3):
+            right = a + b
+            docs.append({"question": f"add {a} {b} =", "choices": [str(right), str(right + 1), str(right + 2)],
+                         "answer": 0})
+    return docs
+
+
+def _choice_loglikelihood(model, tokenizer, context: str, continuation: str) -> float:
+    """log p(continuation | context), the words looked up in the vocabulary (the context after <s>, which the
+    tokenizer adds and the harness keeps), summed in float64."""
+    context_ids = _vocab_ids(tokenizer, ["<s>", *context.split()])
+    continuation_ids = _vocab_ids(tokenizer, continuation.split())
+    ids = torch.tensor([context_ids + continuation_ids])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model.double()(ids).logits[0], dim=-1)
+    return float(sum(logprobs[len(context_ids) - 1 + i, token] for i, token in enumerate(continuation_ids)))
+
+
+@pytest.mark.slow
+def test_a_recipe_scores_lm_eval_tasks_before_and_after(llama_world, capsys):
+    """`evaluation.lm_eval_tasks` with a local task folder: the harness's accuracy before and after equals the
+    argmax of float64 log-likelihoods of the merge and of the saved calibrated model."""
+    pytest.importorskip("lm_eval")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    tasks = llama_world / "lm_tasks"
+    tasks.mkdir()
+    docs = _mc_docs()
+    (tasks / "add.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+    (tasks / "featcal_tiny_add.yaml").write_text(_MC_TASK.format(data=tasks / "add.jsonl"))
+    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe["evaluation"] = {"split": "test", "lm_eval_tasks": ["featcal_tiny_add"], "lm_eval_include_path": "lm_tasks"}
+    (llama_world / "with_lm_eval.yaml").write_text(yaml.safe_dump(recipe))
+    out = llama_world / "out-lm-eval"
+    assert cli.main(["run", str(llama_world / "with_lm_eval.yaml"), "--output-dir", str(out), "--quiet"]) == 0
+    assert "featcal_tiny_add acc" in capsys.readouterr().out
+    details = json.loads((out / "featcal_evaluation.json").read_text())["details"]
+
+    base_dir = llama_world / "tiny-llama" / "base"
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    base = _state(base_dir)
+    experts = {t: _state(llama_world / "tiny-llama" / "experts" / t) for t in ("add", "sort")}
+    merged = LlamaForCausalLM.from_pretrained(base_dir)
+    merged.load_state_dict({k: base[k] + 0.5 * sum(experts[t][k] - base[k] for t in experts) for k in base})
+    for when, model in (("before", merged), ("after", AutoModelForCausalLM.from_pretrained(out))):
+        correct = [max(range(len(doc["choices"])),
+                       key=lambda i, doc=doc: _choice_loglikelihood(model, tokenizer, doc["question"],
+                                                                    doc["choices"][i])) == doc["answer"]
+                   for doc in docs]
+        assert details[when]["lm_eval"]["featcal_tiny_add"]["acc"] == pytest.approx(np.mean(correct)), when
