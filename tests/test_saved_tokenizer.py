@@ -16,28 +16,20 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPVisionModel, pipeline
+from transformers import CLIPImageProcessor, CLIPModel, CLIPVisionModel, pipeline
 
 import test_cli
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, cli
 from hf_featcal.merging import merge_models
 from hf_featcal.processing import MissingTokenizerError
-from test_downstream import _images, clip_processor
-from testing_utils import perturbed, randomise_norms
+from test_downstream import _images, clip_processor, tiny_clip_model
+from testing_utils import perturbed
 
 world = test_cli.world  # the CLI tests' tiny CLIP world (module-scoped fixture)
 
 
 def _tiny_clip(processor) -> CLIPModel:
-    torch.manual_seed(1)
-    text = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                vocab_size=len(processor.tokenizer), bos_token_id=0, eos_token_id=1, pad_token_id=1,
-                max_position_embeddings=16)
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8,
-                  patch_size=4)
-    base = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)).eval()
-    randomise_norms(base, torch.Generator().manual_seed(1))
-    return base
+    return tiny_clip_model(processor, torch.Generator().manual_seed(1))
 
 
 def _calibrated(base_folder: str, base: CLIPModel, image_processor) -> FeatCalCalibrator:

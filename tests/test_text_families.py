@@ -23,6 +23,7 @@ import yaml
 
 from hf_featcal import cli
 from hf_featcal.recipes import RecipeError, parse_recipe
+from test_downstream import TASK_YAML  # a local multiple-choice task for lm-evaluation-harness
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "examples" / "recipes" / "tiny_llama_offline.yaml"
@@ -257,19 +258,6 @@ def test_text_recipe_keys_are_checked_before_anything_loads():
 
 
 # ============================================================= lm-evaluation-harness tasks in a recipe
-_MC_TASK = """task: featcal_tiny_add
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: question
-doc_to_choice: choices
-doc_to_target: answer
-metric_list:
-  - metric: acc
-"""
 
 
 def _mc_docs() -> list[dict]:
@@ -304,13 +292,13 @@ def test_a_recipe_scores_lm_eval_tasks_before_and_after(llama_world, capsys):
     tasks.mkdir()
     docs = _mc_docs()
     (tasks / "add.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs))
-    (tasks / "featcal_tiny_add.yaml").write_text(_MC_TASK.format(data=tasks / "add.jsonl"))
+    (tasks / "featcal_tiny_mc.yaml").write_text(TASK_YAML.format(data=tasks / "add.jsonl"))
     recipe = yaml.safe_load(RECIPE.read_text())
-    recipe["evaluation"] = {"split": "test", "lm_eval_tasks": ["featcal_tiny_add"], "lm_eval_include_path": "lm_tasks"}
+    recipe["evaluation"] = {"split": "test", "lm_eval_tasks": ["featcal_tiny_mc"], "lm_eval_include_path": "lm_tasks"}
     (llama_world / "with_lm_eval.yaml").write_text(yaml.safe_dump(recipe))
     out = llama_world / "out-lm-eval"
     assert cli.main(["run", str(llama_world / "with_lm_eval.yaml"), "--output-dir", str(out), "--quiet"]) == 0
-    assert "featcal_tiny_add acc" in capsys.readouterr().out
+    assert "featcal_tiny_mc acc" in capsys.readouterr().out
     details = json.loads((out / "featcal_evaluation.json").read_text())["details"]
 
     base_dir = llama_world / "tiny-llama" / "base"
@@ -324,4 +312,4 @@ def test_a_recipe_scores_lm_eval_tasks_before_and_after(llama_world, capsys):
                        key=lambda i, doc=doc: _choice_loglikelihood(model, tokenizer, doc["question"],
                                                                     doc["choices"][i])) == doc["answer"]
                    for doc in docs]
-        assert details[when]["lm_eval"]["featcal_tiny_add"]["acc"] == pytest.approx(np.mean(correct)), when
+        assert details[when]["lm_eval"]["featcal_tiny_mc"]["acc"] == pytest.approx(np.mean(correct)), when
