@@ -32,13 +32,14 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("architectures: the layer maps", ("architectures", "architectures.*")),
     ("checkpoints and model sources", ("model_io", "saving", "experts", "processing")),
     ("calibration stages, drift report, evaluation",
-     ("pipeline.*", "report", "plotting", "evaluation", "evaluation.*")),
+     ("pipeline.*", "report", "plotting", "evaluation", "evaluation.*", "post_merging.corrections",
+      "post_merging.representation", "post_merging.task_modules", "post_merging.surgery")),
     ("the library: calibrator, merging, search", (
-        "", "calibrator", "merging", "merging.*", "regmean", "hparam_search", "tuning",
+        "", "calibrator", "merging", "merging.*", "regmean", "hparam_search", "tuning", "post_merging",
     )),
     ("recipe declarations and scenarios", ("schema", "recipes.spec", "scenarios", "scenarios.*")),
     ("model families (recipe keys, processing, evaluation, saving per family)", ("families", "families.*")),
-    ("the runners: recipes, compare, CLI", ("recipes", "recipes.*", "compare", "cli", "__main__")),
+    ("the runners: recipes, compare, CLI", ("recipes", "recipes.*", "compare", "cli", "cli.*", "__main__")),
 ]
 
 

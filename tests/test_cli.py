@@ -494,6 +494,24 @@ def test_usage_errors_return_non_zero(capsys):
     assert "required" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("module", ["hf_featcal", "hf_featcal.cli"])
+def test_python_dash_m_is_the_command_and_its_help_loads_no_heavy_library(module, monkeypatch, capsys):
+    """``python -m hf_featcal`` (and ``-m hf_featcal.cli``) prints the parser's own help, exits with main's
+    status (0 for --help, 2 for no command), and --help imports no torch / transformers / datasets."""
+    env = {**os.environ, "COLUMNS": "100", "PYTHONPATH": os.pathsep.join(sys.path)}
+    heavy = ("torch", "transformers", "datasets")
+    probe = (f"import runpy, sys\nsys.argv = ['hf-featcal', '--help']\ntry:\n    runpy.run_module({module!r}, "
+             "run_name='__main__', alter_sys=True)\nexcept SystemExit as exit_:\n    code = exit_.code\n"
+             f"print('LOADED', [m for m in {heavy!r} if m in sys.modules], code)")
+    helped = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert helped.returncode == 0, helped.stderr
+    monkeypatch.setenv("COLUMNS", "100")
+    expected = cli.build_parser().format_help()
+    assert helped.stdout == expected + "LOADED [] 0\n"
+    bare = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, env=env, timeout=120)
+    assert bare.returncode == 2 and "the following arguments are required: COMMAND" in bare.stderr
+
+
 def test_demo_runs(tmp_path, capsys):
     out = tmp_path / "demo"
     assert cli.main(["demo", "--fast", "--cache-dir", str(tmp_path / "cache"), "--output-dir", str(out),

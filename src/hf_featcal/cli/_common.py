@@ -1,0 +1,295 @@
+"""What the ``hf-featcal`` commands share: the user-error type, option builders generated from the
+recipe schema (`hf_featcal.schema`), the checks of sources, devices and output folders made before any
+work, and progress-bar and warning control.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+# Heavy libraries (torch, transformers, datasets) and the modules that import them load inside the
+# commands that need them, so that `hf-featcal --help` starts at once.
+from ..architectures import model_type_of
+from ..families import ModelFamily, detect_family, family_names, get_family
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..recipes import KeyChecker
+
+
+PROG = "hf-featcal"
+DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "hf_featcal")
+
+
+class CLIError(Exception):
+    """A user error in the command line (printed without a traceback, exit status 2)."""
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+FORMATTER = argparse.RawDescriptionHelpFormatter
+
+
+def task_value(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected TASK=VALUE, got {text!r}")
+    task, value = text.split("=", 1)
+    task, value = task.strip(), value.strip()
+    if not task or not value:
+        raise argparse.ArgumentTypeError(f"expected TASK=VALUE with both parts non-empty, got {text!r}")
+    return task, value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+
+
+def help_text(text: str) -> str:
+    return text.replace("%", "%%")  # argparse %-formats help strings
+
+
+def recipe_value(key: Any) -> Callable[[str], Any]:
+    """An argparse ``type`` for the recipe key `key`: the text converted to the key's kind and checked
+    by its declaration (`hf_featcal.schema.RecipeKey.check`), so a bad value exits 2 naming the flag."""
+
+    def convert(text: str) -> Any:
+        value: Any = text
+        if key.kind == "int":
+            try:
+                value = int(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        try:
+            return key.check(value, optional=False)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    convert.__name__ = key.kind  # argparse names the type in some messages
+    return convert
+
+
+def add_recipe_options(
+    parser: Any,
+    section: str,
+    names: Sequence[str] | None = None,
+    *,
+    dest_prefix: str = "",
+    override: bool = False,
+    required: Sequence[str] = (),
+) -> None:
+    """One flag per recipe key `names` of `section` (default: every key it declares), generated from
+    its declaration in `hf_featcal.schema.RECIPE_SECTIONS`: flag name, type and check, help, default
+    (the recipe's when `override`). The value is stored under ``dest_prefix + name``; None when not given."""
+    from ..schema import families_note, recipe_keys
+
+    declared = recipe_keys(section)
+    for name in declared if names is None else names:
+        key = declared[name]
+        text = families_note(section, name) + key.help
+        if override:
+            text = f"override the recipe's {_join_key(section, name)}: {text}"
+        elif name not in required:
+            default = key.describe_default() if key.default is None else key.default
+            if default not in (None, "null"):
+                text += f" (default: {default})"
+        if key.kind == "bool":  # a switch: given → True, absent → None (the recipe's or the default)
+            parser.add_argument(key.flag, dest=dest_prefix + name, action="store_true", default=None,
+                                help=help_text(text))
+            continue
+        kwargs: dict[str, Any] = {"dest": dest_prefix + name,
+                                  "metavar": key.metavar or ("N" if key.kind == "int" else name.upper()),
+                                  "help": help_text(text)}
+        if key.kind not in ("model", "dataset"):  # those are resolved (local path or hub id) by the command
+            kwargs["type"] = recipe_value(key)
+        parser.add_argument(key.flag, required=name in required, **kwargs)
+
+
+def _join_key(section: str, name: str) -> str:
+    return f"{section}.{name}" if section else name
+
+
+def recipe_values(args: argparse.Namespace, section: str, dest_prefix: str) -> dict[str, Any]:
+    """The recipe keys of `section` given on the command line (see `add_recipe_options`)."""
+    from ..schema import recipe_keys
+
+    return {name: getattr(args, dest_prefix + name) for name in recipe_keys(section)
+            if getattr(args, dest_prefix + name, None) is not None}
+
+
+def task_pairs(pairs: Sequence[tuple[str, str]], option: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for task, value in pairs:
+        if task in out:
+            raise CLIError(f"{option}: task {task!r} is given twice")
+        out[task] = value
+    return out
+
+
+def key_checker() -> KeyChecker:
+    from ..families import source_schemes
+    from ..recipes import KeyChecker
+
+    return KeyChecker(None, os.getcwd(), source_schemes())
+
+
+def check_source(value: str, option: str, kind: str = "model") -> str:
+    """A local path (made absolute) or a hub id; raises CLIError otherwise (before any download)."""
+    from ..recipes import RecipeError
+
+    try:
+        return key_checker().source(value, option, kind=kind)
+    except RecipeError as err:
+        raise CLIError(str(err)) from None
+
+
+def check_device(device: str | None) -> None:
+    """Refuse a --device this machine cannot use (before anything is loaded)."""
+    if device is None:
+        return
+    from ..devices import usable_device
+
+    try:
+        usable_device(device, "--device")
+    except ValueError as err:
+        raise CLIError(str(err)) from None
+
+
+def check_output_dir(
+    path: str, option: str = "--output-dir", *, inputs: dict[str, Any] | None = None, overwrite: bool = False,
+    model_folder: bool = True,
+) -> None:
+    """Refuse, before merging or calibrating, an output folder the save would refuse (the run's
+    `check_output_dir` stage: not writable, one of the `inputs` or inside / around one, non-empty and
+    not an earlier save unless `overwrite`); `model_folder=False`: writability only."""
+    from ..recipes import RecipeError
+    from ..recipes import check_output_dir as check_for_save
+
+    try:
+        check_for_save(path, option, inputs=inputs, overwrite=overwrite, model_folder=model_folder)
+    except RecipeError as err:
+        raise CLIError(str(err)) from None
+
+
+def check_output_file(path: str, option: str) -> None:
+    """Refuse, before any work, a file path that is a folder or whose folder cannot be created and
+    written (missing folders are created when the file is written)."""
+    from ..saving import FolderError, check_writable_folder
+
+    if os.path.isdir(path):
+        raise CLIError(f"{option}: {path!r} is a folder; give a file path")
+    try:
+        check_writable_folder(os.path.dirname(os.path.abspath(path)), option)
+    except FolderError as err:
+        raise CLIError(f"{option}: {path!r} cannot be written: {err.reason}") from None
+
+
+def family_of(model: Any, given: str | None, option: str = "--model") -> ModelFamily:
+    found = detect_family(model)
+    if given is not None:
+        if found is not None and found.name != given:
+            raise CLIError(f"--family {given} does not match {option}, a {found.name!r} model ({type(model).__name__})")
+        return get_family(given)
+    if found is None:
+        model_type = model_type_of(model)
+        names = [family.article_name for family in (get_family(n) for n in family_names())]
+        kinds = ", ".join(names[:-1]) + " nor " + names[-1] if len(names) > 1 else names[0]
+        raise CLIError(
+            f"{option}: model_type {model_type!r} is neither {kinds} model; supported families: "
+            + ", ".join(family_names())
+        )
+    return found
+
+
+def first_processing(family: ModelFamily, candidates: Sequence[str | None]) -> dict[str, Any]:
+    """Processing classes from the first candidate folder / hub id that has them."""
+    errors = []
+    for source in candidates:
+        if not source:
+            continue
+        try:
+            return family.load_processing(source)
+        except (OSError, ValueError, TypeError) as err:
+            errors.append(f"{source}: {err}")
+    what = family.processing_name
+    raise CLIError(f"no {what} found (tried {[c for c in candidates if c]}); pass --processor. "
+                   + " | ".join(errors)[:500])
+
+
+def maybe_processing(family: ModelFamily | None, sources: Sequence[str | None]) -> dict[str, Any] | None:
+    """The processing classes of the first source that has them (None if none has)."""
+    if family is None:
+        return None
+    for source in sources:
+        if not source:
+            continue
+        try:
+            return family.load_processing(source)
+        except (OSError, ValueError, TypeError):
+            continue
+    return None
+
+
+class ProgressBars:
+    """With ``quiet``: no transformers / datasets / hub progress bars inside the block (restored after)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.restore: list[Callable[[], None]] = []
+
+    def __enter__(self) -> ProgressBars:
+        if not self.quiet:
+            return self
+        import datasets
+        import huggingface_hub.utils as hub_utils
+        from transformers.utils import logging as hf_logging
+
+        if hf_logging.is_progress_bar_enabled():
+            hf_logging.disable_progress_bar()
+            self.restore.append(hf_logging.enable_progress_bar)
+        if datasets.is_progress_bar_enabled():
+            datasets.disable_progress_bars()
+            self.restore.append(datasets.enable_progress_bars)
+        if not hub_utils.are_progress_bars_disabled():
+            hub_utils.disable_progress_bars()
+            self.restore.append(hub_utils.enable_progress_bars)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for undo in self.restore:
+            undo()
+        self.restore.clear()
+
+
+def quiet_warnings() -> Any:
+    """Hide FeatCal's per-module ridge warnings (summarised instead) while keeping others."""
+    from ..calibrator import FeatCalWarning
+
+    manager = warnings.catch_warnings(record=True)
+    caught = manager.__enter__()
+    warnings.simplefilter("always", FeatCalWarning)
+
+    def finish() -> int:
+        manager.__exit__(None, None, None)
+        ridge = [w for w in caught if issubclass(w.category, FeatCalWarning)]
+        for w in caught:
+            if not issubclass(w.category, FeatCalWarning):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return len(ridge)
+
+    return finish

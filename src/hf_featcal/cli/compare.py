@@ -1,0 +1,176 @@
+"""``hf-featcal compare``: merge methods × post-merging steps in one table (``--demo`` or a recipe)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+from ._common import (
+    DEFAULT_CACHE_DIR,
+    FORMATTER,
+    PROG,
+    CLIError,
+    ProgressBars,
+    add_common,
+    check_device,
+    check_output_dir,
+    log,
+    positive_int,
+    quiet_warnings,
+)
+from .demo import REAL_WEIGHTS_HELP, demo_scenario
+
+_COMPARE_EPILOG = """\
+examples:
+  hf-featcal compare --demo
+  hf-featcal compare --demo --merges task_arithmetic ties regmean --post-merging none featcal
+  hf-featcal compare --demo --real-weights            # the grid on the real MiniLM (see hf-featcal demo --help)
+  hf-featcal compare examples/recipes/clip_vit_b32_ta8.yaml --output-dir clip-compare --device cuda
+
+Runs every merge method ({methods}; each computed once)
+and then every post-merging step on it (none, featcal, featcal_module where this build offers it, and
+svc: Singular Value Calibration, data-free, with FusionBench's α for that merge),
+scores each result per task (the demo: test accuracy; a recipe: its family's evaluation, e.g. CLIP
+zero-shot top-1 or GLUE), and prints one table with the experts' own scores as the ceiling and the
+last-block drift. A combination that fails is a "failed: ..." row; the grid goes on (exit status 1
+when every requested row failed). Writes comparison.md, comparison.json and the bar chart
+comparison.png into the output folder.
+
+With a RECIPE, its base, experts, calibration, featcal and evaluation sections are used and its merge
+section is not; an optional compare: section (merges: method -> parameters, post_merging: [...])
+sets the grid, and --merges / --post-merging restrict it further.
+"""
+
+
+def register(commands: Any) -> None:
+    """Add the command's subparser to `commands` (the parser's subparsers)."""
+    from ..merging import merge_methods
+
+    p = commands.add_parser(
+        "compare", help="compare merge methods × post-merging steps in one table (--demo, or a RECIPE)",
+        description="Run a grid of merge methods × post-merging steps (none, FeatCal, ...) on the offline demo "
+        "scenario or on a recipe's base, experts, calibration and evaluation data, and write one table "
+        "(per task and mean, the experts as the ceiling), the drift per run, a bar chart and a JSON file.",
+        epilog=_COMPARE_EPILOG.format(methods=", ".join(merge_methods())), formatter_class=FORMATTER,
+    )
+    p.add_argument("recipe", metavar="RECIPE", nargs="?", help="a recipe file (YAML); or give --demo")
+    p.add_argument("--demo", action="store_true", help="the offline digits demo scenario (as hf-featcal demo)")
+    p.add_argument("--output-dir", help="where comparison.md/.json/.png go (default: ./hf-featcal-compare for "
+                   "--demo, the recipe's output_dir for a recipe)")
+    p.add_argument("--merges", nargs="+", metavar="METHOD",
+                   help="only these merge methods (default: all; a recipe's compare.merges)")
+    p.add_argument("--post-merging", nargs="+", metavar="STEP",
+                   help="only these post-merging steps (default: all this build offers; a recipe's "
+                        "compare.post_merging)")
+    demo = p.add_argument_group("--demo options")
+    demo.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
+                      help=f"where the built scenario is cached (default {DEFAULT_CACHE_DIR})")
+    demo.add_argument("--samples-per-task", type=positive_int, default=64,
+                      help="calibration images per task (default 64)")
+    demo.add_argument("--seed", type=int, default=0, help="scenario seed (default 0)")
+    demo.add_argument("--fast", action="store_true",
+                      help="a smaller, quickly trained scenario (a smoke test; accuracies are lower)")
+    demo.add_argument("--real-weights", action="store_true", help=REAL_WEIGHTS_HELP)
+    recipe = p.add_argument_group("RECIPE options")
+    recipe.add_argument("--device", help="device, e.g. cuda or cpu (default: cuda if available)")
+    recipe.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_common(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..compare import DEFAULT_MERGES, post_merging_steps
+
+    if args.demo == (args.recipe is not None):
+        raise CLIError("give either --demo or a RECIPE file (not both)" if args.demo
+                       else "give --demo or a RECIPE file")
+    if args.merges:
+        unknown = [m for m in args.merges if m not in DEFAULT_MERGES]
+        if unknown:
+            raise CLIError(f"--merges: unknown methods {unknown}; known: {list(DEFAULT_MERGES)}")
+    if args.post_merging:
+        offered = post_merging_steps()
+        unknown = [s for s in args.post_merging if s not in offered]
+        if unknown:
+            raise CLIError(f"--post-merging: unknown steps {unknown}; this build offers {list(offered)}")
+    merges = list(dict.fromkeys(args.merges)) if args.merges else None
+    steps = list(dict.fromkeys(args.post_merging)) if args.post_merging else None
+    if args.demo:
+        for option in ("device", "quiet"):
+            if getattr(args, option):
+                raise CLIError(f"--{option} is for a RECIPE, not --demo")
+        return _compare_demo(args, merges, steps)
+    return _compare_recipe(args, merges, steps)
+
+
+def _compare_demo(args: argparse.Namespace, merges: list[str] | None, steps: list[str] | None) -> int:
+    import torch
+
+    from ..compare import compare_demo
+
+    name, words, overrides = demo_scenario(args)
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    output_dir = args.output_dir or "hf-featcal-compare"
+    check_output_dir(output_dir, model_folder=False)  # tables and plots, not a model save
+    cache_dir = os.path.expanduser(args.cache_dir)
+    log(f"Building the scenario of {words} (cache: {cache_dir}) ...")
+    start = time.perf_counter()
+    result = compare_demo(output_dir, seed=args.seed, cache_dir=cache_dir, samples_per_task=args.samples_per_task,
+                          merges=merges, post_merging=steps, scenario_overrides=overrides, scenario=name, log=log)
+    print(f"Test accuracy (%) on {words}; last-block drift ‖h_merged − h_expert‖ per token\n")
+    print(result.to_markdown())
+    print(f"({time.perf_counter() - start:.1f} s) Saved comparison.md, comparison.json and comparison.png to "
+          f"{output_dir}/")
+    return _compare_status(result)
+
+
+def _compare_status(result: Any) -> int:
+    """1 (with one line on stderr) when no requested row of the grid succeeded, else 0."""
+    if result.succeeded():
+        return 0
+    print(f"{PROG} compare: error: none of the {len(result.errors)} requested rows succeeded; the table says why",
+          file=sys.stderr)
+    return 1
+
+
+def _compare_recipe(args: argparse.Namespace, merges: list[str] | None, steps: list[str] | None) -> int:
+    from ..compare import DEFAULT_MERGES, compare_recipe
+    from ..recipes import load_recipe
+
+    overrides = {"output_dir": args.output_dir} if args.output_dir is not None else {}
+    recipe = load_recipe(args.recipe, overrides)
+    if recipe.evaluation is None:
+        raise CLIError(f"{args.recipe}: evaluation: false; compare scores every row, so it needs the evaluation")
+    check_device(args.device)
+    check_output_dir(recipe.output_dir, "output_dir", model_folder=False)  # tables and plots, not a model save
+    grid = recipe.compare.merges if recipe.compare is not None else DEFAULT_MERGES
+    if merges is not None:
+        missing = [m for m in merges if m not in grid]
+        if missing:
+            raise CLIError(f"--merges: {missing} are not in the recipe's compare.merges {list(grid)}")
+        merges_grid: dict[str, Any] | None = {m: grid[m] for m in merges}
+    else:
+        merges_grid = None
+    print(f"Recipe {args.recipe}: {recipe.model_family}, base {recipe.base}, {len(recipe.experts)} experts "
+          f"({', '.join(recipe.tasks)}); its merge section is not used by compare")
+    start = time.perf_counter()
+    finish = quiet_warnings()
+    try:
+        with ProgressBars(args.quiet):
+            result = compare_recipe(recipe, merges=merges_grid, post_merging=steps, device=args.device, log=log)
+    finally:
+        ridge = finish()
+    splits = ", ".join(sorted({recipe.evaluation.datasets[t].split or "" for t in recipe.evaluation.tasks}))
+    limit = recipe.evaluation.max_samples
+    subset = f", random subsets of at most {limit} examples per task" if limit else ""
+    print(f"\n{recipe.family.score_label} (%), split {splits}{subset}; last-block drift ‖h_merged − h_expert‖ per "
+          "token\n")
+    print(result.to_markdown())
+    if ridge:
+        print(f"{ridge} module groups had input directions without data (set by the ridge).")
+    print(f"({time.perf_counter() - start:.1f} s) Saved comparison.md, comparison.json and comparison.png to "
+          f"{recipe.output_dir}/")
+    return _compare_status(result)

@@ -1,0 +1,110 @@
+"""``hf-featcal run RECIPE.yaml``: a whole YAML recipe, merge → FeatCal → evaluate → save (→ push)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ._common import (
+    FORMATTER,
+    ProgressBars,
+    add_common,
+    add_recipe_options,
+    check_device,
+    check_output_dir,
+    log,
+    quiet_warnings,
+)
+
+_RUN_EPILOG = """\
+examples:
+  hf-featcal run examples/recipes/clip_vit_b32_ta8.yaml
+  hf-featcal run examples/recipes/flan_t5_base_glue8.yaml --output-dir /data/t5-featcal --device cuda
+  hf-featcal run my_recipe.yaml --no-eval --push-to-hub me/my-merged-featcal
+
+Steps: validate the recipe (before anything is downloaded) → load base, processor and calibration
+data → merge → check the calibration inputs → evaluate the merged model → FeatCal → evaluate again →
+save model, processor, model card (with the evaluation), drift report, drift plot (featcal_drift.png),
+featcal_evaluation.json and the recipe → push to the hub if asked.
+
+recipe schema ("?": optional, [default]; generated from hf_featcal.schema, as in docs/recipes.md):
+{schema}
+"""
+
+
+def _run_epilog() -> str:
+    from ..schema import render_recipe_schema
+
+    return _RUN_EPILOG.replace("{schema}", render_recipe_schema(indent=2))
+
+
+def register(commands: Any) -> None:
+    """Add the command's subparser to `commands` (the parser's subparsers)."""
+    p = commands.add_parser(
+        "run", help="run a YAML recipe: merge → FeatCal → evaluate before/after → save (→ push)",
+        description="Run a YAML recipe end to end. The recipe is validated before anything is downloaded; "
+        "errors name the offending key (e.g. merge.density).",
+        epilog=_run_epilog(), formatter_class=FORMATTER,
+    )
+    p.add_argument("recipe", metavar="RECIPE", help="the recipe file (YAML)")
+    add_recipe_options(p, "", ("output_dir", "push_to_hub", "private", "overwrite"), override=True)
+    p.add_argument("--no-push", action="store_true", help="do not push even if the recipe says so")
+    p.add_argument("--no-eval", action="store_true", help="skip the evaluation before and after calibration")
+    p.add_argument("--device", help="device, e.g. cuda or cpu (default: accelerate's)")
+    p.add_argument("--check", action="store_true", help="only validate the recipe and print what would run")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_common(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..recipes import load_recipe, recipe_input_folders, run_recipe
+
+    overrides: dict[str, Any] = {}
+    if args.output_dir is not None:
+        overrides["output_dir"] = args.output_dir
+    if args.push_to_hub is not None:
+        overrides["push_to_hub"] = args.push_to_hub
+    for switch in ("private", "overwrite"):
+        if getattr(args, switch):
+            overrides[switch] = True
+    recipe = load_recipe(args.recipe, overrides)
+    if not args.check:
+        check_device(args.device)
+        check_output_dir(recipe.output_dir, "output_dir", inputs=recipe_input_folders(recipe),
+                          overwrite=recipe.overwrite)
+    print(f"Recipe {args.recipe}: {recipe.model_family}, base {recipe.base}, {len(recipe.experts)} experts "
+          f"({', '.join(recipe.tasks)}), merge {recipe.merge.describe()}, output {recipe.output_dir}")
+    if args.check:
+        evaluation = "off" if recipe.evaluation is None else f"{len(recipe.evaluation.tasks)} tasks"
+        print(f"The recipe is valid. Calibration examples per task: "
+              f"{ {t: s.num_examples for t, s in recipe.calibration.items()} }; evaluation: {evaluation}.")
+        return 0
+    finish = quiet_warnings()
+    try:
+        with ProgressBars(args.quiet):
+            result = run_recipe(
+                recipe, device=args.device, evaluate=not args.no_eval, push_to_hub=not args.no_push,
+                show_progress=not args.quiet, log=log,
+            )
+    finally:
+        ridge = finish()
+    if result.table is not None:
+        assert recipe.evaluation is not None
+        splits = ", ".join(sorted({recipe.evaluation.datasets[t].split or "" for t in recipe.evaluation.tasks}))
+        metric = recipe.family.score_label
+        limit = recipe.evaluation.max_samples
+        subset = f", random subsets of at most {limit} examples per task" if limit else ""
+        print(f"\n{metric} (%), split {splits}{subset}\n")
+        print(result.table)
+    if result.report is not None:
+        print("\nFeature drift per task (before → after FeatCal)\n")
+        print(result.report.summary_markdown())
+    if ridge:
+        print(f"\n{ridge} module groups had input directions without data (set by the ridge).")
+    timing = ", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items())
+    print(f"\nSaved to {result.output_dir} (model, processor, model card, drift report"
+          + (", drift plot" if result.plot_path else "") + f"). Timings: {timing}.")
+    if result.pushed_to:
+        print(f"Pushed to https://huggingface.co/{result.pushed_to}")
+    return 0
