@@ -13,6 +13,7 @@ from transformers import (
     BertModel,
     CLIPVisionModel,
     GPT2Config,
+    GPT2LMHeadModel,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -94,14 +95,42 @@ def test_families_detect_their_models():
         get_family("gpt2")
 
 
-def test_cli_names_the_supported_families_for_a_model_of_none(tmp_path, capsys):
-    """`hf-featcal evaluate` on a model no family claims: exit 2 and a message listing the families."""
-    model = BertModel(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-                                 intermediate_size=16))
-    model.save_pretrained(tmp_path / "bert")
-    assert cli.main(["evaluate", "--model", str(tmp_path / "bert"), "--task", "cola"]) == 2
-    err = capsys.readouterr().err
-    assert "model_type 'bert' is neither" in err and "supported families: clip, flan_t5, open_clip" in err
+def test_cli_says_what_to_do_with_a_model_without_a_layer_map(tmp_path, capsys):
+    """`hf-featcal calibrate` / `evaluate` on a model no family takes (GPT-2 has no layer map): exit 2, the
+    families named, and the two ways on (the inferred map from Python, or a layer map of its own)."""
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=32, n_positions=16))
+    model.save_pretrained(tmp_path / "gpt2")
+    argv = {"evaluate": ["evaluate", "--model", str(tmp_path / "gpt2"), "--task", "cola"],
+            "calibrate": ["calibrate", "--model", str(tmp_path / "gpt2"), "--expert", f"a={tmp_path / 'gpt2'}",
+                          "--data", "a=org/data", "--output-dir", str(tmp_path / "out")]}
+    for command, args in argv.items():
+        assert cli.main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"hf-featcal {command}: error: --model: model_type 'gpt2' (GPT2LMHeadModel) has no "
+                              "layer map"), err
+        assert "families: bert, causal_lm, clip, flan_t5, open_clip, vit" in err
+        assert "FeatCalCalibrator(..., allow_inferred_layer_map=True)" in err and "docs/architectures.md" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_merge_copies_the_base_processing_for_a_model_without_a_family(tmp_path, capsys):
+    """`hf-featcal merge` of a model no family takes still writes what the base was saved with (its tokenizer),
+    as mergekit does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<|endoftext|>": 1, **{str(i): 2 + i for i in range(10)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<|endoftext|>")
+    config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=len(vocab), n_positions=16)
+    for name in ("base", "a", "b"):
+        GPT2LMHeadModel(config).save_pretrained(tmp_path / name)
+    tokenizer.save_pretrained(tmp_path / "base")
+    assert cli.main(["merge", "--base", str(tmp_path / "base"), f"--expert=a={tmp_path / 'a'}",
+                     f"--expert=b={tmp_path / 'b'}", "--output-dir", str(tmp_path / "merged")]) == 0
+    assert "(with the base's " in capsys.readouterr().out  # not "no processor/tokenizer found"
+    assert AutoTokenizer.from_pretrained(tmp_path / "merged")("3 4")["input_ids"] == [vocab["3"], vocab["4"]]
 
 
 @pytest.fixture

@@ -88,9 +88,9 @@ def test_tiny_llama_recipe_runs_end_to_end_offline(llama_world, capsys):
 
     out = llama_world / "out"
     assert cli.main(["run", str(llama_world / "recipe.yaml"), "--output-dir", str(out), "--quiet"]) == 0
-    printed = capsys.readouterr().out  # noqa: F841 - CLI
-    #CLI assert "held-out perplexity (lower is better), split test" in printed
-    #CLI assert "(%)" not in printed.split("Feature drift")[0]  # perplexity is not a percentage
+    printed = capsys.readouterr().out
+    assert "held-out perplexity (lower is better), split test" in printed
+    assert "(%)" not in printed.split("Feature drift")[0]  # perplexity is not a percentage
 
     # the folder carries the base's tokenizer (chat template included)
     base_dir = llama_world / "tiny-llama" / "base"

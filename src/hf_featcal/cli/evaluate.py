@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from ..families import ModelFamily, family_names, get_family
+from ..schema import TASK
 from ._common import (
     FORMATTER,
     CLIError,
@@ -64,6 +65,9 @@ def register(commands: Any) -> None:
     p.add_argument("--data-config", type=task_value, action="append", default=[], metavar="TASK=NAME",
                    help="dataset config name of TASK (hub datasets)")
     add_recipe_options(p, "evaluation", ("split", "max_samples", "batch_size"), dest_prefix=_EVALUATION_DEST)
+    add_recipe_options(p, f"evaluation.datasets.{TASK}", ("text_column", "messages_column"),
+                       dest_prefix=_EVALUATION_DEST)
+    add_recipe_options(p, "calibration.default", ("max_length",), dest_prefix=_EVALUATION_DEST)
     p.add_argument("--clip-model",
                    help="CLIP: the CLIPModel whose text tower builds the zero-shot heads (default: the model)")
     p.add_argument("--class-names", type=task_value, action="append", default=[], metavar="TASK=A,B,...",
@@ -75,6 +79,18 @@ def register(commands: Any) -> None:
     p.add_argument("--output-json", metavar="FILE", help="also write the scores as JSON (missing folders are created)")
     add_common(p)
     p.set_defaults(func=run)
+
+
+def _text_fields(args: argparse.Namespace, family: ModelFamily) -> dict[str, Any]:
+    """The text keys given (--text-column, --messages-column, --max-length), refused for a family without them."""
+    given = {name: getattr(args, _EVALUATION_DEST + name) for name in ("text_column", "messages_column", "max_length")
+             if getattr(args, _EVALUATION_DEST + name) is not None}
+    for name in given:
+        if name not in (*family.evaluation_data_keys, *family.calibration_data_keys):
+            raise CLIError(f"--{name.replace('_', '-')} is not for {family.article_name} model ({family.name})")
+    if "text_column" in given and "messages_column" in given:
+        raise CLIError("give either --text-column or --messages-column, not both")
+    return given
 
 
 def _evaluation_spec(args: argparse.Namespace, family: ModelFamily) -> Any:
@@ -97,6 +113,7 @@ def _evaluation_spec(args: argparse.Namespace, family: ModelFamily) -> Any:
             if task not in tasks:
                 raise CLIError(f"{option} {task}=...: {task!r} is not among the --task values {tasks}")
     family.check_evaluate_options(class_names=class_names, templates=templates, clip_model=args.clip_model)
+    text_fields = _text_fields(args, family)
     specs: dict[str, DatasetSpec] = {}
     for task in tasks:
         dataset, config, glue_task = family.evaluation_source(task, data, configs, class_names)
@@ -106,7 +123,7 @@ def _evaluation_spec(args: argparse.Namespace, family: ModelFamily) -> Any:
         except RecipeError as err:
             raise CLIError(str(err)) from None
         specs[task] = DatasetSpec(dataset=local or dataset, config=config, split=split, num_examples=None,
-                                  is_local=local is not None, glue_task=glue_task)
+                                  is_local=local is not None, glue_task=glue_task, **text_fields)
     return EvaluationSpec(
         tasks=tasks, datasets=specs, max_samples=args.evaluation_max_samples,
         batch_size=args.evaluation_batch_size or family.default_evaluation_batch_size,
@@ -141,11 +158,12 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     scores, details = evaluate_model(family.name, model, spec, processing=processing, clip_model=clip_model,
                                      device=device)
-    metric = family.evaluation_label
+    heading = family.score_heading(family.evaluation_label)
     splits = ", ".join(sorted({spec.datasets[t].split or "" for t in spec.tasks}))
-    print(f"{metric} (%), split {splits}"
+    print(f"{heading}, split {splits}"
           + (f", random subsets of at most {spec.max_samples} examples per task" if spec.max_samples else "") + "\n")
-    print(scores_table({os.path.basename(os.path.normpath(args.model)) or args.model: scores}, spec.tasks))
+    print(scores_table({os.path.basename(os.path.normpath(args.model)) or args.model: scores}, spec.tasks,
+                       percent=family.score_in_percent))
     print(f"\n({time.perf_counter() - start:.1f} s)")
     if args.output_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
