@@ -18,6 +18,7 @@ from typing import Any
 __all__ = [
     "MissingTokenizerError",
     "carries_tokenizer",
+    "describe_processing",
     "has_tokenizer_files",
     "processing_classes_of",
     "reads_text",
@@ -115,6 +116,20 @@ def processing_classes_of(source: str) -> list[Any]:
             except _NOT_FOUND:
                 pass
     return found
+
+
+def describe_processing(items: Sequence[Any]) -> str:
+    """What `items` are, in words ("tokenizer + image processor"), for messages."""
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin
+
+    def kind(item: Any) -> str:
+        if isinstance(item, ProcessorMixin):
+            return f"processor ({type(item).__name__})"
+        if isinstance(item, PreTrainedTokenizerBase):
+            return "tokenizer"
+        return "image processor" if _is_image_processor(item) else type(item).__name__
+
+    return " + ".join(kind(item) for item in items)
 
 
 def _is_image_processor(item: Any) -> bool:

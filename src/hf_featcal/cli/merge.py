@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         log(f"Singular Value Calibration (alpha={alpha:g}) ...")
         merged = singular_value_calibration(merged, base, experts, alpha=alpha)
         described += f" + SVC (alpha={alpha:g})"
-    from ..processing import processing_classes_of
+    from ..processing import describe_processing, processing_classes_of
     from ..saving import atomic_folder, save_model_files
 
     # the base's tokenizer and processor go beside the merge, as mergekit copies them
@@ -165,10 +165,11 @@ def run(args: argparse.Namespace) -> int:
         to_save = processing_classes_of(base)
     with atomic_folder(args.output_dir, "--output-dir", inputs=inputs,
                        overwrite=bool(args.overwrite)) as folder:  # as FeatCalCalibrator.save_model saves
-        saved = save_model_files(merged, folder, processing_class=to_save)
+        save_model_files(merged, folder, processing_class=to_save)
     print(f"Merged {type(merged).__name__} ({described}; tasks: {', '.join(experts)}) "
           f"in {time.perf_counter() - start:.1f} s → {args.output_dir}"
-          + (f" (with the base's {' + '.join(saved)})" if saved else " (no processor/tokenizer found with the base)"))
+          + (f" (with the base's {describe_processing(to_save)})" if to_save
+             else " (no processor/tokenizer found with the base)"))
     return 0
 
 
