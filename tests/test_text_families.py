@@ -124,6 +124,17 @@ def test_tiny_llama_recipe_runs_end_to_end_offline(llama_world, capsys):
     assert recipe["calibration"]["tasks"]["sort"]["messages_column"] == "messages"
     assert recipe["calibration"]["tasks"]["add"]["max_length"] == 32
 
+    # `hf-featcal evaluate` on the saved folder: the same perplexities, chat messages included
+    data = llama_world / "tiny-llama" / "data"
+    scores_json = llama_world / "evaluate.json"
+    assert cli.main(["evaluate", "--model", str(out), "--task", "sort", "--data", f"sort={data / 'sort'}",
+                     "--messages-column", "messages", "--max-length", "32", "--output-json", str(scores_json)]) == 0
+    assert "held-out perplexity (lower is better), split test" in capsys.readouterr().out
+    evaluated = json.loads(scores_json.read_text())["scores"]
+    assert evaluated["sort"] == pytest.approx(_perplexity_float64(calibrated, ids["sort"]), rel=1e-4)
+    assert cli.main(["evaluate", "--model", str(out), "--task", "add", "--class-names", "add=a,b"]) == 2
+    assert "only for CLIP models" in capsys.readouterr().err
+
 
 def test_perplexity_pads_without_counting_padding(llama_world):
     """Texts of different lengths in one padded batch give the float64 per-text perplexity."""

@@ -33,6 +33,8 @@ examples:
   hf-featcal evaluate --model merged-featcal --task mnist --task svhn --max-samples 1000
 
 Every command runs offline with local folders (save_pretrained / Dataset.save_to_disk) in place of hub ids.
+Model families: clip, open_clip, flan_t5, causal_lm (Llama, Mistral, Qwen2, Qwen3), bert (BERT, RoBERTa),
+vit; a tiny offline Llama recipe: examples/recipes/tiny_llama_offline.yaml.
 """
 
 

@@ -37,6 +37,10 @@ examples:
       --class-names shapes=circle,square,triangle --template "shapes=a drawing of a {c}."
   # FLAN-T5 on GLUE validation splits
   hf-featcal evaluate --model t5-ta-featcal --task cola --task rte --output-json scores.json
+  # a decoder LLM (Llama, Mistral, Qwen2/3): held-out perplexity (lower is better) of each --data's test split
+  hf-featcal evaluate --model llama-featcal --task chat --data chat=./chat_data --messages-column messages
+
+BERT / RoBERTa and ViT have no built-in evaluation (their heads are task-specific).
 
 Built-in CLIP tasks: sun397, stanford-cars, resisc45, eurosat, svhn, gtsrb, mnist, dtd.
 GLUE tasks: cola, mnli, mrpc, qnli, qqp, rte, sst2, stsb.
@@ -49,10 +53,11 @@ _EVALUATION_DEST = "evaluation_"
 def register(commands: Any) -> None:
     """Add the command's subparser to `commands` (the parser's subparsers)."""
     p = commands.add_parser(
-        "evaluate", help="score a model: CLIP / open_clip zero-shot top-1 or FLAN-T5 GLUE",
+        "evaluate", help="score a model: CLIP / open_clip zero-shot top-1, FLAN-T5 GLUE or LLM perplexity",
         description="Evaluate a CLIP model (zero-shot classification with the text tower of a CLIPModel; an "
-        "open_clip CLIP uses its own) or a "
-        "FLAN-T5 model (GLUE by greedy generation) and print a table of per-task scores.",
+        "open_clip CLIP uses its own), a "
+        "FLAN-T5 model (GLUE by greedy generation) or a decoder LLM (held-out perplexity) and print a table of "
+        "per-task scores.",
         epilog=_EVALUATE_EPILOG, formatter_class=FORMATTER,
     )
     p.add_argument("--model", required=True, help="model to evaluate: local folder or hub id")
