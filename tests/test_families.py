@@ -111,6 +111,14 @@ def test_cli_says_what_to_do_with_a_model_without_a_layer_map(tmp_path, capsys):
         assert "families: bert, causal_lm, clip, flan_t5, open_clip, vit" in err
         assert "FeatCalCalibrator(..., allow_inferred_layer_map=True)" in err and "docs/architectures.md" in err
     assert not (tmp_path / "out").exists()
+    recipe = tmp_path / "recipe.yaml"  # a recipe naming a family the base is not of says the same
+    recipe.write_text(f"model_family: causal_lm\nbase: {tmp_path / 'gpt2'}\nexperts: {{a: {tmp_path / 'gpt2'}}}\n"
+                      "merge: {method: task_arithmetic}\ncalibration: {default: {dataset: org/data}}\n"
+                      f"output_dir: {tmp_path / 'out'}\n")
+    assert cli.main(["run", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "base has model_type 'gpt2', which is not a 'causal_lm' model: model_type 'gpt2' (GPT2LMHeadModel) has no " \
+           "layer map" in err and "allow_inferred_layer_map=True" in err
 
 
 def test_merge_copies_the_base_processing_for_a_model_without_a_family(tmp_path, capsys):

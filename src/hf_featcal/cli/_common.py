@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 # Heavy libraries (torch, transformers, datasets) and the modules that import them load inside the
 # commands that need them, so that `hf-featcal --help` starts at once.
-from ..architectures import model_type_of
-from ..families import ModelFamily, detect_family, family_names, get_family
+from ..families import ModelFamily, detect_family, get_family, no_family_reason
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..recipes import KeyChecker
@@ -208,21 +207,6 @@ def family_of(model: Any, given: str | None, option: str = "--model") -> ModelFa
     if found is None:
         raise CLIError(f"{option}: {no_family_reason(model)}")
     return found
-
-
-def no_family_reason(model: Any) -> str:
-    """Why no model family takes `model`, and what to do about it."""
-    from ..architectures import supported_model_types
-
-    model_type = model_type_of(model)
-    families = ", ".join(family_names())
-    if model_type in supported_model_types():  # a layer map without a family: the family is what is missing
-        return (f"model_type {model_type!r} has a layer map but no model family (families: {families}); add one: "
-                "docs/architectures.md, 'Model families'")
-    return (f"model_type {model_type!r} ({type(model).__name__}) has no layer map, so the command line has no model "
-            f"family for it (families: {families}). Calibrate it from Python with FeatCalCalibrator(..., "
-            "allow_inferred_layer_map=True), which infers its blocks (docs/architectures.md, 'Any other model'), or "
-            "add a layer map and a family for it (docs/architectures.md)")
 
 
 def first_processing(family: ModelFamily, candidates: Sequence[str | None]) -> dict[str, Any]:

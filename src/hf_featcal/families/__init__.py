@@ -19,6 +19,7 @@ from .base import (
     get_family,
     image_family_names,
     iter_families,
+    no_family_reason,
     register_family,
     source_schemes,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "get_family",
     "image_family_names",
     "iter_families",
+    "no_family_reason",
     "register_family",
     "source_schemes",
 ]

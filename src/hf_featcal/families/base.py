@@ -29,6 +29,7 @@ __all__ = [
     "get_family",
     "image_family_names",
     "iter_families",
+    "no_family_reason",
     "register_family",
     "source_schemes",
 ]
@@ -272,6 +273,21 @@ def get_family(name: str) -> ModelFamily:
 def source_schemes() -> dict[str, str]:
     """The model-source reference schemes of every registered family (`ModelFamily.source_schemes`)."""
     return {scheme: kind for family in iter_families() for scheme, kind in family.source_schemes.items()}
+
+
+def no_family_reason(model: Any) -> str:
+    """Why no registered family takes `model`, and what to do about it (for the CLI's and recipes' errors)."""
+    from ..architectures import model_type_of, supported_model_types
+
+    model_type = model_type_of(model)
+    families = ", ".join(family_names())
+    if model_type in supported_model_types():  # a layer map without a family: the family is what is missing
+        return (f"model_type {model_type!r} has a layer map but no model family (families: {families}); add one: "
+                "docs/architectures.md, 'Model families'")
+    return (f"model_type {model_type!r} ({type(model).__name__}) has no layer map, so the command line has no model "
+            f"family for it (families: {families}). Calibrate it from Python with FeatCalCalibrator(..., "
+            "allow_inferred_layer_map=True), which infers its blocks (docs/architectures.md, 'Any other model'), or "
+            "add a layer map and a family for it (docs/architectures.md)")
 
 
 def detect_family(model_or_config: Any) -> ModelFamily | None:

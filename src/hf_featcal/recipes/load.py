@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..architectures import model_type_of
-from ..families import detect_family, get_family
+from ..families import detect_family, get_family, no_family_reason
 from .spec import DatasetSpec, EvaluationSpec
 
 __all__ = [
@@ -73,7 +73,8 @@ def check_family(model: Any, family: str, argument: str) -> None:
     found = model_family_of(model)
     if found != family:
         model_type = model_type_of(model)
-        raise ValueError(f"{argument} has model_type {model_type!r}, which is not a {family!r} model")
+        why = f"it is a {found!r} model" if found is not None else no_family_reason(model)
+        raise ValueError(f"{argument} has model_type {model_type!r}, which is not a {family!r} model: {why}")
 
 
 def evaluate_model(
