@@ -36,12 +36,19 @@ def lm_eval_scores(
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
+    task_manager = None
+    if include_path is not None:  # indexing the harness's own ~15k task files takes seconds: only when needed
+        task_manager = TaskManager(include_path=include_path, include_defaults=False)
+        if not set(tasks) <= set(task_manager.all_tasks):
+            task_manager = None
+    if task_manager is None:
+        task_manager = TaskManager(include_path=include_path)
     was_training = model.training
     model.eval()
     try:
         harness_model = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         results = simple_evaluate(model=harness_model, tasks=list(tasks), num_fewshot=0, limit=limit,
-                                  task_manager=TaskManager(include_path=include_path), log_samples=False)
+                                  task_manager=task_manager, log_samples=False)
     finally:
         model.train(was_training)
     if results is None:  # pragma: no cover - non-zero ranks of a distributed run
