@@ -275,8 +275,8 @@ def test_a_wrong_flag_value_is_refused_by_the_declaration_and_exits_2(command, s
 
 
 # ============================================================ the commands run the recipe's stages
-_STAGES = ("check_output_dir", "load_calibration_data", "merge_experts", "build_calibrator", "calibrate_merged",
-           "save_run", "push_run")
+_STAGES = ("check_recipe_targets", "check_output_dir", "load_calibration_data", "check_recipe_inputs",
+           "merge_experts", "build_calibrator", "calibrate_merged", "save_run", "push_run")
 
 
 @pytest.fixture
@@ -289,8 +289,10 @@ def stage_calls(monkeypatch):
             calls.append(_name)
             return _stage(*args, **kwargs)
 
-        for module in (recipes, recipes.run):  # the CLI calls the package's names, run_recipe its module's
-            monkeypatch.setattr(module, name, spy)
+        # the CLI calls the package's names, run_recipe its module's, the pre-flight its own
+        for module in (recipes, recipes.run, recipes.preflight):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, spy)
     return calls
 
 
@@ -305,15 +307,18 @@ def test_merge_and_calibrate_run_the_recipe_stages_and_save_the_same_model(world
                      featcal={"lambda_ratio": 0.05, "batch_size": 8})
     assert cli.main(["run", _write(world / "stages.yaml", recipe), "--quiet"]) == 0  # paths relative to the world
     assert stage_calls == [
+        "check_recipe_targets",
         "check_output_dir",
+        "check_recipe_targets",
         "check_output_dir",
         "load_calibration_data",
+        "check_recipe_inputs",
         "merge_experts",
         "build_calibrator",
         "calibrate_merged",
         "save_run",
         "push_run",
-    ]  # the CLI's check, then run_recipe
+    ]  # the CLI's check of output folder and push, then run_recipe (its pre-flight before the merge)
 
     stage_calls.clear()
     experts = [a for t in TASKS for a in ("--expert", f"{t}={world / 'experts' / t}")]

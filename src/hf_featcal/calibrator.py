@@ -404,12 +404,14 @@ class FeatCalCalibrator:
         the hub in one commit, creating the repo (`private` as in `HfApi.create_repo`) if needed; weight
         files of an earlier upload that this one does not write, e.g. stale shards, are deleted in the
         same commit (`hf_featcal.saving.push_folder`)."""
+        from .hub import check_push_target
         from .saving import push_folder
 
         if not self._calibrated:
             raise RuntimeError("push_to_hub() needs a calibrated model: call calibrate() first.")
         if not self.state.is_main_process:
             return None
+        check_push_target(repo_id, private=private, token=token, argument="repo_id")  # before the model is saved
         with tempfile.TemporaryDirectory() as staging:
             folder = os.path.join(staging, "model")
             self.save_model(folder, processing_class=processing_class)

@@ -25,6 +25,7 @@ from torch import nn
 from .merging import MergeParameter, get_method, paper_defaults
 from .merging.svc import SVC_ALPHA, svc_alpha_for
 from .recipes.spec import POST_MERGING_STEPS
+from .report import markdown_cell
 
 #: Merge method → its parameters in the grid (the paper settings each method declares), every
 #: registered method in registration order.
@@ -86,9 +87,12 @@ def check_calibration_tasks(experts: Mapping[str, Any], calibration_data: Any) -
                              "task.")
 
 
-def markdown_cell(text: str) -> str:
-    """`text` as one Markdown table cell: on one line, its `|` escaped."""
-    return " ".join(str(text).split()).replace("|", "\\|")
+def mean_key(tasks: Sequence[str]) -> str:
+    """"mean", parenthesised until no task has that name (a task named "mean" keeps its score)."""
+    key = "mean"
+    while key in tasks:
+        key = f"({key})"
+    return key
 
 
 def post_merging_steps() -> tuple[str, ...]:
@@ -98,15 +102,22 @@ def post_merging_steps() -> tuple[str, ...]:
 
 @dataclass
 class ComparisonResult:
-    """Scores (task → value, plus "mean") per row: "experts" (each expert on its own task), then
-    "<merge>" and "<merge>+<step>"; the last-block drift per task of every run FeatCal measured (the
-    merge as given, from FeatCal's "before"); the error of every row that failed; seconds per row."""
+    """Scores (task → value, plus the mean under `mean_key`: "mean", unless a task has that name) per
+    row: "experts" (each expert on its own task), then "<merge>" and "<merge>+<step>"; the last-block
+    drift per task of every run FeatCal measured (the merge as given, from FeatCal's "before"); the
+    error of every row that failed; seconds per row."""
 
     tasks: list[str]
     scores: dict[str, dict[str, float]] = field(default_factory=dict)
     drift: dict[str, dict[str, float]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def mean_key(self) -> str:
+        """The key of each row's mean over the tasks: "mean", or "(mean)" ("((mean))", ...) when a task is
+        named so, whose score keeps its own key."""
+        return mean_key(self.tasks)
 
     def rows(self) -> list[str]:
         return [*self.scores, *(r for r in self.errors if r not in self.scores)]
@@ -122,7 +133,7 @@ class ComparisonResult:
         """The table: one row per result, one column per task, then the mean, the mean drift and the
         seconds the row took (a merge's row: the merge and its scoring; a step's row: the step and its
         scoring; the experts' row: their scoring)."""
-        header = ["", *map(markdown_cell, self.tasks), "mean", "last-block drift", "seconds"]
+        header = ["", *map(markdown_cell, self.tasks), markdown_cell(self.mean_key), "last-block drift", "seconds"]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for row in self.rows():
             seconds = f"{self.seconds[row]:.1f}" if row in self.seconds else ""
@@ -130,7 +141,7 @@ class ComparisonResult:
                 lines.append(f"| {markdown_cell(row)} | failed: {markdown_cell(self.errors[row])} |"
                              + " |" * (len(header) - 3) + f" {seconds} |")
                 continue
-            values = [f"{self.scores[row][t]:.1f}" for t in self.tasks] + [f"{self.scores[row]['mean']:.1f}"]
+            values = [f"{self.scores[row][t]:.1f}" for t in [*self.tasks, self.mean_key]]
             drift = self.drift.get(row)
             values.append(f"{sum(drift.values()) / len(drift):.3g}" if drift else "")
             values.append(seconds)
@@ -184,8 +195,8 @@ def compare_post_merging(  # noqa: C901 - one loop over the grid; each row's fai
         base, experts: the pre-trained model and task → fine-tuned expert (in memory).
         calibration_data: task → calibration data, as for `FeatCalCalibrator` (also the data of a
             merge method that needs it, such as RegMean).
-        evaluate: model → {task: score} (higher is better; a "mean" key, if any, is ignored and
-            recomputed as the plain mean over the tasks).
+        evaluate: model → {task: score} (higher is better; a "mean" key that is not a task, if any, is
+            ignored and recomputed as the plain mean over the tasks, under `ComparisonResult.mean_key`).
         merges: method names (with `DEFAULT_MERGES` parameters) or method → parameters (`check_merges`).
         post_merging: steps from `post_merging_steps()`; default all of them.
         featcal_config: the `FeatCalConfig` of the FeatCal runs (default: the paper's defaults).
@@ -241,13 +252,13 @@ def compare_post_merging(  # noqa: C901 - one loop over the grid; each row's fai
     def score(model: nn.Module) -> dict[str, float]:
         values = scores_of(model, tasks, "a merged model")
         out = {t: float(values[t]) for t in tasks}
-        out["mean"] = sum(out.values()) / len(tasks)
+        out[result.mean_key] = sum(out.values()) / len(tasks)
         return out
 
     def finish(row: str, start: float) -> None:
         result.seconds[row] = round(time.perf_counter() - start, 2)
         if log is not None:
-            shown = (f"mean {result.scores[row]['mean']:.2f}" if row in result.scores
+            shown = (f"mean {result.scores[row][result.mean_key]:.2f}" if row in result.scores
                      else f"failed ({result.errors[row]})")
             log(f"{row}: {shown} [{result.seconds[row]:.1f} s]")
 
@@ -255,7 +266,7 @@ def compare_post_merging(  # noqa: C901 - one loop over the grid; each row's fai
     own = evaluate_expert if evaluate_expert is not None else (
         lambda expert, task: scores_of(expert, [task], f"experts[{task!r}]")[task])
     result.scores["experts"] = {t: float(own(expert, t)) for t, expert in experts.items()}
-    result.scores["experts"]["mean"] = sum(result.scores["experts"].values()) / len(tasks)
+    result.scores["experts"][result.mean_key] = sum(result.scores["experts"].values()) / len(tasks)
     finish("experts", start)
     for method, params in merges.items():
         start = time.perf_counter()
@@ -347,20 +358,33 @@ def compare_demo(output_dir: str | os.PathLike, *, seed: int = 0, cache_dir: str
     return result
 
 
+def recipe_grid(recipe: Any, all_merges: bool = False) -> dict[str, dict[str, Any]]:
+    """The merges of a recipe's grid: its ``compare.merges`` (a ``compare`` section without ``merges``:
+    every merge); without a ``compare`` section, the recipe's own merge (method and parameters). With
+    `all_merges`, every merge (`DEFAULT_MERGES`), those methods with the parameters given there."""
+    if recipe.compare is not None:
+        chosen = dict(recipe.compare.merges)
+    else:
+        chosen = {recipe.merge.method: dict(recipe.merge.params)}
+    return {**default_merges(), **chosen} if all_merges else chosen
+
+
 def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
                    merges: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
                    post_merging: Sequence[str] | None = None, device: str | None = None,
-                   log: Callable[[str], None] | None = print) -> ComparisonResult:
+                   log: Callable[[str], None] | None = print, all_merges: bool = False) -> ComparisonResult:
     """The grid on a validated recipe (`hf_featcal.recipes.Recipe`): its base, experts, calibration
-    data, FeatCal settings and evaluation (the family's headline score per task, in %); its `merge`
-    section is not used. The grid is the recipe's `compare` section (default: `DEFAULT_MERGES` × every
-    post-merging step), restricted by `merges` / `post_merging` when given. Writes comparison.md /
-    .json / .png into `output_dir` (default: the recipe's output_dir).
+    data, FeatCal settings and evaluation (the family's headline score per task, in %). The grid is
+    `recipe_grid`'s (the recipe's `compare` section; without one, the recipe's own merge, or every
+    merge with `all_merges`) × every post-merging step, restricted by `merges` / `post_merging` when
+    given. Writes comparison.md / .json / .png into `output_dir` (default: the recipe's output_dir).
 
     The experts are held in memory (RegMean runs each expert's own forward; the ceiling row
-    evaluates each expert on its own task)."""
-    from .model_io import load_model
-    from .recipes import RecipeError, check_fast_mode, prepare_recipe_inputs, recipe_evaluator
+    evaluates each expert on its own task); a LoRA adapter expert is the recipe's base with the adapter
+    applied (`hf_featcal.merging.engine.load_expert`), the expert `run` merges."""
+    from .merging.engine import load_expert
+    from .recipes import RecipeError, prepare_recipe_inputs, recipe_evaluator
+    from .recipes.preflight import check_recipe_inputs
     from .saving import check_writable_folder
 
     say = log if log is not None else (lambda message: None)
@@ -377,8 +401,8 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
     except ValueError as err:
         raise RecipeError("output_dir", str(err).split(" ", 1)[1], recipe.source) from None
     grid = recipe.compare
-    if merges is None and grid is not None:
-        merges = grid.merges
+    if merges is None:
+        merges = recipe_grid(recipe, all_merges)
     if post_merging is None and grid is not None:
         post_merging = grid.post_merging
     if device is None:
@@ -387,9 +411,12 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
         device = "cuda" if torch.cuda.is_available() else "cpu"
 
     inputs = prepare_recipe_inputs(recipe, evaluate=True, log=say)
-    check_fast_mode(recipe, inputs.base)
+    steps = post_merging if post_merging is not None else post_merging_steps()
+    # what would fail every FeatCal row (module selection, batches) or every score (class names), before any merge
+    check_recipe_inputs(recipe, inputs, featcal=any(s.startswith("featcal") for s in steps), device=device)
     say(f"Loading {len(recipe.experts)} experts ...")
-    experts = {t: load_model(source, f"experts.{t}") for t, source in recipe.experts.items()}
+    # an adapter goes on the recipe's base, as `run` merges it (not on the base its adapter_config.json names)
+    experts = {t: load_expert(source, f"experts.{t}", inputs.base) for t, source in recipe.experts.items()}
     evaluate = recipe_evaluator(recipe, inputs, device)
     family = recipe.family
     scale = 100.0 if family.score_in_percent else 1.0  # accuracies in %, perplexities as they are

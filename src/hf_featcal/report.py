@@ -93,7 +93,7 @@ class DriftReport:
             if head_before and head_after:
                 head = f"{head_before[-1]:.2%} → {head_after[-1]:.2%}" + (" **rises**" if task in rising else "")
             lines.append(
-                f"| {task} | {before[-1]:.4g} | {after[-1]:.4g} | "
+                f"| {markdown_cell(task)} | {before[-1]:.4g} | {after[-1]:.4g} | "
                 f"{sum(before) / len(before):.4g} | {sum(after) / len(after):.4g} | {head} |"
             )
         if rising:
@@ -102,6 +102,12 @@ class DriftReport:
                 "accuracy; a larger lambda_ratio or tuning on held-out data (docs/tuning.md) softens the compromise."
             )
         return "\n".join(lines)
+
+
+def markdown_cell(text: str) -> str:
+    """`text` as one Markdown table cell: on one line, its `|` escaped (a task name with either would
+    end its row early or split it into more cells)."""
+    return " ".join(str(text).split()).replace("|", "\\|")
 
 
 @dataclass(frozen=True)

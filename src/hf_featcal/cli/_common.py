@@ -157,6 +157,33 @@ def check_source(value: str, option: str, kind: str = "model") -> str:
         raise CLIError(str(err)) from None
 
 
+def adapter_base(source: str | None) -> str | None:
+    """For a local LoRA adapter folder (it holds adapter_config.json): the base it records ("" when none);
+    None when `source` is not an adapter folder."""
+    import json
+
+    path = os.path.join(source, "adapter_config.json") if source else ""
+    if not source or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            recorded = json.load(handle).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    return recorded if isinstance(recorded, str) else ""
+
+
+def check_not_adapter_base(source: str | None, option: str = "--base") -> None:
+    """Refuse a LoRA adapter given where the model the experts were fine-tuned from is expected."""
+    recorded = adapter_base(source)
+    if recorded is None:
+        return
+    trained_on = f" (its adapter_config.json records {recorded!r})" if recorded else ""
+    raise CLIError(f"{option}: {source!r} is a LoRA adapter, not a full model: {option} takes the model the experts "
+                   f"were fine-tuned from, the one the adapter was trained on{trained_on}. Pass that model as "
+                   f"{option} and the adapter as --expert TASK=ADAPTER")
+
+
 def check_device(device: str | None) -> None:
     """Refuse a --device this machine cannot use (before anything is loaded)."""
     if device is None:
@@ -171,27 +198,50 @@ def check_device(device: str | None) -> None:
 
 def check_output_dir(
     path: str, option: str = "--output-dir", *, inputs: dict[str, Any] | None = None, overwrite: bool = False,
-    model_folder: bool = True,
+    model_folder: bool = True, written_by: dict[str, str] | None = None,
 ) -> None:
     """Refuse, before merging or calibrating, an output folder the save would refuse (the run's
     `check_output_dir` stage: not writable, one of the `inputs` or inside / around one, non-empty and
-    not an earlier save unless `overwrite`); `model_folder=False`: writability only."""
+    not an earlier save, or an earlier save of another command or base than `written_by`, unless
+    `overwrite`); `model_folder=False`: writability only."""
     from ..recipes import RecipeError
     from ..recipes import check_output_dir as check_for_save
 
     try:
-        check_for_save(path, option, inputs=inputs, overwrite=overwrite, model_folder=model_folder)
+        check_for_save(path, option, inputs=inputs, overwrite=overwrite, model_folder=model_folder,
+                       written_by=written_by)
     except RecipeError as err:
         raise CLIError(str(err)) from None
 
 
-def check_output_file(path: str, option: str) -> None:
-    """Refuse, before any work, a file path that is a folder or whose folder cannot be created and
-    written (missing folders are created when the file is written)."""
+def check_push(repo_id: str | None, private: bool | None, option: str = "--push-to-hub") -> None:
+    """Refuse, before any work, a push that cannot succeed: no token, or --private into an existing
+    public repository (`hf_featcal.hub.check_push_target`)."""
+    if not repo_id:
+        return
+    from ..hub import check_push_target
+
+    try:
+        check_push_target(repo_id, private=private, argument=option)
+    except ValueError as err:
+        raise CLIError(str(err).replace(f"`{option}`", option, 1)) from None
+
+
+def check_output_file(path: str, option: str, inputs: dict[str, str | None] | None = None) -> None:
+    """Refuse, before any work, a file path that is a folder, an existing file inside one of the local
+    folders the command reads (`inputs`: option → source; writing there would replace a file of that
+    model) or whose folder cannot be created and written (missing folders are created when the file is
+    written)."""
     from ..saving import FolderError, check_writable_folder
 
     if os.path.isdir(path):
         raise CLIError(f"{option}: {path!r} is a folder; give a file path")
+    target = os.path.realpath(path)
+    for name, source in (inputs or {}).items():
+        folder = os.path.realpath(source) if source and os.path.isdir(source) else None
+        if folder is not None and os.path.isfile(target) and os.path.commonpath([target, folder]) == folder:
+            raise CLIError(f"{option}: {path!r} is a file of the folder of {name} ({source!r}), which this command "
+                           "reads: writing the scores there would replace it. Give a file path outside that folder")
     try:
         check_writable_folder(os.path.dirname(os.path.abspath(path)), option)
     except FolderError as err:

@@ -5,18 +5,19 @@ turns user errors into one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable, Sequence
 
 from ..families import FamilyUsageError
-from . import calibrate, compare, demo, evaluate, merge, run
+from . import calibrate, compare, demo, evaluate, merge, push, run
 from ._common import FORMATTER, PROG, CLIError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: The commands, in the order ``hf-featcal --help`` lists them; a new command is a module with
 #: ``register(commands)`` (adds its subparser, ``set_defaults(func=run)``) and a line here.
-COMMANDS = (merge, calibrate, evaluate, run, demo, compare)
+COMMANDS = (merge, calibrate, evaluate, run, push, demo, compare)
 
 _MAIN_EPILOG = """\
 examples:
@@ -31,6 +32,7 @@ examples:
       --data mnist=ylecun/mnist --data svhn=ufldl-stanford/svhn --data-config svhn=cropped_digits \\
       --output-dir merged-featcal
   hf-featcal evaluate --model merged-featcal --task mnist --task svhn --max-samples 1000
+  hf-featcal push merged-featcal me/clip-vit-b32-mnist-svhn-featcal   # exactly the save's files
 
 Every command runs offline with local folders (save_pretrained / Dataset.save_to_disk) in place of hub ids.
 Model families: clip, open_clip, flan_t5, causal_lm (Llama, Mistral, Qwen2, Qwen3), bert (BERT, RoBERTa),
@@ -82,6 +84,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..recipes import RecipeError  # after parsing: --help loads no recipe machinery
     command: Callable[[argparse.Namespace], int] = args.func
     name = f"{PROG} {args.command}"
+    saves = logging.getLogger("hf_featcal.saving")  # its one line per replaced save, printed on stderr
+    said = logging.StreamHandler(sys.stderr)
+    said.setFormatter(logging.Formatter("%(message)s"))
+    saves.addHandler(said)
+    level = saves.level
+    saves.setLevel(logging.INFO)
     try:
         return command(args)
     except (CLIError, RecipeError, FamilyUsageError) as err:
@@ -98,3 +106,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         reason = " ".join(str(err).split())  # one line, whatever the message
         print(f"{name}: error: {type(err).__name__}: {reason} (--debug shows the traceback)", file=sys.stderr)
         return 2
+    finally:
+        saves.removeHandler(said)
+        saves.setLevel(level)

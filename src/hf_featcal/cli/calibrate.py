@@ -15,10 +15,13 @@ from ._common import (
     FORMATTER,
     CLIError,
     ProgressBars,
+    adapter_base,
     add_common,
     add_recipe_options,
     check_device,
+    check_not_adapter_base,
     check_output_dir,
+    check_push,
     check_source,
     family_of,
     first_processing,
@@ -145,8 +148,12 @@ def run(args: argparse.Namespace) -> int:
     `load_calibration_data` → `build_calibrator` → `calibrate_merged` → `save_run` → `push_run`."""
     model_source = check_source(args.model, "--model")
     base_source = check_source(args.base, "--base") if args.base else None
+    check_not_adapter_base(base_source)
+    if adapter_base(model_source) == "" and base_source is None:  # an adapter is a model only on its base
+        raise CLIError(f"--model: {args.model!r} is a LoRA adapter that records no base model: pass the model it was "
+                       "trained on as --base (the adapter is then applied to it)")
     experts = {t: check_source(s, f"--expert {t}") for t, s in task_pairs(args.experts, "--expert").items()}
-    data = task_pairs(args.data, "--data")
+    data = {t: check_source(d, f"--data {t}", kind="dataset") for t, d in task_pairs(args.data, "--data").items()}
     configs = task_pairs(args.data_config, "--data-config")
     for option, mapping in (("--data", data), ("--data-config", configs)):
         for task in mapping:
@@ -158,11 +165,17 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--data: no calibration dataset for {missing}; give --data TASK=DATASET or --data-default")
     config = _featcal_config(args)
     check_device(args.device)
+    check_push(args.push_to_hub, args.private)
     check_output_dir(args.output_dir, inputs=_calibrate_inputs(args, model_source, base_source, experts, data),
-                      overwrite=bool(args.overwrite))
+                      overwrite=bool(args.overwrite), written_by=_writer(model_source, base_source))
 
     with ProgressBars(args.quiet):
         return _calibrate(args, model_source, base_source, experts, data, configs, default, config)
+
+
+def _writer(model_source: str, base_source: str | None) -> dict[str, str]:
+    """What the save records of its writer (an earlier save of another is replaced only with --overwrite)."""
+    return {"command": "hf-featcal calibrate", "base": base_source or model_source}
 
 
 def _calibrate_inputs(
@@ -199,7 +212,7 @@ def _calibrate(
     from ..schema import recipe_keys
 
     log(f"Loading the merged model {args.model} ...")
-    model = load_model(model_source, "--model")
+    model = load_model(model_source, "--model", base=base_source)  # an adapter --model: applied to --base
     family = family_of(model, args.family)
     try:  # before the calibration data are loaded
         check_forward_dtype(config, {"--model": model})
@@ -225,7 +238,8 @@ def _calibrate(
     finally:
         ridge = finish()
     plot, _ = save_run(run, args.output_dir, family, processing, overwrite=bool(args.overwrite),
-                       inputs=_calibrate_inputs(args, model_source, base_source, experts, data))
+                       inputs=_calibrate_inputs(args, model_source, base_source, experts, data),
+                       written_by=_writer(model_source, base_source))
     if run.calibrator.report is not None:
         print("Feature drift per task (before → after FeatCal)\n")
         print(run.calibrator.report.summary_markdown())

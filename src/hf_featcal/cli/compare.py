@@ -39,9 +39,11 @@ last-block drift. A combination that fails is a "failed: ..." row; the grid goes
 when every requested row failed). Writes comparison.md, comparison.json and the bar chart
 comparison.png into the output folder.
 
-With a RECIPE, its base, experts, calibration, featcal and evaluation sections are used and its merge
-section is not; an optional compare: section (merges: method -> parameters, post_merging: [...])
-sets the grid, and --merges / --post-merging restrict it further.
+With a RECIPE, its base, experts, calibration, featcal and evaluation sections are used; the grid is
+the recipe's own merge × every post-merging step, or every merge with --all-merges; an optional
+compare: section (merges: method -> parameters, or null for every merge; post_merging: [...]) sets
+the grid instead, and --merges / --post-merging restrict it further. The grid's size is printed
+before it starts.
 """
 
 
@@ -75,6 +77,9 @@ def register(commands: Any) -> None:
                       help="a smaller, quickly trained scenario (a smoke test; accuracies are lower)")
     demo.add_argument("--real-weights", action="store_true", help=REAL_WEIGHTS_HELP)
     recipe = p.add_argument_group("RECIPE options")
+    recipe.add_argument("--all-merges", action="store_true",
+                        help="every merge method in the grid (default without a compare: section: the recipe's "
+                             "own merge)")
     recipe.add_argument("--device", help="device, e.g. cuda or cpu (default: cuda if available)")
     recipe.add_argument("--quiet", action="store_true", help="no progress bars")
     add_common(p)
@@ -99,9 +104,9 @@ def run(args: argparse.Namespace) -> int:
     merges = list(dict.fromkeys(args.merges)) if args.merges else None
     steps = list(dict.fromkeys(args.post_merging)) if args.post_merging else None
     if args.demo:
-        for option in ("device", "quiet"):
+        for option in ("device", "quiet", "all_merges"):
             if getattr(args, option):
-                raise CLIError(f"--{option} is for a RECIPE, not --demo")
+                raise CLIError(f"--{option.replace('_', '-')} is for a RECIPE, not --demo")
         return _compare_demo(args, merges, steps)
     return _compare_recipe(args, merges, steps)
 
@@ -109,13 +114,14 @@ def run(args: argparse.Namespace) -> int:
 def _compare_demo(args: argparse.Namespace, merges: list[str] | None, steps: list[str] | None) -> int:
     import torch
 
-    from ..compare import compare_demo
+    from ..compare import DEFAULT_MERGES, compare_demo, post_merging_steps
 
     name, words, overrides = demo_scenario(args)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     output_dir = args.output_dir or "hf-featcal-compare"
     check_output_dir(output_dir, model_folder=False)  # tables and plots, not a model save
     cache_dir = os.path.expanduser(args.cache_dir)
+    say_grid(len(merges or DEFAULT_MERGES), len(steps or post_merging_steps()))
     log(f"Building the scenario of {words} (cache: {cache_dir}) ...")
     start = time.perf_counter()
     result = compare_demo(output_dir, seed=args.seed, cache_dir=cache_dir, samples_per_task=args.samples_per_task,
@@ -125,6 +131,12 @@ def _compare_demo(args: argparse.Namespace, merges: list[str] | None, steps: lis
     print(f"({time.perf_counter() - start:.1f} s) Saved comparison.md, comparison.json and comparison.png to "
           f"{output_dir}/")
     return _compare_status(result)
+
+
+def say_grid(merges: int, steps: int, note: str = "") -> None:
+    """One line before the grid starts: its size (rows computed, besides the experts' own row)."""
+    log(f"Grid: {merges} merge{'s' if merges != 1 else ''} × {steps} post-merging step{'s' if steps != 1 else ''} "
+        f"= {merges * steps} rows, plus the experts' row{note}")
 
 
 def _compare_status(result: Any) -> int:
@@ -137,7 +149,7 @@ def _compare_status(result: Any) -> int:
 
 
 def _compare_recipe(args: argparse.Namespace, merges: list[str] | None, steps: list[str] | None) -> int:
-    from ..compare import DEFAULT_MERGES, compare_recipe
+    from ..compare import DEFAULT_MERGES, compare_recipe, post_merging_steps, recipe_grid
     from ..recipes import load_recipe
 
     overrides = {"output_dir": args.output_dir} if args.output_dir is not None else {}
@@ -146,21 +158,24 @@ def _compare_recipe(args: argparse.Namespace, merges: list[str] | None, steps: l
         raise CLIError(f"{args.recipe}: evaluation: false; compare scores every row, so it needs the evaluation")
     check_device(args.device)
     check_output_dir(recipe.output_dir, "output_dir", model_folder=False)  # tables and plots, not a model save
-    grid = recipe.compare.merges if recipe.compare is not None else DEFAULT_MERGES
+    # --merges picks from the compare section's merges, else (no section) from every merge
+    grid = recipe_grid(recipe, all_merges=args.all_merges or (merges is not None and recipe.compare is None))
     if merges is not None:
         missing = [m for m in merges if m not in grid]
         if missing:
             raise CLIError(f"--merges: {missing} are not in the recipe's compare.merges {list(grid)}")
-        merges_grid: dict[str, Any] | None = {m: grid[m] for m in merges}
-    else:
-        merges_grid = None
+        grid = {m: grid[m] for m in merges}
+    own = recipe.compare is None and not args.all_merges and merges is None
     print(f"Recipe {args.recipe}: {recipe.model_family}, base {recipe.base}, {len(recipe.experts)} experts "
-          f"({', '.join(recipe.tasks)}); its merge section is not used by compare")
+          f"({', '.join(recipe.tasks)}); merges: "
+          + (f"the recipe's own ({recipe.merge.describe()})" if own else ", ".join(grid)))
+    steps_of = steps or (recipe.compare.post_merging if recipe.compare is not None else None) or post_merging_steps()
+    say_grid(len(grid), len(steps_of), f" (--all-merges: {len(DEFAULT_MERGES)} merges)" if own else "")
     start = time.perf_counter()
     finish = quiet_warnings()
     try:
         with ProgressBars(args.quiet):
-            result = compare_recipe(recipe, merges=merges_grid, post_merging=steps, device=args.device, log=log)
+            result = compare_recipe(recipe, merges=grid, post_merging=steps, device=args.device, log=log)
     finally:
         ridge = finish()
     splits = ", ".join(sorted({recipe.evaluation.datasets[t].split or "" for t in recipe.evaluation.tasks}))

@@ -92,10 +92,16 @@ def run(args: argparse.Namespace) -> int:
 
     from ..calibrator import FeatCalCalibrator
     from ..config import FeatCalConfig
+    from ..merging import get_method
     from ..plotting import plot_drift
 
-    check_output_dir(args.output_dir, overwrite=bool(args.overwrite))  # before the scenario is built
+    try:  # the demo's Task Arithmetic λ, checked by its declaration before the scenario is built
+        get_method("task_arithmetic").declared()["scaling_factor"].check(args.scaling_factor)
+    except ValueError as err:
+        raise CLIError(f"--scaling-factor {err}") from None
     name, words, overrides = demo_scenario(args)
+    writer = {"command": "hf-featcal demo", "base": words}  # recorded in the manifest
+    check_output_dir(args.output_dir, overwrite=bool(args.overwrite), written_by=writer)  # before building
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     cache_dir = os.path.expanduser(args.cache_dir)
     start = time.perf_counter()
@@ -157,8 +163,9 @@ def run(args: argparse.Namespace) -> int:
     from ..saving import atomic_folder
     from ..scenarios.base import quiet_transformers
 
-    with quiet_transformers(), atomic_folder(args.output_dir, "--output-dir", inputs=calibrator.input_folders(),
-                                             overwrite=bool(args.overwrite)) as folder:  # one save, plot included
+    with quiet_transformers(), atomic_folder(  # one save, plot included
+            args.output_dir, "--output-dir", inputs=calibrator.input_folders(), overwrite=bool(args.overwrite),
+            written_by=writer) as folder:
         calibrator.write_model_folder(folder)
         plot_drift(report, os.path.join(folder, "featcal_drift.png"),
                    title=f"FeatCal on {words}: feature drift per block")

@@ -143,9 +143,12 @@ def run(args: argparse.Namespace) -> int:
 
     model_source = check_source(args.model, "--model")
     clip_source = check_source(args.clip_model, "--clip-model") if args.clip_model else None
+    for task, dataset in task_pairs(args.data, "--data").items():  # every path, before any model loads
+        check_source(dataset, f"--data {task}", kind="dataset")
     check_device(args.device)
     if args.output_json:
-        check_output_file(args.output_json, "--output-json")
+        check_output_file(args.output_json, "--output-json",
+                          inputs={"--model": model_source, "--clip-model": clip_source, "--processor": args.processor})
     if args.family is not None:
         _evaluation_spec(args, get_family(args.family))  # check the arguments before loading anything
     log(f"Loading {args.model} ...")

@@ -14,6 +14,7 @@ from ._common import (
     CLIError,
     add_common,
     add_recipe_options,
+    check_not_adapter_base,
     check_output_dir,
     check_source,
     help_text,
@@ -133,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     from ..recipes import RecipeError, merge_experts, validate_merge_spec
 
     base = check_source(args.base, "--base")
+    check_not_adapter_base(base)
     experts = {t: check_source(s, f"--expert {t}") for t, s in task_pairs(args.experts, "--expert").items()}
     options = _merge_options()
     params = {name: getattr(args, name) for name in options if getattr(args, name) is not None}
@@ -144,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"{option}: {err.reason}") from None
     alpha = _svc_alpha(args)
     inputs = {"--base": base, **{f"--expert {task}": source for task, source in experts.items()}}
-    check_output_dir(args.output_dir, inputs=inputs, overwrite=bool(args.overwrite))
+    writer = {"command": "hf-featcal merge", "base": base}  # recorded in the manifest
+    check_output_dir(args.output_dir, inputs=inputs, overwrite=bool(args.overwrite), written_by=writer)
     start = time.perf_counter()
     merged = merge_experts(base, experts, spec, log=log)  # the recipe run's merge stage
     described = spec.describe()
@@ -163,8 +166,8 @@ def run(args: argparse.Namespace) -> int:
         to_save = family.processing_to_save(maybe_processing(family, [base]))
     else:  # a model no family takes (merge_models merges any transformers model): what the base was saved with
         to_save = processing_classes_of(base)
-    with atomic_folder(args.output_dir, "--output-dir", inputs=inputs,
-                       overwrite=bool(args.overwrite)) as folder:  # as FeatCalCalibrator.save_model saves
+    with atomic_folder(args.output_dir, "--output-dir", inputs=inputs, overwrite=bool(args.overwrite),
+                       written_by=writer) as folder:  # as FeatCalCalibrator.save_model saves
         save_model_files(merged, folder, processing_class=to_save)
     print(f"Merged {type(merged).__name__} ({described}; tasks: {', '.join(experts)}) "
           f"in {time.perf_counter() - start:.1f} s → {args.output_dir}"

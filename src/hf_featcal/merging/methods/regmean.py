@@ -14,7 +14,8 @@ task brings the same number of tokens (a common factor cancels in the solve) and
 ``"sum"`` weighs a task by its token count, ``"token_mean"`` weighs tasks alike. FusionBench counts
 every position of the Linear's input, padding included (its GPT-2 variant), a difference by design;
 so is the set of Linears: FusionBench 0.2.33 solves every ``nn.Linear`` of the model, a causal LM's
-``lm_head`` too, ours those inside the blocks (the paper's transformer layers), the head averaged.
+``lm_head`` and a BERT model's pooler too, ours those inside the blocks (the paper's transformer layers),
+those outside averaged.
 With ``gram_rule="token_mean"`` the rest equals FusionBench's ``RegMeanAlgorithmForCLIP`` to float32
 rounding (benchmarks/fusionbench_parity.py; docs/merge-methods.md).
 
