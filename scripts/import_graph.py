@@ -31,7 +31,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         "evaluation.results",
     )),
     ("architectures: the layer maps", ("architectures", "architectures.*")),
-    ("checkpoints and model sources", ("model_io", "saving", "experts")),
+    ("checkpoints and model sources", ("model_io", "saving", "experts", "processing")),
     ("calibration stages, drift report, evaluation",
      ("pipeline.*", "report", "plotting", "evaluation", "evaluation.*", "post_merging.corrections",
       "post_merging.representation", "post_merging.task_modules", "post_merging.surgery")),

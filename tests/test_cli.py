@@ -369,7 +369,7 @@ BAD = [
     ("merge.method", {"merge": {"method": "magic"}}),
     ("featcal.lambda_ratio", {"featcal": {"lambda_ratio": -1.0}}),
     ("featcal.lamda_ratio", {"featcal": {"lamda_ratio": 0.1}}),
-    ("model_family", {"model_family": "bert"}),
+    ("model_family", {"model_family": "gpt2"}),
     ("experts.zorbs", {"experts": {"zorbs": 3}}),
     ("base", {"base": "./no/such/model"}),
     ("calibration.default.num_examples", {"calibration": {"default": {"dataset": "./data/{task}", "num_examples": 0}}}),

@@ -419,12 +419,13 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
     experts = {t: load_expert(source, f"experts.{t}", inputs.base) for t, source in recipe.experts.items()}
     evaluate = recipe_evaluator(recipe, inputs, device)
     family = recipe.family
+    scale = 100.0 if family.score_in_percent else 1.0  # accuracies in %, perplexities as they are
     result = compare_post_merging(
         inputs.base, experts, inputs.calibration,
-        lambda model: {t: 100.0 * v for t, v in evaluate(model)[0].items()},
+        lambda model: {t: scale * v for t, v in evaluate(model)[0].items()},
         merges=merges, post_merging=post_merging, featcal_config=recipe.featcal,
         processing_class=family.calibration_processing_class(inputs.processing),
-        evaluate_expert=lambda expert, task: 100.0 * evaluate(expert, [task])[0][task],
+        evaluate_expert=lambda expert, task: scale * evaluate(expert, [task])[0][task],
         device=device, log=log,
     )
     result.save(out)

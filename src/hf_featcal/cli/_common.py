@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 # Heavy libraries (torch, transformers, datasets) and the modules that import them load inside the
 # commands that need them, so that `hf-featcal --help` starts at once.
-from ..architectures import model_type_of
-from ..families import ModelFamily, detect_family, family_names, get_family
+from ..families import ModelFamily, detect_family, get_family, no_family_reason
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..recipes import KeyChecker
@@ -276,43 +275,22 @@ def family_of(model: Any, given: str | None, option: str = "--model") -> ModelFa
             raise CLIError(f"--family {given} does not match {option}, a {found.name!r} model ({type(model).__name__})")
         return get_family(given)
     if found is None:
-        model_type = model_type_of(model)
-        names = [family.article_name for family in (get_family(n) for n in family_names())]
-        kinds = ", ".join(names[:-1]) + " nor " + names[-1] if len(names) > 1 else names[0]
-        raise CLIError(
-            f"{option}: model_type {model_type!r} is neither {kinds} model; supported families: "
-            + ", ".join(family_names())
-        )
+        raise CLIError(f"{option}: {no_family_reason(model)}")
     return found
 
 
 def first_processing(family: ModelFamily, candidates: Sequence[str | None]) -> dict[str, Any]:
-    """Processing classes from the first candidate folder / hub id that has them."""
-    errors = []
-    for source in candidates:
-        if not source:
-            continue
-        try:
-            return family.load_processing(source)
-        except (OSError, ValueError, TypeError) as err:
-            errors.append(f"{source}: {err}")
-    what = family.processing_name
-    raise CLIError(f"no {what} found (tried {[c for c in candidates if c]}); pass --processor. "
-                   + " | ".join(errors)[:500])
+    """The family's processing classes, each part from the first candidate folder / hub id that has it
+    (`ModelFamily.processing_from`: e.g. a CLIP expert's image processor and the base's tokenizer)."""
+    found = family.processing_from(candidates)
+    if found is None:
+        raise CLIError(f"no {family.processing_name} found (tried {[c for c in candidates if c]}); pass --processor")
+    return found
 
 
 def maybe_processing(family: ModelFamily | None, sources: Sequence[str | None]) -> dict[str, Any] | None:
-    """The processing classes of the first source that has them (None if none has)."""
-    if family is None:
-        return None
-    for source in sources:
-        if not source:
-            continue
-        try:
-            return family.load_processing(source)
-        except (OSError, ValueError, TypeError):
-            continue
-    return None
+    """The family's processing classes, each part from the first of `sources` that has it (None if none has)."""
+    return None if family is None else family.processing_from(sources)
 
 
 class ProgressBars:

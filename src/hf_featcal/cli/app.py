@@ -36,6 +36,8 @@ examples:
   hf-featcal push merged-featcal me/clip-vit-b32-mnist-svhn-featcal   # exactly the save's files
 
 Every command runs offline with local folders (save_pretrained / Dataset.save_to_disk) in place of hub ids.
+Model families: clip, open_clip, flan_t5, causal_lm (Llama, Mistral, Qwen2, Qwen3), bert (BERT, RoBERTa),
+vit; a tiny offline Llama recipe: examples/recipes/tiny_llama_offline.yaml.
 """
 
 

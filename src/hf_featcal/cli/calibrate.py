@@ -44,6 +44,10 @@ examples:
   hf-featcal calibrate --model t5-ta --base google/flan-t5-base \\
       --expert cola=tanganke/flan-t5-base_glue-cola --expert rte=tanganke/flan-t5-base_glue-rte \\
       --data-default nyu-mll/glue --data-default-config "{task}" --output-dir t5-ta-featcal
+  # a decoder LLM: chat messages rendered by the base's chat template, cut at 1024 tokens
+  hf-featcal calibrate --model llama-ta --base meta-llama/Llama-3.2-1B-Instruct --expert math=./math \
+      --expert code=./code --data-default "./{task}_chats" --messages-column messages --max-length 1024 \
+      --output-dir llama-ta-featcal
   # local folders (Dataset.save_to_disk; a DatasetDict gives --split)
   hf-featcal calibrate --model ./merged --base ./base --expert a=./expert_a --data a=./data_a \\
       --lambda-ratio 0.1 --output-dir ./merged-featcal

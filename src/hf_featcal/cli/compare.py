@@ -184,7 +184,7 @@ def _compare_recipe(args: argparse.Namespace, merges: list[str] | None, steps: l
     splits = ", ".join(sorted({recipe.evaluation.datasets[t].split or "" for t in recipe.evaluation.tasks}))
     limit = recipe.evaluation.max_samples
     subset = f", random subsets of at most {limit} examples per task" if limit else ""
-    print(f"\n{recipe.family.score_label} (%), split {splits}{subset}; last-block drift ‖h_merged − h_expert‖ per "
+    print(f"\n{recipe.family.score_heading()}, split {splits}{subset}; last-block drift ‖h_merged − h_expert‖ per "
           "token\n")
     print(result.to_markdown())
     if ridge:

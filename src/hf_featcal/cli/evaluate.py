@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from ..families import ModelFamily, family_names, get_family
+from ..schema import TASK
 from ._common import (
     FORMATTER,
     CLIError,
@@ -37,6 +38,10 @@ examples:
       --class-names shapes=circle,square,triangle --template "shapes=a drawing of a {c}."
   # FLAN-T5 on GLUE validation splits
   hf-featcal evaluate --model t5-ta-featcal --task cola --task rte --output-json scores.json
+  # a decoder LLM (Llama, Mistral, Qwen2/3): held-out perplexity (lower is better) of each --data's test split
+  hf-featcal evaluate --model llama-featcal --task chat --data chat=./chat_data --messages-column messages
+
+BERT / RoBERTa and ViT have no built-in evaluation (their heads are task-specific).
 
 Built-in CLIP tasks: sun397, stanford-cars, resisc45, eurosat, svhn, gtsrb, mnist, dtd.
 GLUE tasks: cola, mnli, mrpc, qnli, qqp, rte, sst2, stsb.
@@ -49,10 +54,11 @@ _EVALUATION_DEST = "evaluation_"
 def register(commands: Any) -> None:
     """Add the command's subparser to `commands` (the parser's subparsers)."""
     p = commands.add_parser(
-        "evaluate", help="score a model: CLIP / open_clip zero-shot top-1 or FLAN-T5 GLUE",
+        "evaluate", help="score a model: CLIP / open_clip zero-shot top-1, FLAN-T5 GLUE or LLM perplexity",
         description="Evaluate a CLIP model (zero-shot classification with the text tower of a CLIPModel; an "
-        "open_clip CLIP uses its own) or a "
-        "FLAN-T5 model (GLUE by greedy generation) and print a table of per-task scores.",
+        "open_clip CLIP uses its own), a "
+        "FLAN-T5 model (GLUE by greedy generation) or a decoder LLM (held-out perplexity) and print a table of "
+        "per-task scores.",
         epilog=_EVALUATE_EPILOG, formatter_class=FORMATTER,
     )
     p.add_argument("--model", required=True, help="model to evaluate: local folder or hub id")
@@ -65,6 +71,9 @@ def register(commands: Any) -> None:
     p.add_argument("--data-config", type=task_value, action="append", default=[], metavar="TASK=NAME",
                    help="dataset config name of TASK (hub datasets)")
     add_recipe_options(p, "evaluation", ("split", "max_samples", "batch_size"), dest_prefix=_EVALUATION_DEST)
+    add_recipe_options(p, f"evaluation.datasets.{TASK}", ("text_column", "messages_column"),
+                       dest_prefix=_EVALUATION_DEST)
+    add_recipe_options(p, "calibration.default", ("max_length",), dest_prefix=_EVALUATION_DEST)
     p.add_argument("--clip-model",
                    help="CLIP: the CLIPModel whose text tower builds the zero-shot heads (default: the model)")
     p.add_argument("--class-names", type=task_value, action="append", default=[], metavar="TASK=A,B,...",
@@ -111,6 +120,18 @@ def _class_label_names(v: Any, source: str, config: str | None, split: str | Non
     return list(names) if isinstance(label, datasets.ClassLabel) and names else None
 
 
+def _text_fields(args: argparse.Namespace, family: ModelFamily) -> dict[str, Any]:
+    """The text keys given (--text-column, --messages-column, --max-length), refused for a family without them."""
+    given = {name: getattr(args, _EVALUATION_DEST + name) for name in ("text_column", "messages_column", "max_length")
+             if getattr(args, _EVALUATION_DEST + name) is not None}
+    for name in given:
+        if name not in (*family.evaluation_data_keys, *family.calibration_data_keys):
+            raise CLIError(f"--{name.replace('_', '-')} is not for {family.article_name} model ({family.name})")
+    if "text_column" in given and "messages_column" in given:
+        raise CLIError("give either --text-column or --messages-column, not both")
+    return given
+
+
 def _evaluation_spec(args: argparse.Namespace, family: ModelFamily) -> Any:
     from ..recipes import DatasetSpec, EvaluationSpec, RecipeError
 
@@ -138,6 +159,7 @@ def _evaluation_spec(args: argparse.Namespace, family: ModelFamily) -> Any:
                 names = _class_label_names(v, data[task], configs.get(task), split, task)
                 if names is not None:
                     class_names[task] = names
+    text_fields = _text_fields(args, family)
     specs: dict[str, DatasetSpec] = {}
     for task in tasks:
         dataset, config, glue_task = family.evaluation_source(task, data, configs, class_names)
@@ -147,7 +169,7 @@ def _evaluation_spec(args: argparse.Namespace, family: ModelFamily) -> Any:
         except RecipeError as err:
             raise CLIError(str(err)) from None
         specs[task] = DatasetSpec(dataset=local or dataset, config=config, split=split, num_examples=None,
-                                  is_local=local is not None, glue_task=glue_task)
+                                  is_local=local is not None, glue_task=glue_task, **text_fields)
     return EvaluationSpec(
         tasks=tasks, datasets=specs, max_samples=args.evaluation_max_samples,
         batch_size=args.evaluation_batch_size or family.default_evaluation_batch_size,
@@ -186,11 +208,12 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         scores, details = evaluate_model(family.name, model, spec, processing=processing, clip_model=clip_model,
                                          device=device)
-    metric = family.evaluation_label
+    heading = family.score_heading(family.evaluation_label)
     splits = ", ".join(sorted({spec.datasets[t].split or "" for t in spec.tasks}))
-    print(f"{metric} (%), split {splits}"
+    print(f"{heading}, split {splits}"
           + (f", random subsets of at most {spec.max_samples} examples per task" if spec.max_samples else "") + "\n")
-    print(scores_table({os.path.basename(os.path.normpath(args.model)) or args.model: scores}, spec.tasks))
+    print(scores_table({os.path.basename(os.path.normpath(args.model)) or args.model: scores}, spec.tasks,
+                       percent=family.score_in_percent))
     print(f"\n({time.perf_counter() - start:.1f} s)")
     if args.output_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)

@@ -170,18 +170,22 @@ def run(args: argparse.Namespace) -> int:
             log(f"Singular Value Calibration (alpha={alpha:g}) ...")
             merged = singular_value_calibration(merged, base, experts, alpha=alpha, device=args.device)
             described += f" + SVC (alpha={alpha:g})"
+    from ..processing import describe_processing, processing_classes_of
     from ..saving import atomic_folder, save_model_files
 
+    # the base's tokenizer and processor go beside the merge, as mergekit copies them
     family = detect_family(merged)
-    processing = maybe_processing(family, [base])
-    to_save = family.processing_to_save(processing) if family is not None else []
+    if family is not None:
+        to_save = family.processing_to_save(maybe_processing(family, [base]))
+    else:  # a model no family takes (merge_models merges any transformers model): what the base was saved with
+        to_save = processing_classes_of(base)
     with atomic_folder(args.output_dir, "--output-dir", inputs=inputs, overwrite=bool(args.overwrite),
                        written_by=writer) as folder:  # as FeatCalCalibrator.save_model saves
         save_model_files(merged, folder, processing_class=to_save)
-    saved = processing is not None
     print(f"Merged {type(merged).__name__} ({described}; tasks: {', '.join(experts)}) "
           f"in {time.perf_counter() - start:.1f} s → {args.output_dir}"
-          + ("" if saved else " (no processor/tokenizer found with the base)"))
+          + (f" (with the base's {describe_processing(to_save)})" if to_save
+             else " (no processor/tokenizer found with the base)"))
     return 0
 
 

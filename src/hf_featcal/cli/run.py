@@ -88,10 +88,10 @@ def run(args: argparse.Namespace) -> int:
     if result.table is not None:
         assert recipe.evaluation is not None
         splits = ", ".join(sorted({recipe.evaluation.datasets[t].split or "" for t in recipe.evaluation.tasks}))
-        metric = recipe.family.score_label
+        heading = recipe.family.score_heading()
         limit = recipe.evaluation.max_samples
         subset = f", random subsets of at most {limit} examples per task" if limit else ""
-        print(f"\n{metric} (%), split {splits}{subset}\n")
+        print(f"\n{heading}, split {splits}{subset}\n")
         print(result.table)
     if result.report is not None:
         print("\nFeature drift per task (before → after FeatCal)\n")

@@ -33,6 +33,7 @@ __all__ = [
     "calibrate_merged",
     "check_fast_mode",
     "check_output_dir",
+    "lm_eval_table",
     "load_calibration_data",
     "merge_experts",
     "prepare_recipe_inputs",
@@ -219,7 +220,11 @@ def save_run(
     table = None
     if recipe is not None and recipe.evaluation is not None and run.before is not None and run.after is not None:
         rows = {recipe.merge.describe(): run.before, f"{recipe.merge.describe()} + FeatCal": run.after}
-        table = scores_table(rows, recipe.evaluation.tasks)
+        table = scores_table(rows, recipe.evaluation.tasks, percent=model_family.score_in_percent)
+        harness = lm_eval_table(run.details, {recipe.merge.describe(): "before",
+                                              f"{recipe.merge.describe()} + FeatCal": "after"})
+        if harness:
+            table += "\n\nlm-evaluation-harness (zero-shot)\n\n" + harness
     if not run.calibrator.state.is_main_process:
         return None, table
     with atomic_folder(output_dir, inputs={**run.calibrator.input_folders(), **(inputs or {})},
@@ -368,12 +373,30 @@ def _append_to_card(output_dir: str, table: str, recipe: Recipe) -> None:
     splits = sorted({recipe.evaluation.datasets[t].split or "" for t in recipe.evaluation.tasks})
     limit = (f", seeded random subsets of at most {recipe.evaluation.max_samples} examples per task"
              if recipe.evaluation.max_samples else "")
+    heading = recipe.family.score_heading("Headline score per task")
     text = (
-        f"\n## Evaluation\n\nHeadline score per task (%; split {', '.join(splits)}{limit}), "
+        f"\n## Evaluation\n\n{heading}, split {', '.join(splits)}{limit}, "
         f"before and after FeatCal:\n\n{table}\n\n![feature drift per block](featcal_drift.png)\n"
     )
     with open(path, "a", encoding="utf-8") as handle:
         handle.write(text)
+
+
+def lm_eval_table(details: Mapping[str, Any], rows: Mapping[str, str]) -> str | None:
+    """A markdown table of the lm-evaluation-harness scores in evaluation `details` (`rows`: row name →
+    the key of its details, e.g. ``"before"``), one column per task and metric; None when there are none."""
+    found = {name: details.get(key, {}).get("lm_eval") for name, key in rows.items()}
+    found = {name: scores for name, scores in found.items() if scores}
+    if not found:
+        return None
+    columns = sorted({(task, metric) for scores in found.values() for task, metrics in scores.items()
+                      for metric in metrics})
+    lines = ["| model | " + " | ".join(f"{task} {metric}" for task, metric in columns) + " |",
+             "|---|" + "---:|" * len(columns)]
+    for name, scores in found.items():
+        cells = [f"{scores[task][metric]:.4f}" if metric in scores.get(task, {}) else "–" for task, metric in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def upload_folder(folder: str, repo_id: str, *, private: bool | None = None) -> Any:

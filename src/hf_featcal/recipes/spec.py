@@ -75,6 +75,9 @@ class DatasetSpec:
         label_column: CLIP evaluation: the label column (renamed to ``label``).
         glue_task: FLAN-T5: the GLUE task whose prompt format is applied.
         max_input_length, max_target_length: FLAN-T5: token truncation lengths.
+        text_column, messages_column: text families: the column of text, or of chat messages rendered
+            by the base's chat template (None: ``text``).
+        max_length: text families: token truncation length (None: none).
     """
 
     dataset: str
@@ -87,6 +90,9 @@ class DatasetSpec:
     glue_task: str | None = None
     max_input_length: int | None = _CALIBRATION_DATA["max_input_length"].default
     max_target_length: int | None = _CALIBRATION_DATA["max_target_length"].default
+    text_column: str | None = None
+    messages_column: str | None = None
+    max_length: int | None = _CALIBRATION_DATA["max_length"].default
 
 
 @dataclass
@@ -100,6 +106,8 @@ class EvaluationSpec:
     class_names: dict[str, list[str]] = field(default_factory=dict)
     templates: dict[str, list[str]] = field(default_factory=dict)
     clip_model: str | None = None
+    lm_eval_tasks: list[str] = field(default_factory=list)
+    lm_eval_include_path: str | None = None
 
 
 @dataclass
