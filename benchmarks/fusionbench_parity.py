@@ -295,8 +295,8 @@ def fb_regmean_plusplus(setting: Setting, reduction: float) -> tuple[Any, str]:
     FusionBench 0.2.33 as shipped fails here in three ways, each adapted in a subclass / wrapper that leaves
     its algorithm (`RegMeanAlgorithmPlusPlus.run`, its hooks' Grams, `merging_with_regmean_weights`) as is:
     the class cannot be constructed; it reaches transformers 4's `model.vision_model`; and it takes `[0]` of
-    an encoder layer's output, which transformers 5 returns as a tensor (`[0]` is then the first example:
-    no error, the next layers' Grams silently wrong)."""
+    an encoder layer's output, which transformers 5 returns as a tensor (`[0]` is then the first example
+    without its batch dimension: on some shapes that raises, on others the next layers' Grams are wrong)."""
     import torch
     from fusion_bench.method.regmean_plusplus.clip_regmean_plusplus import RegMeanAlgorithmForCLIPPlusPlus
     from fusion_bench.method.regmean_plusplus.regmean_plusplus import RegMeanAlgorithmPlusPlus
@@ -334,8 +334,8 @@ def fb_regmean_plusplus(setting: Setting, reduction: float) -> tuple[Any, str]:
         probe = layer(torch.zeros(1, 2, setting.base.config.hidden_size), attention_mask=None)
     if not isinstance(probe, tuple):
         problems.append("it takes [0] of each encoder layer's output, a tensor in transformers 5, i.e. the first "
-                        "example only: silently wrong Grams from the second layer on (layer_batches_forward "
-                        "adapted)")
+                        "example only: it raises on some shapes, else wrong Grams from the second layer on "
+                        "(layer_batches_forward adapted)")
         algorithm_class = type(algorithm_class.__name__, (algorithm_class,), {"layer_batches_forward": _layer_outputs})
     merged = fb_run(algorithm_class(**arguments), setting, wrap=wrap)
     note = f"FusionBench fails as shipped: {'; '.join(problems)}. Adapted: " if problems else ""

@@ -26,12 +26,12 @@ PACKAGE = "hf_featcal"
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations: numerics, CPU kernels, settings, stream records, torch-free declarations", (
         "_kernels", "_kernels.*", "solver", "statistics", "config", "parameters", "devices", "interrupts", "data",
-        "checkpointing", "restore", "hooks", "pipeline", "pipeline.streams", "merging.params", "merging.registry",
-        "post_merging.registry", "cost",
-        "evaluation._datasets", "evaluation.clip_templates", "evaluation.glue_metric*", "evaluation.results",
+        "hub", "checkpointing", "restore", "hooks", "progress", "pipeline", "pipeline.streams", "merging.params",
+        "merging.registry", "post_merging.registry", "cost", "evaluation._datasets", "evaluation.clip_templates",
+        "evaluation.glue_metric*", "evaluation.results",
     )),
     ("architectures: the layer maps", ("architectures", "architectures.*")),
-    ("checkpoints and model sources", ("model_io", "saving", "experts")),
+    ("checkpoints and model sources", ("model_io", "saving", "experts", "processing")),
     ("calibration stages, drift report, evaluation",
      ("pipeline.*", "report", "plotting", "evaluation", "evaluation.*", "post_merging.corrections",
       "post_merging.representation", "post_merging.task_modules", "post_merging.surgery")),

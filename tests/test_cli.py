@@ -187,24 +187,10 @@ def test_run_recipe_end_to_end(world, capsys):
 
 
 def _hub_stand_in(monkeypatch) -> dict:
-    """The hub cannot be reached here: record what huggingface_hub's `create_repo` and `upload_folder`
-    receive, with every file under the uploaded folder as `upload_folder` reads it (no patterns given)."""
-    from huggingface_hub import HfApi
+    """The hub cannot be reached here: `testing_utils.hub_stand_in` (a token set, no repository yet)."""
+    from testing_utils import hub_stand_in
 
-    calls: dict = {"create_repo": [], "upload_folder": []}
-
-    def create_repo(self, repo_id, **kwargs):
-        calls["create_repo"].append((repo_id, kwargs))
-
-    def upload_folder(self, *, repo_id, folder_path, commit_message=None, **kwargs):
-        assert kwargs.get("allow_patterns") is None and kwargs.get("ignore_patterns") is None
-        files = {os.path.relpath(os.path.join(root, name), folder_path): open(os.path.join(root, name), "rb").read()
-                 for root, _, names in os.walk(folder_path) for name in names}
-        calls["upload_folder"].append((repo_id, files, kwargs))
-
-    monkeypatch.setattr(HfApi, "create_repo", create_repo)
-    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
-    return calls
+    return hub_stand_in(monkeypatch)
 
 
 def test_run_pushes_exactly_the_files_of_the_save(world, monkeypatch, capsys):
@@ -383,7 +369,7 @@ BAD = [
     ("merge.method", {"merge": {"method": "magic"}}),
     ("featcal.lambda_ratio", {"featcal": {"lambda_ratio": -1.0}}),
     ("featcal.lamda_ratio", {"featcal": {"lamda_ratio": 0.1}}),
-    ("model_family", {"model_family": "bert"}),
+    ("model_family", {"model_family": "gpt2"}),
     ("experts.zorbs", {"experts": {"zorbs": 3}}),
     ("base", {"base": "./no/such/model"}),
     ("calibration.default.num_examples", {"calibration": {"default": {"dataset": "./data/{task}", "num_examples": 0}}}),
@@ -481,7 +467,7 @@ def test_shipped_recipes_validate(name, capsys):
 
 
 # ============================================================================== help, demo
-@pytest.mark.parametrize("command", [[], ["merge"], ["calibrate"], ["evaluate"], ["run"], ["demo"]])
+@pytest.mark.parametrize("command", [[], ["merge"], ["calibrate"], ["evaluate"], ["run"], ["push"], ["demo"]])
 def test_help_of_every_command(command, capsys):
     assert cli.main([*command, "--help"]) == 0
     out = capsys.readouterr().out

@@ -1,5 +1,5 @@
-"""Every user error of the command line: one line on stderr naming what is wrong, exit status 2,
-found before anything is merged or calibrated."""
+"""Every user error of the command line: one line on stderr naming what is wrong, found before anything is
+merged or calibrated; exit status 2 for a usage error, 1 for a run that failed."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_a_local_split_with_no_rows(world, capsys, tmp_path):
     for folder in ("empty-split",):
         code = cli.main(["calibrate", "--model", str(world / "base"), "--base", str(world / "base"), *_experts(world),
                          *_data(world, zorbs=tmp_path / folder), "--output-dir", str(tmp_path / "out"), "--quiet"])
-        assert code == 2
+        assert code == 1  # the data given cannot be used: the run failed (2 is for usage errors)
         line = _one_error_line(capsys, "calibrate")
         assert f"calibration.tasks.zorbs: cannot load the local dataset '{tmp_path / folder}'" in line
 
@@ -78,8 +78,9 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_merging(world, c
     assert "--output-dir" in _one_error_line(capsys, "calibrate")
 
 
-def test_an_error_found_while_running_is_one_line_with_status_2(world, capsys, tmp_path):
-    """A ValueError raised deep in the run (here: an expert whose weights do not fit) is one line."""
+def test_an_error_found_while_running_is_one_line_with_status_1(world, capsys, tmp_path):
+    """A ValueError raised deep in the run (here: an expert whose weights do not fit) is one line; the run
+    failed, so the status is 1 (2 is for usage errors)."""
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
     odd = CLIPVisionModel(CLIPVisionConfig(hidden_size=24, intermediate_size=32, num_hidden_layers=2,
@@ -87,7 +88,7 @@ def test_an_error_found_while_running_is_one_line_with_status_2(world, capsys, t
     odd.save_pretrained(tmp_path / "odd")
     code = cli.main(["merge", "--base", str(world / "base"), "--expert", f"zorbs={tmp_path / 'odd'}",
                      "--method", "task_arithmetic", "--output-dir", str(tmp_path / "merged")])
-    assert code == 2
+    assert code == 1
     line = _one_error_line(capsys, "merge")
     assert "ValueError: `experts['zorbs']` has a different configuration" in line  # the calibrator's check
     assert "hidden_size" in line

@@ -158,3 +158,31 @@ def test_unknown_methods_and_steps_are_named(setting):
     with pytest.raises(ValueError, match=r"`post_merging`: unknown steps \['magic'\]"):
         compare_post_merging(base, experts, data, evaluate, post_merging=["magic"])
     assert post_merging_steps()[:2] == ("none", "featcal")
+
+
+def test_a_task_named_mean_keeps_its_score(setting, tmp_path):
+    """A task may be named "mean": its score stays under its name, the mean over the tasks goes under
+    `mean_key` ("(mean)"), in the scores, the table and the chart."""
+    base, experts, data, evaluate = setting
+    renamed = dict(zip(("mean", "b"), experts.values(), strict=True))
+    data = dict(zip(("mean", "b"), data.values(), strict=True))
+
+    def evaluate_renamed(model):
+        return dict(zip(("mean", "b"), evaluate(model).values(), strict=True))
+
+    result = compare_post_merging(base, renamed, data, evaluate_renamed, merges=["task_arithmetic"],
+                                  post_merging=["none"])
+    direct = evaluate_renamed(merging.merge_models(base, renamed, "task_arithmetic", scaling_factor=0.3))
+    assert result.scores["task_arithmetic"]["mean"] == pytest.approx(direct["mean"], rel=1e-6)  # the task's own
+    assert result.errors == {} and result.mean_key == "(mean)"
+    assert result.scores["task_arithmetic"] == pytest.approx(
+        {"mean": direct["mean"], "b": direct["b"], "(mean)": (direct["mean"] + direct["b"]) / 2}, rel=1e-6)
+    assert direct["mean"] != pytest.approx((direct["mean"] + direct["b"]) / 2)  # the two would be told apart
+    table = result.to_markdown().splitlines()
+    assert table[0].startswith("|  | mean | b | (mean) | last-block drift | seconds |")
+    row = next(line for line in table if line.startswith("| task_arithmetic |"))
+    assert row.split(" | ")[1:4] == [f"{direct['mean']:.1f}", f"{direct['b']:.1f}",
+                                     f"{(direct['mean'] + direct['b']) / 2:.1f}"]
+    result.save(tmp_path)  # the chart reads the mean under its key
+    assert json.loads((tmp_path / "comparison.json").read_text())["scores"]["task_arithmetic"]["mean"] == \
+        pytest.approx(direct["mean"], rel=1e-6)

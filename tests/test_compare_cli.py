@@ -15,6 +15,8 @@ from hf_featcal.families import get_family
 from hf_featcal.recipes import RecipeError, load_recipe
 from test_cli import TASKS, _recipe, _write, world  # noqa: F401 - `world` is the tiny local world fixture
 
+TASKS_LIST = list(TASKS)
+
 torch.set_num_threads(1)
 
 FAST = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, pretrain_epochs=3, finetune_epochs=3)
@@ -178,3 +180,48 @@ def test_compare_help(capsys):
     assert cli.main(["compare", "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: hf-featcal compare") and "--demo" in out and "examples:" in out
+
+
+def test_compare_puts_lora_adapters_on_the_recipes_base_as_run_does(world, tmp_path, monkeypatch):  # noqa: F811
+    """A LoRA adapter expert of a recipe is the recipe's `base` with the adapter applied, in `compare` as in
+    `run`: not the model its adapter_config.json records (here another expert's folder), and also when it
+    records none. The experts the grid gets are checked against PEFT's `merge_and_unload` on the base."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import CLIPModel, CLIPVisionModel
+
+    import hf_featcal.compare as compare
+    from hf_featcal.compare import compare_recipe
+
+    base = CLIPModel.from_pretrained(world / "base")
+    tower = CLIPVisionModel(base.config.vision_config).eval()
+    tower.load_state_dict(base.vision_model.state_dict())
+    recorded = {TASKS_LIST[0]: str(world / "experts" / TASKS_LIST[1]), TASKS_LIST[1]: None}
+    expected = {}
+    for seed, task in enumerate(TASKS_LIST):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(copy.deepcopy(tower), LoraConfig(r=2, lora_alpha=8, init_lora_weights=False,
+                                                                    target_modules=["q_proj", "fc1"]))
+        peft_model.save_pretrained(tmp_path / task)
+        expected[task] = peft_model.merge_and_unload().state_dict()
+        config_path = tmp_path / task / "adapter_config.json"
+        config = json.loads(config_path.read_text())
+        config["base_model_name_or_path"] = recorded[task]
+        config_path.write_text(json.dumps(config))
+
+    handed: dict = {}
+    original = compare.compare_post_merging
+    monkeypatch.setattr(compare, "compare_post_merging",
+                        lambda base, experts, *a, **k: handed.update(experts) or original(base, experts, *a, **k))
+    path = _write(world / "compare-lora.yaml", _recipe(world, experts={t: str(tmp_path / t) for t in TASKS_LIST},
+                                                       output_dir=str(tmp_path / "out")))
+    result = compare_recipe(load_recipe(path), merges=["task_arithmetic"], post_merging=["none"], device="cpu",
+                            log=None)
+    assert result.errors == {} and list(result.scores) == ["experts", "task_arithmetic"]
+    for task in TASKS_LIST:
+        state = handed[task].vision_model.state_dict()
+        for key, value in expected[task].items():
+            torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-7, msg=f"{task}: {key}")
+        assert not torch.equal(state["encoder.layers.0.self_attn.q_proj.weight"],
+                               base.vision_model.state_dict()["encoder.layers.0.self_attn.q_proj.weight"])

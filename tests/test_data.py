@@ -60,7 +60,7 @@ def test_dataset_with_images_and_a_per_image_transform():
     dataset = Dataset.from_dict({"image": images, "label": [0, 1, 0, 1, 0]})
 
     def preprocess(image):
-        return torch.as_tensor(np.asarray(image), dtype=torch.float32).permute(2, 0, 1) / 255
+        return torch.as_tensor(np.array(image), dtype=torch.float32).permute(2, 0, 1) / 255  # a writable copy
 
     out = _prepare(dataset, batch_size=3, seed=2, processing_class=preprocess)
     want = torch.stack([preprocess(dataset[i]["image"]) for i in range(5)])  # num_samples None: all, in order

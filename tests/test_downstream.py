@@ -293,12 +293,8 @@ def _images(n: int, seed: int = 0) -> list:
     return [Image.fromarray(rng.integers(0, 255, (10, 10, 3), dtype=np.uint8)) for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def clip_saved(tmp_path_factory):
-    """A CLIPModel merge; the base in memory as loaded from the hub (its `_name_or_path` a hub id)."""
-    root = tmp_path_factory.mktemp("clip")
-    generator = torch.Generator().manual_seed(1)
-    processor = clip_processor()
+def tiny_clip_model(processor: CLIPProcessor, generator: torch.Generator) -> CLIPModel:
+    """A tiny random-init CLIPModel for `processor`'s vocabulary and 8×8 images, norms randomised."""
     torch.manual_seed(1)
     text = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                 vocab_size=len(processor.tokenizer), bos_token_id=0, eos_token_id=1, pad_token_id=1,
@@ -307,6 +303,16 @@ def clip_saved(tmp_path_factory):
                   patch_size=4)
     base = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)).eval()
     randomise_norms(base, generator)
+    return base
+
+
+@pytest.fixture(scope="module")
+def clip_saved(tmp_path_factory):
+    """A CLIPModel merge; the base in memory as loaded from the hub (its `_name_or_path` a hub id)."""
+    root = tmp_path_factory.mktemp("clip")
+    generator = torch.Generator().manual_seed(1)
+    processor = clip_processor()
+    base = tiny_clip_model(processor, generator)
     base.config._name_or_path = "featcal-tests/tiny-clip"
     experts = {t: perturbed(base, generator, 0.05).eval() for t in ("cars", "dtd")}
     merged = merge_models(base, experts, "task_arithmetic", scaling_factor=0.5)

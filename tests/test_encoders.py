@@ -75,6 +75,8 @@ def _block_outputs(model, batch):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+# random tiny encoders: one task's head can read a worse feature after the joint calibration; the warning says so
+@pytest.mark.filterwarnings("ignore:what the head reads moved away:hf_featcal.pipeline.context.FeatCalWarning")
 def test_drift_and_recovery(family, generator):
     build, make_batch = FAMILIES[family]
     base = build().eval()

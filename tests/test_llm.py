@@ -120,7 +120,7 @@ def test_exact_recovery_when_only_down_proj_differs(generator, family):
     with torch.no_grad():
         assert float((logits(merged) - logits(expert)).norm() / logits(expert).norm()) <= 1e-8
     for ml, el in zip(merged.model.layers, expert.model.layers, strict=True):
-        w, want = ml.mlp.down_proj.weight, el.mlp.down_proj.weight
+        w, want = ml.mlp.down_proj.weight.detach(), el.mlp.down_proj.weight.detach()
         assert float((w - want).norm() / want.norm()) <= 1e-8
 
 

@@ -6,6 +6,8 @@ whose experts differ from the base in every tensor."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import CLIPVisionModel, LlamaConfig, LlamaForCausalLM
@@ -202,3 +204,90 @@ def test_the_cli_offers_the_methods_and_their_flags(capsys):
     assert cli.main(["merge", "--help"]) == 0
     text = capsys.readouterr().out
     assert all(method in text for method in METHODS) and "--common-space-fraction" in text
+
+
+# ------------------------------------------------------------------------------------------ low-rank task vectors
+def _lora_like_setting(permutation: bool = False) -> tuple[torch.nn.Module, dict, dict]:
+    """A tiny Llama and two experts that each move one kind of matrix by a rank-2 product B·A (LoRA's
+    form), on disjoint modules: "q" every q_proj, "up" every up_proj; every other tensor is the base's.
+    Returns (base, experts, task matrix per key). `permutation`: every model's q_proj and up_proj
+    weights with their rows and columns permuted (the same permutation for all models)."""
+    base, _ = _llama_setting(tasks=0)
+    generator = torch.Generator().manual_seed(3)
+    experts, deltas = {}, {}
+    for task, module in (("q", "self_attn.q_proj"), ("up", "mlp.up_proj")):
+        expert = copy.deepcopy(base)
+        with torch.no_grad():
+            for name, weight in expert.named_parameters():
+                if name.endswith(f"{module}.weight"):
+                    delta = 0.2 * torch.randn(weight.shape[0], 2, generator=generator) @ torch.randn(
+                        2, weight.shape[1], generator=generator)
+                    weight += delta
+                    deltas[name] = delta
+        experts[task] = expert
+    if permutation:
+        for model in (base, *experts.values()):
+            with torch.no_grad():
+                for name in deltas:
+                    weight = model.get_parameter(name)
+                    weight.copy_(_permuted(weight.detach().clone()))
+    return base, experts, deltas
+
+
+def _permuted(matrix: torch.Tensor) -> torch.Tensor:
+    rows = torch.randperm(matrix.shape[0], generator=torch.Generator().manual_seed(matrix.shape[0]))
+    cols = torch.randperm(matrix.shape[1], generator=torch.Generator().manual_seed(matrix.shape[1] + 1))
+    return matrix[rows][:, cols]
+
+
+def test_tsv_m_of_low_rank_experts_on_disjoint_modules_is_each_adapters_delta():
+    """Each matrix only one expert moved (rank 2) merges to α times that expert's delta: the zero task
+    matrix of the other expert and the zero singular values of the moved one bring no direction. The
+    same holds with every row and column permuted (null-space directions would not follow)."""
+    alpha = 0.7
+    for permutation in (False, True):
+        base, experts, deltas = _lora_like_setting(permutation)
+        merged = merge_models(base, experts, "tsv_m", scaling_factor=alpha).state_dict()
+        base_state = base.state_dict()
+        for key, delta in deltas.items():
+            want = alpha * (_permuted(delta) if permutation else delta)
+            torch.testing.assert_close(merged[key] - base_state[key], want, rtol=0, atol=2e-6, msg=key)
+        for key, value in base_state.items():  # no expert moved anything else
+            if key not in deltas:
+                assert torch.equal(merged[key], value), key
+
+
+@pytest.mark.parametrize("method", ["iso_c", "iso_cts"])
+def test_isotropic_merges_of_low_rank_experts_follow_a_permutation_of_rows_and_columns(method):
+    """Iso-C / Iso-CTS on rank-2 task matrices: each matrix is the flat spectrum over its nonzero singular
+    values only, so (a) the merge of the permuted models is the permuted merge, and (b) each matrix is
+    mean(σ) · U Vᵀ of its one expert's delta (float64 reference), not spread over arbitrary null directions."""
+    base, experts, deltas = _lora_like_setting()
+    merged = merge_models(base, experts, method).state_dict()
+    p_base, p_experts, _ = _lora_like_setting(permutation=True)
+    permuted = merge_models(p_base, p_experts, method).state_dict()
+    base_state, p_base_state = base.state_dict(), p_base.state_dict()
+    for key, delta in deltas.items():
+        moved = merged[key] - base_state[key]
+        torch.testing.assert_close(permuted[key] - p_base_state[key], _permuted(moved), rtol=0, atol=2e-6, msg=key)
+        u, s, vh = torch.linalg.svd(delta.double(), full_matrices=False)
+        expected = s[:2].mean() * u[:, :2] @ vh[:2]
+        torch.testing.assert_close(moved.double(), expected, rtol=0, atol=2e-6, msg=key)
+
+
+def test_tsv_m_warns_naming_the_matrices_more_experts_than_their_rank_keep_as_the_base():
+    """k = ⌊r/T⌋ = 0 where T > r: those matrices keep the base's value, and a warning names them."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=24, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=1, tie_word_embeddings=False)
+    base = LlamaForCausalLM(config).eval()  # k_proj and v_proj are 2 × 16: rank 2 < 3 experts
+    generator = torch.Generator().manual_seed(1)
+    experts = {f"task{i}": perturbed(base, generator, 0.05) for i in range(3)}
+    with pytest.warns(UserWarning, match=r"TSV-M: 2 matrices have a rank min\(m, n\) below the 3 experts and keep "
+                                         r"the base model's value .*'model\.layers\.0\.self_attn\.k_proj\.weight', "
+                                         r"'model\.layers\.0\.self_attn\.v_proj\.weight'\]"):
+        merged = merge_models(base, experts, "tsv_m").state_dict()
+    for key in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight"):
+        assert torch.equal(merged[key], base.state_dict()[key])
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                           base.state_dict()["model.layers.0.self_attn.q_proj.weight"])

@@ -181,6 +181,8 @@ def test_extreme_feature_scales_are_equalised(generator):
     assert rel < 1e-5
 
 
+# fc1 scaled 50× moves what one head reads: the warning is expected here
+@pytest.mark.filterwarnings("ignore:what the head reads moved away:hf_featcal.pipeline.context.FeatCalWarning")
 def test_large_activations_match_the_reference(clip_setting):
     base, experts, merged, data = clip_setting
     for model in [base, merged, *experts.values()]:
@@ -191,8 +193,8 @@ def test_large_activations_match_the_reference(clip_setting):
                                     {t: [b["pixel_values"] for b in bs] for t, bs in data.items()})
     FeatCalCalibrator(merged, base, experts, data, show_progress=False).calibrate()
     ref = dict(expected.named_parameters())
-    num = sum(float((p.double() - ref[n]).square().sum()) for n, p in merged.named_parameters())
-    den = sum(float(v.square().sum()) for v in ref.values())
+    num = sum(float((p.detach().double() - ref[n].detach()).square().sum()) for n, p in merged.named_parameters())
+    den = sum(float(v.detach().square().sum()) for v in ref.values())
     assert (num / den) ** 0.5 < 1e-5
 
 

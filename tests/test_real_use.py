@@ -121,6 +121,7 @@ def test_drift_report_measures_what_each_head_reads_and_flags_a_task_it_hurts(ge
     assert all(report.tasks[t]["head_after"][-1] < report.tasks[t]["head_before"][-1] for t in ("a", "b"))
     summary = report.summary_markdown()
     assert "merge_itself" in summary and "**rises**" in summary and summary.count("**rises**") == 1
+    assert "head reads: relative distance to the expert (lower is better)" in summary.splitlines()[0]
     assert type(report).from_dict(report.to_dict()).rising_tasks() == ["merge_itself"]
 
 

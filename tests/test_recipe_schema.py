@@ -39,6 +39,16 @@ _T5 = {
     "merge": {"method": "task_arithmetic"},
     "calibration": {"default": {"dataset": "nyu-mll/glue", "config": "{task}"}},
 }
+_LLAMA = {
+    "model_family": "causal_lm",
+    "base": "org/llama-base",
+    "experts": {"math": "org/llama-math", "code": "org/llama-code"},
+    "merge": {"method": "task_arithmetic"},
+    "calibration": {"default": {"dataset": "org/{task}-text"}},
+    "evaluation": {"lm_eval_tasks": ["hellaswag"]},  # lm_eval_include_path is checked only with tasks
+}
+#: A valid base recipe of each family a key may be tried on.
+_BASE_RECIPES = {"clip": _CLIP, "flan_t5": _T5, "causal_lm": _LLAMA}
 _CHECKED_KINDS = ("int", "choice", "str", "folder", "repo_id")
 
 
@@ -56,8 +66,11 @@ def _subcommand_help(name: str) -> str:
 
 # ================================================================ the validator follows the declarations
 def _only_for(section: str, name: str) -> str:
-    """The family of the base recipe a key is tried on (flan_t5 for its own keys, else clip)."""
-    return "flan_t5" if schema.families_note(section, name).startswith("flan_t5") else "clip"
+    """The family of the base recipe a key is tried on: the first of its owners with a base recipe (clip for
+    keys every family takes)."""
+    note = schema.families_note(section, name)
+    owners = note[: -len(" only: ")].split(" / ") if note else ["clip"]
+    return next(owner for owner in owners if owner in _BASE_RECIPES)
 
 
 def _bad_value(key: schema.RecipeKey) -> object:
@@ -77,7 +90,7 @@ def _expected_problem(key: schema.RecipeKey) -> str:
 def _with_value(section: str, name: str, value: object) -> tuple[dict, str]:
     """A valid base recipe with `section.name` set to `value`, and the key path the error must name."""
     family = _only_for(section, name)
-    recipe = copy.deepcopy(_T5 if family == "flan_t5" else _CLIP)
+    recipe = copy.deepcopy(_BASE_RECIPES[family])
     task = next(iter(recipe["experts"]))
     path = [p if p != TASK else task for p in section.split(".") if p] + [name]
     node = recipe
@@ -262,8 +275,8 @@ def test_a_wrong_flag_value_is_refused_by_the_declaration_and_exits_2(command, s
 
 
 # ============================================================ the commands run the recipe's stages
-_STAGES = ("check_output_dir", "load_calibration_data", "merge_experts", "build_calibrator", "calibrate_merged",
-           "save_run", "push_run")
+_STAGES = ("check_recipe_targets", "check_output_dir", "load_calibration_data", "check_recipe_inputs",
+           "merge_experts", "build_calibrator", "calibrate_merged", "save_run", "push_run")
 
 
 @pytest.fixture
@@ -276,8 +289,10 @@ def stage_calls(monkeypatch):
             calls.append(_name)
             return _stage(*args, **kwargs)
 
-        for module in (recipes, recipes.run):  # the CLI calls the package's names, run_recipe its module's
-            monkeypatch.setattr(module, name, spy)
+        # the CLI calls the package's names, run_recipe its module's, the pre-flight its own
+        for module in (recipes, recipes.run, recipes.preflight):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, spy)
     return calls
 
 
@@ -292,15 +307,18 @@ def test_merge_and_calibrate_run_the_recipe_stages_and_save_the_same_model(world
                      featcal={"lambda_ratio": 0.05, "batch_size": 8})
     assert cli.main(["run", _write(world / "stages.yaml", recipe), "--quiet"]) == 0  # paths relative to the world
     assert stage_calls == [
+        "check_recipe_targets",
         "check_output_dir",
+        "check_recipe_targets",
         "check_output_dir",
         "load_calibration_data",
+        "check_recipe_inputs",
         "merge_experts",
         "build_calibrator",
         "calibrate_merged",
         "save_run",
         "push_run",
-    ]  # the CLI's check, then run_recipe
+    ]  # the CLI's check of output folder and push, then run_recipe (its pre-flight before the merge)
 
     stage_calls.clear()
     experts = [a for t in TASKS for a in ("--expert", f"{t}={world / 'experts' / t}")]

@@ -78,3 +78,29 @@ def test_checkpoint_of_another_run_is_refused(clip_setting, tmp_path, monkeypatc
     other_expert = {**experts, "cars": perturbed(experts["cars"], torch.Generator().manual_seed(5), 0.01)}
     with pytest.raises(ValueError, match=r"different run"):
         _run(merged, base, other_expert, data, tmp_path, monkeypatch=monkeypatch)
+
+
+def test_a_lora_adapters_config_is_part_of_the_run(clip_setting, tmp_path, monkeypatch):
+    """Changing an adapter expert's `lora_alpha` (its weights untouched) changes the expert: the checkpoint
+    of the run before is refused, not continued with another expert."""
+    import json
+
+    from peft import LoraConfig, get_peft_model
+
+    base, experts, merged, data = clip_setting
+    torch.manual_seed(0)
+    get_peft_model(copy.deepcopy(base), LoraConfig(r=2, lora_alpha=8, init_lora_weights=False,
+                                                   target_modules=["q_proj", "fc1"])).save_pretrained(tmp_path / "a")
+    with_adapter = {**experts, "cars": str(tmp_path / "a")}
+    with pytest.raises(KeyboardInterrupt):
+        _run(merged, base, with_adapter, data, tmp_path / "ckpt", interrupt_at=2, monkeypatch=monkeypatch)
+    config_path = tmp_path / "a" / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["lora_alpha"] = 16
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"holds a checkpoint of a different run .*adapter_config\.json"):
+        _run(merged, base, with_adapter, data, tmp_path / "ckpt", monkeypatch=monkeypatch)
+    config["lora_alpha"] = 8  # the same expert again: the run continues
+    config_path.write_text(json.dumps(config))
+    _, _, calls = _run(merged, base, with_adapter, data, tmp_path / "ckpt", monkeypatch=monkeypatch)
+    assert len(calls) == 1

@@ -19,6 +19,7 @@ from transformers import CLIPVisionModel
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.model_io import safetensors_files
 from hf_featcal.saving import atomic_folder, read_manifest
+from testing_utils import hub_stand_in
 
 
 @pytest.fixture
@@ -317,6 +318,7 @@ def test_push_to_hub_deletes_stale_remote_weights(calibrator, monkeypatch):
     upload does not rewrite (e.g. shards of an earlier push) are deleted in the same commit."""
     from huggingface_hub import HfApi
 
+    hub_stand_in(monkeypatch)  # a token, no repository yet; the calls below are recorded here
     calls = {}
     monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kwargs: None)
 
@@ -387,3 +389,66 @@ def test_a_file_put_beside_a_save_is_not_replaced_without_overwrite(calibrator, 
     calibrator.save_model(out, processing_class=processor, overwrite=True)
     assert "preprocessor_config.json" in read_manifest(out)
     assert "mine" not in (out / "preprocessor_config.json").read_text()
+
+
+_KILLED_SAVE = """
+import os, shutil, sys
+from hf_featcal import saving
+
+folder, source, kill_at = sys.argv[1:]
+with saving.atomic_folder(folder) as staging:
+    for name in os.listdir(source):  # the new save: the files of a model saved at `source`
+        shutil.copy(os.path.join(source, name), staging)
+    if kill_at == "cleanup":  # every entry renamed in; killed while deleting the old ones
+        shutil.rmtree = lambda *args, **kwargs: os._exit(9)
+    else:  # killed before the kill_at-th rename of the swap: no `except`, no `finally` runs
+        renames, real = [], os.rename
+        def rename(source, destination):
+            renames.append(source)
+            if len(renames) == int(kill_at):
+                os._exit(9)
+            real(source, destination)
+        os.rename = rename
+"""
+
+
+@pytest.mark.parametrize(("kill_at", "repaired_by", "expected"), [
+    ("3", "load", "old"), ("3", "save", "new save"), ("cleanup", "load", "new"),
+])
+def test_a_save_killed_between_its_renames_is_repaired_by_the_next_load_or_save(tmp_path, kill_at, repaired_by,
+                                                                                 expected):
+    """SIGKILL in the middle of a re-save's renames leaves old entries in a hidden folder and new ones
+    half in: the next load (or save) there restores the old save, or finishes the new one when all its
+    entries were in; either way a folder that loads as one save, with no hidden folder left."""
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_featcal.model_io import load_model
+
+    def tiny(seed: int) -> LlamaForCausalLM:
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1))
+
+    folder = tmp_path / "out"
+    with atomic_folder(folder) as staging:
+        tiny(0).save_pretrained(staging)
+    tiny(1).save_pretrained(tmp_path / "new")
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    killed = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(folder), str(tmp_path / "new"), kill_at],
+                            env=environment, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == 9, killed.stderr
+    assert any(name.startswith(".featcal-previous-") for name in os.listdir(folder))  # the broken state
+
+    with pytest.warns(UserWarning, match="interrupted between its renames"):
+        if repaired_by == "load":
+            loaded = load_model(str(folder), "model")
+        else:
+            with atomic_folder(folder) as staging:
+                tiny(2).save_pretrained(staging)
+            loaded = load_model(str(folder), "model")
+    want = {"old": tiny(0), "new": tiny(1), "new save": tiny(2)}[expected]
+    for (name, value), reference in zip(loaded.state_dict().items(), want.state_dict().values(), strict=True):
+        assert torch.equal(value, reference), name
+    assert sorted(os.listdir(folder)) == sorted(read_manifest(folder))  # no hidden folder, nothing stray

@@ -11,6 +11,7 @@ from huggingface_hub import ModelCard
 from transformers import CLIPVisionModel
 
 from hf_featcal import DriftReport, FeatCalCalibrator, FeatCalConfig
+from testing_utils import hub_stand_in
 
 
 @pytest.fixture
@@ -59,6 +60,7 @@ def test_push_to_hub_uploads_the_saved_folder(calibrated, monkeypatch):
     """The hub cannot be reached here: record what the standard huggingface_hub calls receive."""
     from huggingface_hub import HfApi
 
+    hub_stand_in(monkeypatch)  # a token, no repository yet; the calls below are recorded here
     calibrator, _ = calibrated
     calls = {}
 
@@ -111,3 +113,26 @@ def test_module_selection_rules():
     assert not config.module_selected("self_attn.k_proj")
     assert FeatCalConfig(layers_to_transform=-1).block_selected(11, 12)
     assert not FeatCalConfig(layers_to_transform=-1).block_selected(10, 12)
+
+
+def test_the_drift_table_keeps_one_row_per_task_whatever_its_name():
+    """Task names holding `|` or a line break stay one cell of one row of the model card's drift table."""
+    import re
+
+    from hf_featcal.report import DriftReport
+
+    names = ["plain", "a|b", "two\nlines", "pipe | and\r\nbreak"]
+    stages = {"before": [0.5, 0.4], "after": [0.3, 0.2], "head_before": [0.1], "head_after": [0.05]}
+    table = DriftReport({name: dict(stages) for name in names}).summary_markdown().split("\n")
+
+    def cells(line: str) -> list[str]:  # a Markdown row: split at the `|` that are not escaped
+        assert line.startswith("|") and line.endswith("|"), line
+        return [cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", line[1:-1])]
+
+    header, rule, *rows = table
+    assert len(cells(header)) == len(cells(rule)) == 6
+    assert len(rows) == len(names)
+    for row, name in zip(rows, names, strict=True):
+        assert len(cells(row)) == 6, row
+        assert cells(row)[0] == " ".join(name.split())  # the name, its line breaks as spaces
+        assert cells(row)[1:3] == ["0.4", "0.2"]

@@ -13,11 +13,13 @@ import pytest
 import torch
 from transformers import CLIPModel, CLIPVisionModel
 
+from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.post_merging.representation import representation_point, representations
 from hf_featcal.post_merging.surgery import (
     DEFAULT_STEPS,
     ProbSurgeryModule,
     SurgeryModule,
+    calibration_batches,
     fit_surgery,
     train_module,
 )
@@ -95,7 +97,7 @@ def test_both_start_as_the_identity_with_torch_default_init():
     assert torch.equal(mu, torch.zeros_like(mu)) and torch.equal(log_var, torch.zeros_like(log_var))
     assert torch.equal(prob(z), z)
     # D and A: torch's default Linear init, U(-1/√in, 1/√in), not zero
-    for weight in (surgery.down.weight, prob.encode.weight):
+    for weight in (surgery.down.weight.detach(), prob.encode.weight.detach()):
         assert float(weight.abs().max()) <= 1 / math.sqrt(8) and float(weight.abs().min()) > 0
     assert surgery.down.weight.shape == (16, 8) and prob.encode.weight.shape == (128, 8)
 
@@ -189,6 +191,25 @@ def test_shared_prob_surgery_needs_no_task():
         per_task(z)
 
 
+def test_calibration_data_is_drawn_as_featcal_draws_it(generator):
+    from datasets import Dataset
+
+    merged, experts, _ = clip_setting()
+    rows = {t: Dataset.from_dict({"pixel_values": torch.randn(40, 3, 8, 8, generator=generator).numpy()})
+            .with_format("torch") for t in TASKS}
+    ours = calibration_batches(merged, rows, num_samples_per_task=24)
+    featcal = FeatCalCalibrator(merged, None, experts, rows, FeatCalConfig(num_samples_per_task=24),
+                                show_progress=False).batches
+    for task in TASKS:
+        assert [len(b["pixel_values"]) for b in ours[task]] == [16, 8]
+        for a, b in zip(ours[task], featcal[task], strict=True):
+            assert torch.equal(a["pixel_values"], b["pixel_values"])
+    other = calibration_batches(merged, rows, num_samples_per_task=24, data_seed=1)
+    assert not torch.equal(other["cars"][0]["pixel_values"], ours["cars"][0]["pixel_values"])
+    modules = fit_surgery(merged, experts, rows, num_samples_per_task=24, steps=3)
+    assert modules.training_settings["rows_per_task"] == {"cars": 24, "dtd": 24}
+
+
 # ---------------------------------------------------------------------------- applying and saving
 def test_for_task_changes_image_features_by_the_correction_and_leaves_no_hook():
     merged, experts, data = clip_setting()
@@ -260,6 +281,7 @@ def test_a_model_save_with_modules_lists_them_in_its_manifest(tmp_path):
     (dict(seed=-1), "`seed`"),
     (dict(num_samples_per_task=0), "`num_samples_per_task`"),
     (dict(data_seed="a"), "`data_seed`"),
+    (dict(device="gpu-please"), "`device`"),
 ])
 def test_bad_arguments_are_refused_before_any_forward(change, match):
     merged, experts, data = clip_setting()
@@ -308,6 +330,34 @@ def test_module_init_follows_the_seed_not_the_global_random_state():
 
 
 # ---------------------------------------------------------------------------- other architectures
+def test_clip_towers_with_and_without_projection(generator):
+    from transformers import CLIPVisionModelWithProjection
+
+    pixels = {"pixel_values": torch.randn(4, 3, 8, 8, generator=generator, dtype=torch.float64)}
+    tower = CLIPVisionModel(tiny_vision_config()).eval().double()
+    point = representation_point(tower)
+    assert (point.module, point.dim) == ("post_layernorm", 16)
+    torch.testing.assert_close(representations(tower, [pixels]), tower(**pixels).pooler_output.float())
+    projected = CLIPVisionModelWithProjection(tiny_clip_config().vision_config).eval().double()
+    point = representation_point(projected)
+    assert point.module == "visual_projection"
+    torch.testing.assert_close(representations(projected, [pixels]), projected(**pixels).image_embeds.float())
+    # modules trained on one representation are refused on a model that reads another
+    modules = _trained(representation_point(CLIPModel(tiny_clip_config())))
+    with pytest.raises(ValueError, match="`model`"), modules.for_task(tower, "a"):
+        pass
+    assert not tower.post_layernorm._forward_hooks
+
+
+def test_apply_corrects_a_tensor_and_still_applies_a_function_to_submodules():
+    modules = _trained(representation_point(CLIPModel(tiny_clip_config())))
+    z = torch.randn(3, 8, dtype=torch.float64)
+    assert torch.equal(modules.apply(z, "a"), modules(z, "a"))
+    seen = []
+    assert modules.apply(lambda m: seen.append(type(m).__name__)) is modules
+    assert seen.count("Linear") == 2 and seen[-1] == "TaskModules"
+
+
 def _text(generator, labels: bool = False):
     ids = torch.randint(2, 40, (3, 7), generator=generator)
     mask = torch.ones(3, 7, dtype=torch.long)
@@ -409,3 +459,97 @@ def test_open_clip_reads_the_image_tower_before_normalisation(generator):
         torch.testing.assert_close(representations(model, [pixels]), encode(pixels["pixel_values"]).float())
         _check_for_task(model, _trained(point), "a", lambda m=encode, p=pixels: m(p["pixel_values"]),
                         lambda z: z, (slice(None),))
+
+
+# ---------------------------------------------------------------------------- experts from folders
+def test_folder_and_lora_experts_give_the_modules_of_the_same_experts_in_memory(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    merged, experts, data = clip_setting()
+    for task, expert in experts.items():
+        expert.save_pretrained(tmp_path / task)
+    from_folders = fit_surgery(merged, {t: str(tmp_path / t) for t in TASKS}, data, steps=10)
+    in_memory = fit_surgery(merged, experts, data, steps=10)
+    for key, value in in_memory.state_dict().items():
+        torch.testing.assert_close(from_folders.state_dict()[key], value, rtol=1e-5, atol=1e-7)
+
+    # LoRA adapters on the vision tower of a CLIPModel base: read as the base with the adapter merged in
+    tower = CLIPVisionModel(tiny_vision_config()).eval()
+    tower.load_state_dict(merged.vision_model.state_dict())
+    full = {}
+    for seed, task in enumerate(TASKS):
+        torch.manual_seed(seed)
+        adapted = get_peft_model(copy.deepcopy(tower), LoraConfig(r=2, target_modules=["q_proj", "fc1"],
+                                                                  init_lora_weights=False))
+        adapted.save_pretrained(tmp_path / f"lora-{task}")
+        full[task] = copy.deepcopy(adapted).merge_and_unload().eval()
+    with pytest.raises(ValueError, match="base_model"):
+        fit_surgery(merged, {t: str(tmp_path / f"lora-{t}") for t in TASKS}, data, steps=10)
+    from_adapters = fit_surgery(merged, {t: str(tmp_path / f"lora-{t}") for t in TASKS}, data, steps=10,
+                                base_model=tower)
+    from_full = fit_surgery(merged, full, data, steps=10)
+    for key, value in from_full.state_dict().items():
+        torch.testing.assert_close(from_adapters.state_dict()[key], value, rtol=1e-5, atol=1e-7)
+
+
+def test_fit_surgery_leaves_the_merged_model_and_its_mode_as_they_were():
+    merged, experts, data = clip_setting()
+    state = {k: v.clone() for k, v in merged.state_dict().items()}
+    merged.train()
+    experts["cars"].train()
+    fit_surgery(merged, experts, data, steps=3)
+    assert merged.training and all(m.training for m in merged.modules())
+    assert experts["cars"].training and not experts["dtd"].training
+    assert all(torch.equal(v, state[k]) for k, v in merged.state_dict().items())
+    assert not merged.visual_projection._forward_hooks and not merged.visual_projection._forward_pre_hooks
+
+
+def test_from_pretrained_refuses_what_it_cannot_read(tmp_path):
+    with pytest.raises(FileNotFoundError, match=CONFIG_NAME):
+        TaskModules.from_pretrained(tmp_path)
+    merged, experts, data = clip_setting()
+    fit_surgery(merged, experts, data, steps=3).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / CONFIG_NAME).read_text())
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({**config, "format": 99}))
+    with pytest.raises(ValueError, match="format"):
+        TaskModules.from_pretrained(tmp_path)
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({**config, "hyper_parameters": {"rank": 4}}))
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        TaskModules.from_pretrained(tmp_path)
+
+
+def test_fit_surgery_on_t5_trains_on_the_target_positions(generator):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                      decoder_start_token_id=0, feed_forward_proj="gated-gelu")
+    torch.manual_seed(0)
+    merged = T5ForConditionalGeneration(config).eval()
+    experts = {t: perturbed(merged, generator, 0.2).eval() for t in TASKS}
+    data = {t: [_text(generator, labels=True), _text(generator, labels=True)] for t in TASKS}
+    modules = fit_surgery(merged, experts, data, steps=200, lr=1e-2)
+    assert modules.training_settings["rows_per_task"] == {"cars": 26, "dtd": 26}  # labels ≠ -100, two batches
+    z = representations(merged, data["cars"])
+    target = representations(experts["cars"], data["cars"])
+    with torch.no_grad():
+        assert float((modules(z, "cars") - target).abs().mean()) < 0.8 * float((z - target).abs().mean())
+    with modules.for_task(merged, "cars"):
+        generated = merged.generate(data["cars"][0]["input_ids"], max_new_tokens=3, do_sample=False)
+    assert generated.shape[0] == 3 and not merged.decoder.final_layer_norm._forward_hooks
+
+
+def test_fit_surgery_on_an_open_clip_tower_with_clip_experts(generator):
+    pytest.importorskip("open_clip")
+    from openclip_models import tiny_clip, tiny_tower
+
+    torch.manual_seed(0)
+    experts = {t: tiny_clip() for t in TASKS}
+    merged = tiny_tower()
+    merged.load_state_dict(experts["cars"].visual.state_dict())
+    data = {t: pixel_batches(generator, [6]) for t in TASKS}
+    modules = fit_surgery(merged, experts, data, steps=5)
+    assert modules.point.module == "" and modules.num_parameters() == 2 * 2 * 16 * 8
+    # the cars expert's tower is the merged model: its representation is the merged one exactly, the L1
+    # gradient at ẑ = z is zero and its U stays zero; dtd's moves
+    assert torch.equal(modules.module_for("cars").up.weight, torch.zeros(8, 16))
+    assert float(modules.module_for("dtd").up.weight.detach().abs().max()) > 0

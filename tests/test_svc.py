@@ -243,6 +243,45 @@ def test_folders_are_read_lazily_and_give_the_same_result(tmp_path, monkeypatch)
     assert getattr(from_folders.config, MERGE_CONFIG_ATTRIBUTE)["method"] == "task_arithmetic"
 
 
+def lora_experts(base: nn.Module, folder, targets: dict[str, list[str]]) -> dict[str, nn.Module]:
+    """PEFT LoRA adapters on `base` (random A and B), saved under `folder`/<task>; returns each merged into
+    a copy of the base with PEFT's own `merge_and_unload` (the experts in full, for the reference)."""
+    from peft import LoraConfig, get_peft_model
+
+    full = {}
+    for seed, (task, modules) in enumerate(targets.items()):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=2, lora_alpha=8, target_modules=modules,
+                                                                    init_lora_weights=False))
+        peft_model.save_pretrained(folder / task)
+        full[task] = peft_model.merge_and_unload().eval()
+    return full
+
+
+def test_lora_adapter_experts_are_read_on_the_base_not_on_the_merge(tmp_path):
+    """ΔW_i of an adapter expert is B_i A_i · scale (the adapter on the base), whatever the merge did: SVC
+    with adapter folders equals the float64 reference on the experts PEFT merges into the base."""
+    base = tiny_llama()
+    full = lora_experts(base, tmp_path, {"a": ["q_proj", "up_proj"], "b": ["q_proj", "v_proj"]})
+    merged = task_arithmetic(base, full, scaling_factor=0.6)
+    adapters = {task: str(tmp_path / task) for task in full}
+    calibrated = singular_value_calibration(merged, base, adapters, alpha=0.1)
+
+    adapted = [k for k in matrix_keys(base) if any(f".{m}." in k for m in ("q_proj", "up_proj", "v_proj"))]
+    expected = reference_svc(float64_state(merged), float64_state(base), [float64_state(e) for e in full.values()],
+                             adapted, 0.1)
+    state, merged_state = calibrated.state_dict(), merged.state_dict()
+    for key in matrix_keys(base):
+        if key in adapted:
+            torch.testing.assert_close(state[key].double(), expected[key], rtol=1e-6, atol=1e-7, msg=key)
+            assert not torch.equal(state[key], merged_state[key]), key  # SVC changed it
+        else:  # no adapter covers it: left as merged
+            assert torch.equal(state[key], merged_state[key]), key
+    in_memory = singular_value_calibration(merged, base, full, alpha=0.1)  # the full experts: the same matrices
+    for key in adapted:
+        torch.testing.assert_close(state[key], in_memory.state_dict()[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
 # --------------------------------------------------------------------------------------- compare, recipes, CLI
 def test_the_compare_grid_runs_svc_after_each_merge(clip_setting, generator):
     base, experts, _, data = clip_setting
@@ -322,3 +361,24 @@ def test_a_method_declaring_a_bad_svc_alpha_is_refused_at_registration(bad):
 
     with pytest.raises(RuntimeError, match="svc_alpha must be a float > 0"):
         dataclasses.replace(get_method("task_arithmetic"), svc_alpha=bad).check_declaration()
+
+
+def test_only_the_experts_the_merge_recorded_are_accepted(monkeypatch):
+    """The merge record names its experts: SVC with other ones (one more, one less, another name) is
+    refused, naming both lists, before the base or any expert is read; a merge without a record is taken."""
+    base = tiny_llama()
+    experts = experts_of(base, count=2)
+    merged = task_arithmetic(base, experts)
+    opened = []
+    original = engine.open_expert
+    monkeypatch.setattr(engine, "open_expert", lambda *a, **k: opened.append(a[0]) or original(*a, **k))
+    extra = experts_of(base, count=3)
+    for given in ({"task0": experts["task0"]}, extra, {"task0": experts["task0"], "other": experts["task1"]}):
+        with pytest.raises(ValueError, match=r"`experts` must be the experts `merged_model` was merged from, which "
+                                             r"its merge record names: \['task0', 'task1'\]; got \["):
+            singular_value_calibration(merged, base, given)
+    assert opened == []
+    singular_value_calibration(merged, base, dict(reversed(experts.items())))  # the order does not matter
+    unrecorded = copy.deepcopy(merged)
+    delattr(unrecorded.config, MERGE_CONFIG_ATTRIBUTE)
+    singular_value_calibration(unrecorded, base, extra)

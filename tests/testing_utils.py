@@ -161,3 +161,46 @@ def loads_torch(code: str) -> bool:
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def hub_stand_in(monkeypatch, *, public: tuple[str, ...] = (), private: tuple[str, ...] = (),
+                 token: str | None = "hf_test_token") -> dict:
+    """The hub cannot be reached here: huggingface_hub's `create_repo`, `upload_folder` and `repo_info`
+    record what they receive (`upload_folder`: every file under the uploaded folder as it reads it, as
+    bytes); `repo_info` knows the repositories `public` and `private` and raises huggingface_hub's own
+    RepositoryNotFoundError for any other. `token` is the HF_TOKEN seen (None: no token anywhere)."""
+    import os
+
+    import httpx2
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    if token is None:
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.setattr("huggingface_hub.get_token", lambda: None)  # nor a login's token file
+    else:
+        monkeypatch.setenv("HF_TOKEN", token)
+    calls: dict = {"create_repo": [], "upload_folder": [], "repo_info": []}
+
+    def create_repo(self, repo_id, **kwargs):
+        calls["create_repo"].append((repo_id, kwargs))
+
+    def upload_folder(self, *, repo_id, folder_path, commit_message=None, **kwargs):
+        assert kwargs.get("allow_patterns") is None and kwargs.get("ignore_patterns") is None
+        files = {os.path.relpath(os.path.join(root, name), folder_path): open(os.path.join(root, name), "rb").read()
+                 for root, _, names in os.walk(folder_path) for name in names}
+        calls["upload_folder"].append((repo_id, files, kwargs))
+        return "commit-info"
+
+    def repo_info(self, repo_id, **kwargs):
+        calls["repo_info"].append(repo_id)
+        if repo_id in public or repo_id in private:
+            return type("RepoInfo", (), {"id": repo_id, "private": repo_id in private})()
+        url = f"https://huggingface.co/api/models/{repo_id}"
+        raise RepositoryNotFoundError(f"404: {repo_id}", response=httpx2.Response(
+            404, request=httpx2.Request("GET", url)))
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    monkeypatch.setattr(HfApi, "repo_info", repo_info)
+    return calls

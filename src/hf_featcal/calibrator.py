@@ -319,7 +319,10 @@ class FeatCalCalibrator:
                 those files (no stale shard is left) and keeps every other file.
             processing_class: what to save beside the model (a tokenizer, image processor or
                 processor, or a list of them); default: the calibrator's `processing_class`. open_clip's
-                preprocessing is recorded in `open_clip_config.json` with the model.
+                preprocessing is recorded in `open_clip_config.json` with the model. A model that reads
+                text (a CLIPModel, T5, BERT, an LLM) is saved with a tokenizer: when none is given, the
+                base's (else the merged model's folder's) is added; when none is found there either,
+                `hf_featcal.processing.MissingTokenizerError` is raised before anything is written.
             overwrite: a non-empty `output_dir` that is not an earlier save of this library is refused
                 (naming what it holds) unless True; then the files this save writes replace same-named
                 ones there and every other file is kept.
@@ -331,19 +334,36 @@ class FeatCalCalibrator:
         if not self.state.is_main_process:
             return
         card = self.create_model_card()  # before anything is written: an unreadable source fails here
+        processing_class = self.processing_to_save(processing_class)  # a missing tokenizer fails here
         with atomic_folder(output_dir, inputs=self.input_folders(), overwrite=overwrite) as folder:
             self.write_model_folder(folder, processing_class=processing_class, card=card)
 
+    def processing_to_save(self, processing_class: Any = None) -> Any:
+        """What `save_model` writes beside the model: `processing_class` (default: the calibrator's),
+        with the base's tokenizer (else the merged model's folder's) added when the model reads text and
+        none is given (`hf_featcal.processing.with_tokenizer`; raises `MissingTokenizerError` when none
+        is found)."""
+        from .processing import with_tokenizer
+
+        given = self.processing_class if processing_class is None else processing_class
+        sources: list[tuple[str, str | None]] = []
+        if self.base is not None:
+            sources += [("the base", path) for path in _source_paths(self.base)]
+            if self.base.name and self.base.name not in dict(sources).values():
+                sources.append(("the base", self.base.name))
+        merged_from = getattr(getattr(self.model, "config", None), "_name_or_path", None)
+        if isinstance(merged_from, str) and merged_from:
+            sources.append(("the merged model", merged_from))
+        return with_tokenizer(self.model, given, sources)
+
     def write_model_folder(self, folder: str, *, processing_class: Any = None, card: Any = None) -> None:
         """Write what `save_model` saves (model, processing classes, FeatCal config, drift report, model
-        card) into `folder` as it is: no checks, not atomic. For code that adds files to the same save
-        inside `hf_featcal.saving.atomic_folder` (the recipes' save stage)."""
+        card) into `folder` as it is: no other checks, not atomic. For code that adds files to the same
+        save inside `hf_featcal.saving.atomic_folder` (the recipes' save stage)."""
         from .saving import save_model_files
 
-        save_model_files(
-            self.model, folder, layer_map=self.layer_map,
-            processing_class=self.processing_class if processing_class is None else processing_class,
-        )
+        save_model_files(self.model, folder, layer_map=self.layer_map,
+                         processing_class=self.processing_to_save(processing_class))
         self.config.save_pretrained(folder)
         if self._report is not None:
             self._report.save(folder)
@@ -384,12 +404,14 @@ class FeatCalCalibrator:
         the hub in one commit, creating the repo (`private` as in `HfApi.create_repo`) if needed; weight
         files of an earlier upload that this one does not write, e.g. stale shards, are deleted in the
         same commit (`hf_featcal.saving.push_folder`)."""
+        from .hub import check_push_target
         from .saving import push_folder
 
         if not self._calibrated:
             raise RuntimeError("push_to_hub() needs a calibrated model: call calibrate() first.")
         if not self.state.is_main_process:
             return None
+        check_push_target(repo_id, private=private, token=token, argument="repo_id")  # before the model is saved
         with tempfile.TemporaryDirectory() as staging:
             folder = os.path.join(staging, "model")
             self.save_model(folder, processing_class=processing_class)

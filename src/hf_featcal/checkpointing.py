@@ -149,7 +149,8 @@ class CheckpointFolder:
         if state.get("fingerprint") != self.digest:
             raise ValueError(
                 f"`checkpoint_dir` {self.path!r} holds a checkpoint of a different run (other models, data, "
-                "config or number of processes); use another folder or delete it to start over."
+                "config or number of processes; a model's weight files, or a LoRA adapter's adapter_config.json, "
+                "changed since); use another folder or delete it to start over."
             )
         finished = state.get("finished_blocks")
         if isinstance(finished, bool) or not isinstance(finished, int) or finished < 1:

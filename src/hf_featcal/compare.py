@@ -24,6 +24,7 @@ from .cost import Cost, measure_cost, rss_method
 from .merging import MergeParameter, get_method, paper_defaults
 from .merging.svc import SVC_ALPHA
 from .post_merging import PostMergingResult, get_step, step_names
+from .report import markdown_cell
 
 #: Merge method → its parameters in the grid (the paper settings each method declares), every
 #: registered method in registration order.
@@ -85,9 +86,12 @@ def check_calibration_tasks(experts: Mapping[str, Any], calibration_data: Any) -
                              "task.")
 
 
-def markdown_cell(text: str) -> str:
-    """`text` as one Markdown table cell: on one line, its `|` escaped."""
-    return " ".join(str(text).split()).replace("|", "\\|")
+def mean_key(tasks: Sequence[str]) -> str:
+    """"mean", parenthesised until no task has that name (a task named "mean" keeps its score)."""
+    key = "mean"
+    while key in tasks:
+        key = f"({key})"
+    return key
 
 
 def post_merging_steps() -> tuple[str, ...]:
@@ -105,16 +109,17 @@ def grid_row(merge: str, step: str, examples: int | None = None) -> str:
 
 @dataclass
 class ComparisonResult:
-    """Scores (task → value, plus "mean") per row: "experts" (each expert on its own task), then
-    "<merge>", "<merge>+<step>" and, on the sample-efficiency axis, "<merge>+<step>@<n>" (`grid_row`);
-    the last-block drift per task of every run FeatCal measured (the merge as given, from FeatCal's
-    "before"); the error of every row that failed; and each row's cost: ``seconds`` (wall clock),
-    ``memory`` (peak RSS increase during the row, MiB, measured as ``memory_method`` says:
-    `hf_featcal.cost`), ``device_memory`` (peak CUDA allocator increase, MiB, on CUDA only). A merge's
-    row costs the merge and its scoring; a step's row the step and its scoring; the experts' row their
-    scoring. ``needs_task``: whether the row's result needs the task at inference (per-task modules);
-    ``added_parameters``: the parameters it adds to the merged model (FeatCal and SVC: none).
-    ``samples``: the numbers of calibration examples per task of the axis (None: one run per step)."""
+    """Scores (task → value, plus the mean under `mean_key`: "mean", unless a task has that name) per
+    row: "experts" (each expert on its own task), then "<merge>", "<merge>+<step>" and, on the
+    sample-efficiency axis, "<merge>+<step>@<n>" (`grid_row`); the last-block drift per task of every
+    run FeatCal measured (the merge as given, from FeatCal's "before"); the error of every row that
+    failed; and each row's cost: ``seconds`` (wall clock), ``memory`` (peak RSS increase during the row,
+    MiB, measured as ``memory_method`` says: `hf_featcal.cost`), ``device_memory`` (peak CUDA allocator
+    increase, MiB, on CUDA only). A merge's row costs the merge and its scoring; a step's row the step
+    and its scoring; the experts' row their scoring. ``needs_task``: whether the row's result needs the
+    task at inference (per-task modules); ``added_parameters``: the parameters it adds to the merged
+    model (FeatCal and SVC: none). ``samples``: the numbers of calibration examples per task of the axis
+    (None: one run per step)."""
 
     tasks: list[str]
     scores: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -127,6 +132,12 @@ class ComparisonResult:
     added_parameters: dict[str, int] = field(default_factory=dict)
     samples: list[int] | None = None
     memory_method: str = "VmHWM"
+
+    @property
+    def mean_key(self) -> str:
+        """The key of each row's mean over the tasks: "mean", or "(mean)" ("((mean))", ...) when a task is
+        named so, whose score keeps its own key."""
+        return mean_key(self.tasks)
 
     def rows(self) -> list[str]:
         return [*self.scores, *(r for r in self.errors if r not in self.scores)]
@@ -151,7 +162,7 @@ class ComparisonResult:
                 continue
             name, _, examples = row.partition("@")
             merge, _, step = name.partition("+")
-            mean = self.scores[row]["mean"] if row in self.scores else None
+            mean = self.scores[row][self.mean_key] if row in self.scores else None
             out.setdefault(merge, {}).setdefault(step or "none", {})[examples or "any"] = mean
         return out
 
@@ -160,7 +171,7 @@ class ComparisonResult:
         and the peak memory the row took (see the class docstring), whether its result needs the task at
         inference, and the parameters it adds."""
         cuda = bool(self.device_memory)
-        header = ["", *map(markdown_cell, self.tasks), "mean", "last-block drift", "seconds",
+        header = ["", *map(markdown_cell, self.tasks), markdown_cell(self.mean_key), "last-block drift", "seconds",
                   f"peak RSS MiB ({self.memory_method})", *(["peak CUDA MiB"] if cuda else []),
                   "task at inference", "added parameters"]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -174,7 +185,7 @@ class ComparisonResult:
                 lines.append(f"| {markdown_cell(row)} | failed: {markdown_cell(self.errors[row])} |"
                              + " |" * blanks + " " + " | ".join(cost) + " | | |")
                 continue
-            values = [f"{self.scores[row][t]:.1f}" for t in self.tasks] + [f"{self.scores[row]['mean']:.1f}"]
+            values = [f"{self.scores[row][t]:.1f}" for t in [*self.tasks, self.mean_key]]
             drift = self.drift.get(row)
             values.append(f"{sum(drift.values()) / len(drift):.3g}" if drift else "")
             values += cost
@@ -304,8 +315,8 @@ def compare_post_merging(  # noqa: C901 - one loop over the grid; each row's fai
             examples from it: `featcal_config`'s ``num_samples_per_task`` drawn with its ``seed``
             (`hf_featcal.data.sample_examples`; a list of batches: the first ones), the one calibration
             set of the grid. Give examples that are not the evaluation's (a train split).
-        evaluate: model → {task: score} (higher is better; a "mean" key, if any, is ignored and
-            recomputed as the plain mean over the tasks).
+        evaluate: model → {task: score} (higher is better; a "mean" key that is not a task, if any, is
+            ignored and recomputed as the plain mean over the tasks, under `ComparisonResult.mean_key`).
         merges: method names (with `DEFAULT_MERGES` parameters) or method → parameters (`check_merges`).
         post_merging: steps of `post_merging_steps()` (default: all of them), or step → parameters
             laid over its paper defaults (`check_post_merging`).
@@ -362,7 +373,7 @@ def compare_post_merging(  # noqa: C901 - one loop over the grid; each row's fai
         return scores_of(model, [task], f"{what}[{task!r}]" if what == "experts" else f"{what} {task!r}")[task]
 
     def with_mean(out: dict[str, float]) -> dict[str, float]:
-        out["mean"] = sum(out[t] for t in tasks) / len(tasks)
+        out[result.mean_key] = sum(out[t] for t in tasks) / len(tasks)
         return out
 
     def score(outcome: PostMergingResult) -> dict[str, float]:
@@ -385,7 +396,7 @@ def compare_post_merging(  # noqa: C901 - one loop over the grid; each row's fai
             result.needs_task[row] = outcome.needs_task
             result.added_parameters[row] = outcome.added_parameters
         if log is not None:
-            shown = (f"mean {result.scores[row]['mean']:.2f}" if row in result.scores
+            shown = (f"mean {result.scores[row][result.mean_key]:.2f}" if row in result.scores
                      else f"failed ({result.errors[row]})")
             memory = f", {result.memory[row]:.0f} MiB" if row in result.memory else ""
             log(f"{row}: {shown} [{result.seconds[row]:.1f} s{memory}]")
@@ -482,23 +493,36 @@ def compare_demo(output_dir: str | os.PathLike, *, seed: int = 0, cache_dir: str
     return result
 
 
+def recipe_grid(recipe: Any, all_merges: bool = False) -> dict[str, dict[str, Any]]:
+    """The merges of a recipe's grid: its ``compare.merges`` (a ``compare`` section without ``merges``:
+    every merge); without a ``compare`` section, the recipe's own merge (method and parameters). With
+    `all_merges`, every merge (`DEFAULT_MERGES`), those methods with the parameters given there."""
+    if recipe.compare is not None:
+        chosen = dict(recipe.compare.merges)
+    else:
+        chosen = {recipe.merge.method: dict(recipe.merge.params)}
+    return {**default_merges(), **chosen} if all_merges else chosen
+
+
 def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
                    merges: Mapping[str, Mapping[str, Any]] | Sequence[str] | None = None,
                    post_merging: Sequence[str] | Mapping[str, Mapping[str, Any] | None] | None = None,
                    device: str | None = None, log: Callable[[str], None] | None = print,
-                   samples: Sequence[int] | None = None) -> ComparisonResult:
+                   all_merges: bool = False, samples: Sequence[int] | None = None) -> ComparisonResult:
     """The grid on a validated recipe (`hf_featcal.recipes.Recipe`): its base, experts, calibration
-    data, FeatCal settings and evaluation (the family's headline score per task, in %); its `merge`
-    section is not used. The grid is the recipe's `compare` section (default: `DEFAULT_MERGES` × every
-    post-merging step; its ``samples``), restricted by `merges` / `post_merging` / `samples` when given.
-    The calibration examples are the recipe's calibration data (its ``split``, train by default; not the
-    evaluation's). Writes comparison.md / .json / .png (and sample_efficiency.png) into `output_dir`
-    (default: the recipe's output_dir).
+    data, FeatCal settings and evaluation (the family's headline score per task, in %). The grid is
+    `recipe_grid`'s (the recipe's `compare` section; without one, the recipe's own merge, or every
+    merge with `all_merges`) × every post-merging step (the section's ``samples``), restricted by
+    `merges` / `post_merging` / `samples` when given. The calibration examples are the recipe's
+    calibration data (its ``split``, train by default; not the evaluation's). Writes comparison.md /
+    .json / .png (and sample_efficiency.png) into `output_dir` (default: the recipe's output_dir).
 
     The experts are held in memory (RegMean runs each expert's own forward; the ceiling row
-    evaluates each expert on its own task)."""
-    from .model_io import load_model
-    from .recipes import RecipeError, check_fast_mode, prepare_recipe_inputs, recipe_evaluator
+    evaluates each expert on its own task); a LoRA adapter expert is the recipe's base with the adapter
+    applied (`hf_featcal.merging.engine.load_expert`), the expert `run` merges."""
+    from .merging.engine import load_expert
+    from .recipes import RecipeError, prepare_recipe_inputs, recipe_evaluator
+    from .recipes.preflight import check_recipe_inputs
     from .saving import check_writable_folder
 
     say = log if log is not None else (lambda message: None)
@@ -515,8 +539,8 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
     except ValueError as err:
         raise RecipeError("output_dir", str(err).split(" ", 1)[1], recipe.source) from None
     grid = recipe.compare
-    if merges is None and grid is not None:
-        merges = grid.merges
+    if merges is None:
+        merges = recipe_grid(recipe, all_merges)
     if post_merging is None and grid is not None and grid.post_merging is not None:
         post_merging = {step: grid.step_parameters.get(step) for step in grid.post_merging}
     if samples is None and grid is not None:
@@ -527,17 +551,21 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
         device = "cuda" if torch.cuda.is_available() else "cpu"
 
     inputs = prepare_recipe_inputs(recipe, evaluate=True, log=say)
-    check_fast_mode(recipe, inputs.base)
+    steps = post_merging if post_merging is not None else post_merging_steps()
+    # what would fail every FeatCal row (module selection, batches) or every score (class names), before any merge
+    check_recipe_inputs(recipe, inputs, featcal=any(s.startswith("featcal") for s in steps), device=device)
     say(f"Loading {len(recipe.experts)} experts ...")
-    experts = {t: load_model(source, f"experts.{t}") for t, source in recipe.experts.items()}
+    # an adapter goes on the recipe's base, as `run` merges it (not on the base its adapter_config.json names)
+    experts = {t: load_expert(source, f"experts.{t}", inputs.base) for t, source in recipe.experts.items()}
     evaluate = recipe_evaluator(recipe, inputs, device)
     family = recipe.family
+    scale = 100.0 if family.score_in_percent else 1.0  # accuracies in %, perplexities as they are
     result = compare_post_merging(
         inputs.base, experts, inputs.calibration,
-        lambda model: {t: 100.0 * v for t, v in evaluate(model)[0].items()},
+        lambda model: {t: scale * v for t, v in evaluate(model)[0].items()},
         merges=merges, post_merging=post_merging, featcal_config=recipe.featcal,
         processing_class=family.calibration_processing_class(inputs.processing),
-        evaluate_expert=lambda expert, task: 100.0 * evaluate(expert, [task])[0][task],
+        evaluate_expert=lambda expert, task: scale * evaluate(expert, [task])[0][task],
         device=device, log=log, samples=samples,
     )
     result.save(out)

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .saving import repair_interrupted_save
+
 logger = logging.getLogger(__name__)
 
 #: A model, or where to load it from (local folder or hub id).
@@ -186,6 +188,8 @@ def resolve_checkpoint(source: str | os.PathLike, argument: str) -> Checkpoint:
     if library is not None:
         return Checkpoint(name, files=dict(library.files), library=library)
     check_local_path(name, argument)
+    if os.path.isdir(name):
+        repair_interrupted_save(name)
     folder = name if os.path.isdir(name) else hub_snapshot(name)
     if folder is not None and os.path.isfile(os.path.join(folder, ADAPTER_CONFIG_NAME)):
         return Checkpoint(name, adapter=folder)
@@ -212,6 +216,8 @@ def load_model(
             f"`{argument}` must be a PreTrainedModel, a local path or a hub id, got {type(source).__name__}."
         )
     path = os.fspath(source)
+    if os.path.isdir(path):
+        repair_interrupted_save(path)  # a save killed between its renames loads as neither save: repaired first
     if os.path.isfile(os.path.join(path, ADAPTER_CONFIG_NAME)):
         return _load_adapter_expert(path, argument, base, auto_class)
     library = library_checkpoint(path, argument)
@@ -500,9 +506,14 @@ class LoraAdapter:
         return self._tensors.read(self.biases[module]).float()
 
     def digest(self) -> Any:
+        """What the expert's weights depend on, for resume fingerprints: the A/B weights and biases, and
+        adapter_config.json (`lora_alpha`, `alpha_pattern`, `use_rslora`, `fan_in_fan_out` and the
+        target modules change the deltas without changing a weight file)."""
         from .checkpointing import file_digest
 
-        return [(os.path.basename(self._path), file_digest(self._path))]
+        # the config as read (its values, not its layout: a file rewritten with the same values is the same expert)
+        return [(os.path.basename(self._path), file_digest(self._path)),
+                (ADAPTER_CONFIG_NAME, json.dumps(self.config, sort_keys=True))]
 
 
 def lora_module_paths(

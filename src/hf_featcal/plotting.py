@@ -128,8 +128,9 @@ def comparison_figure(result: Any) -> Any:
     steps = ["none", *dict.fromkeys(r.split("+", 1)[1] for r in rows if "+" in r)]
     if not any(r == m for r in rows for m in merges):  # no plain merge row asked for
         steps = steps[1:]
-    means = [result.scores[r]["mean"] for r in rows if r in result.scores]
-    ceiling = result.scores["experts"]["mean"] if "experts" in result.scores else None
+    mean = result.mean_key  # "mean", unless a task is named so
+    means = [result.scores[r][mean] for r in rows if r in result.scores]
+    ceiling = result.scores["experts"][mean] if "experts" in result.scores else None
     values = means + ([ceiling] if ceiling is not None else [])
     low, high = (min(values), max(values)) if values else (0.0, 1.0)
     span = (high - low) or max(abs(high), 1.0)
@@ -143,14 +144,14 @@ def comparison_figure(result: Any) -> Any:
     free = iter(c for c in _colours(len(steps) + len(_STEP_COLOURS)) if c not in _STEP_COLOURS.values())
     colours = {step: _STEP_COLOURS.get(step) or next(free) for step in steps}
     for i, merge in enumerate(merges):
-        plain = result.scores.get(merge, {}).get("mean")
+        plain = result.scores.get(merge, {}).get(mean)
         for k, step in enumerate(steps):
             row = merge if step == "none" else f"{merge}+{step}"
             y = i * group + k * bar
             if row in result.scores:
-                mean = result.scores[row]["mean"]
-                bars = axes.barh(y, mean - left, left=left, height=0.9 * bar, color=colours[step])
-                text = f"{mean:.1f}" if step == "none" or plain is None else f"{mean:.1f} ({mean - plain:+.1f})"
+                score = result.scores[row][mean]
+                bars = axes.barh(y, score - left, left=left, height=0.9 * bar, color=colours[step])
+                text = f"{score:.1f}" if step == "none" or plain is None else f"{score:.1f} ({score - plain:+.1f})"
                 # a white box: the experts' line does not strike a label through
                 axes.bar_label(bars, [text], padding=2, fontsize=7, zorder=3,
                                bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.3, "alpha": 0.85})
@@ -193,7 +194,7 @@ def sample_efficiency_figure(result: Any) -> Any:
     counts = list(result.samples)
     curves = result.curves()
     merges = list(curves)
-    ceiling = result.scores["experts"]["mean"] if "experts" in result.scores else None
+    ceiling = result.scores["experts"][result.mean_key] if "experts" in result.scores else None
     columns = min(len(merges), 3) or 1
     panels = -(-max(len(merges), 1) // columns)
     figure = Figure(figsize=(max(6.4, 4.2 * columns), 3.3 * panels + 0.8), layout="constrained")

@@ -75,12 +75,13 @@ class DriftReport:
 
     def summary_markdown(self) -> str:
         """A table per task: last-block drift and the mean over blocks, before and after; what the
-        head reads (relative drift at the last block, before → after), marked "rises" where it rose."""
+        head reads (relative drift at the last block, before → after; lower is better, as for every drift),
+        marked "rises" where it rose."""
         if not self.tasks:
             return "No drift was measured."
         lines = [
             "| task | last block before | last block after | mean over blocks before | mean over blocks after "
-            "| head reads (relative) before → after |",
+            "| head reads: relative distance to the expert (lower is better), before → after |",
             "|---|---:|---:|---:|---:|---|",
         ]
         rising = set(self.rising_tasks())
@@ -93,7 +94,7 @@ class DriftReport:
             if head_before and head_after:
                 head = f"{head_before[-1]:.2%} → {head_after[-1]:.2%}" + (" **rises**" if task in rising else "")
             lines.append(
-                f"| {task} | {before[-1]:.4g} | {after[-1]:.4g} | "
+                f"| {markdown_cell(task)} | {before[-1]:.4g} | {after[-1]:.4g} | "
                 f"{sum(before) / len(before):.4g} | {sum(after) / len(after):.4g} | {head} |"
             )
         if rising:
@@ -102,6 +103,12 @@ class DriftReport:
                 "accuracy; a larger lambda_ratio or tuning on held-out data (docs/tuning.md) softens the compromise."
             )
         return "\n".join(lines)
+
+
+def markdown_cell(text: str) -> str:
+    """`text` as one Markdown table cell: on one line, its `|` escaped (a task name with either would
+    end its row early or split it into more cells)."""
+    return " ".join(str(text).split()).replace("|", "\\|")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,10 @@ Every save records what it wrote in `featcal_manifest.json` (`MANIFEST_NAME`). S
 replaces the files this save writes and the files the folder's previous manifest lists; nothing else
 there is touched. A non-empty folder without a manifest (not an earlier save of this library) is
 refused, naming what is in it, unless the caller passes ``overwrite=True``: then the files of this save
-replace same-named ones and every other file stays.
+replace same-named ones and every other file stays. The manifest also records its writer (the command
+and the base model, ``written_by``): an earlier save of another command or another base is replaced
+only with ``overwrite=True``, and every replacement of an earlier save logs one line saying what it
+replaced (the CLI prints it).
 
 Everything is written into a temporary folder first, then put in place by renames only: a failure
 while writing (a full disk, an interrupt) leaves the previous folder, or nothing, at the target, never a
@@ -56,7 +59,7 @@ MODEL_FOLDER_PATTERNS: tuple[str, ...] = (
     "*.tiktoken", "chat_template.jinja", "chat_template.json", "additional_chat_templates",
     "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
     "open_clip_config.json", "open_clip_pytorch_model.bin",
-    "featcal_*",
+    "featcal_*", "post_merging_*",
 )
 
 #: Remote files a new upload replaces: the weight files and indexes transformers / open_clip write (shards
@@ -69,6 +72,8 @@ STALE_WEIGHT_PATTERNS: list[str] = [
 
 #: Prefix of the temporary entries a save or a push makes (inside or beside the target).
 _TEMPORARY_PREFIX = ".featcal-"
+#: a save's staging folder (inside an existing target) and where the entries it replaces wait meanwhile
+_STAGING_TAG, _PREVIOUS_TAG = "saving-", "previous-"
 
 
 def _is_weight_file(name: str) -> bool:
@@ -121,15 +126,22 @@ def check_output_dir(
     *,
     inputs: Mapping[str, Any] | None = None,
     overwrite: bool = False,
+    written_by: Mapping[str, str] | None = None,
 ) -> str:
     """The absolute target path (symlinks resolved), after checking that a save may go there: it is
     writable (`check_writable_folder`); it is not, does not lie inside and does not contain any local
     folder the run reads from (`inputs`: argument name → path; hub ids and in-memory models are
     skipped); and it is absent, empty, or an earlier save of this library (it holds `MANIFEST_NAME`)
-    unless `overwrite`. Raises TypeError / ValueError naming `argument`. Nothing is created."""
+    unless `overwrite` — an earlier save whose manifest records another writer than `written_by`
+    (another command, or another base model: `same_writer`) only with `overwrite`. A save there that
+    was killed between its renames is first finished or undone (`repair_interrupted_save`), so that the
+    folder is judged as the one save it then holds. Raises TypeError / ValueError naming `argument`.
+    Nothing is created."""
     check_writable_folder(output_dir, argument)
     given = os.fspath(output_dir)
     target = os.path.realpath(given)  # a symlinked output folder: fill what it points to
+    if os.path.isdir(target):
+        repair_interrupted_save(target)
     for name, source in (inputs or {}).items():
         if not isinstance(source, (str, os.PathLike)) or not os.fspath(source):
             continue
@@ -162,7 +174,43 @@ def check_output_dir(
                 f"it holds: {shown}. Choose an empty or new folder, or pass overwrite=True (CLI: --overwrite; "
                 "recipe: overwrite: true) to write this save's files there; the other files are kept."
             )
+        previous = read_writer(target)
+        if written_by is not None and previous is not None and not same_writer(previous, written_by):
+            raise FolderError(
+                argument, f"{given!r} holds an earlier save {describe_writer(previous)}, and this save is "
+                f"{describe_writer(written_by)}: replacing it needs overwrite=True (CLI: --overwrite; recipe: "
+                "overwrite: true). Choose another folder to keep it."
+            )
     return target
+
+
+def read_writer(folder: str | os.PathLike) -> dict[str, str] | None:
+    """What the manifest of the save in `folder` records of its writer (``command``, ``base``), or None
+    (no manifest, or one written before writers were recorded)."""
+    try:
+        with open(os.path.join(os.fspath(folder), MANIFEST_NAME), encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    writer = data.get("written_by") if isinstance(data, dict) else None
+    if not isinstance(writer, dict) or not all(isinstance(v, str) for v in writer.values()):
+        return None
+    return dict(writer)
+
+
+def same_writer(previous: Mapping[str, str], current: Mapping[str, str]) -> bool:
+    """Whether two recorded writers are the same command on the same base (local paths compared resolved)."""
+    def base(writer: Mapping[str, str]) -> str | None:
+        value = writer.get("base")
+        return os.path.realpath(value) if value and os.path.exists(value) else value
+
+    return previous.get("command") == current.get("command") and base(previous) == base(current)
+
+
+def describe_writer(writer: Mapping[str, str]) -> str:
+    """"by `hf-featcal merge` of the base '...'" (what a manifest records of its writer)."""
+    text = f"by `{writer.get('command', 'an unknown command')}`"
+    return text + (f" of the base {writer['base']!r}" if writer.get("base") else "")
 
 
 def _inside(path: str, folder: str) -> bool:
@@ -199,10 +247,13 @@ def _plain_name(name: Any) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and os.sep not in name and "/" not in name
 
 
-def _write_manifest(staging: str) -> None:
+def _write_manifest(staging: str, written_by: Mapping[str, str] | None = None) -> None:
     files = sorted(name for name in os.listdir(staging) if name != MANIFEST_NAME)
+    manifest: dict[str, Any] = {"format": _MANIFEST_FORMAT, "library": "hf_featcal", "files": files}
+    if written_by is not None:
+        manifest["written_by"] = dict(written_by)
     with open(os.path.join(staging, MANIFEST_NAME), "w", encoding="utf-8") as handle:
-        json.dump({"format": _MANIFEST_FORMAT, "library": "hf_featcal", "files": files}, handle, indent=2)
+        json.dump(manifest, handle, indent=2)
         handle.write("\n")
 
 
@@ -213,6 +264,7 @@ def atomic_folder(
     *,
     inputs: Mapping[str, Any] | None = None,
     overwrite: bool = False,
+    written_by: Mapping[str, str] | None = None,
 ) -> Iterator[str]:
     """Yield an empty temporary folder; when the block finishes, a manifest of its entries is added and
     its content is put in place at `output_dir` by renames only (no data is written then). When the
@@ -222,18 +274,22 @@ def atomic_folder(
     `output_dir` is the temporary folder (made beside it) renamed: all or nothing. Into an existing
     folder (the temporary folder is made inside it: a mount point works), the entries the previous
     manifest lists and those this save writes are renamed aside, the new ones renamed in, then the old
-    ones deleted; any other entry (yours, another process's) is left as it is."""
-    target = check_output_dir(output_dir, argument, inputs=inputs, overwrite=overwrite)
+    ones deleted; any other entry (yours, another process's) is left as it is.
+
+    `written_by` (``command``, ``base``) is recorded in the manifest; an earlier save of another writer
+    is replaced only with `overwrite` (`check_output_dir`). Replacing an earlier save logs one line on
+    this module's logger (the CLI prints it) saying what was replaced."""
+    target = check_output_dir(output_dir, argument, inputs=inputs, overwrite=overwrite, written_by=written_by)
     if os.path.isdir(target):
-        staging = os.path.join(target, f"{_TEMPORARY_PREFIX}saving-{uuid.uuid4().hex[:12]}")
+        staging = os.path.join(target, f"{_TEMPORARY_PREFIX}{_STAGING_TAG}{uuid.uuid4().hex[:12]}")
     else:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         staging = _sibling(target, "saving")
     os.mkdir(staging)  # with the usual permissions (tempfile.mkdtemp's would be private)
     try:
         yield staging
-        _write_manifest(staging)
-        _put_in_place(staging, target, argument, overwrite)
+        _write_manifest(staging, written_by)
+        _put_in_place(staging, target, argument, overwrite, written_by)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -245,7 +301,8 @@ def _sibling(target: str, purpose: str) -> str:
     return os.path.join(parent, f"{_TEMPORARY_PREFIX}{name}.{purpose}-{uuid.uuid4().hex[:12]}")
 
 
-def _put_in_place(staging: str, target: str, argument: str, overwrite: bool) -> None:
+def _put_in_place(staging: str, target: str, argument: str, overwrite: bool,
+                  written_by: Mapping[str, str] | None = None) -> None:
     if not os.path.exists(target):
         try:
             os.rename(staging, target)
@@ -255,8 +312,8 @@ def _put_in_place(staging: str, target: str, argument: str, overwrite: bool) -> 
                 raise
         # created meanwhile: checked as any existing folder, the files swapped in from a staging
         # folder inside it
-        check_output_dir(target, argument, overwrite=overwrite)
-        inner = os.path.join(target, f"{_TEMPORARY_PREFIX}saving-{uuid.uuid4().hex[:12]}")
+        check_output_dir(target, argument, overwrite=overwrite, written_by=written_by)
+        inner = os.path.join(target, f"{_TEMPORARY_PREFIX}{_STAGING_TAG}{uuid.uuid4().hex[:12]}")
         os.rename(staging, inner)  # same parent file system: the target was created beside it
         try:
             _swap_files(inner, target, overwrite, argument)
@@ -265,8 +322,66 @@ def _put_in_place(staging: str, target: str, argument: str, overwrite: bool) -> 
             raise
         return
     else:
-        check_output_dir(target, argument, overwrite=overwrite)  # changed since the up-front check?
+        check_output_dir(target, argument, overwrite=overwrite, written_by=written_by)  # changed since?
+    replaced = read_manifest(target)
+    writer = read_writer(target)
     _swap_files(staging, target, overwrite, argument)
+    if replaced is not None:
+        logger.info("Replaced the earlier save in %s (%s; %d files)", target,
+                    describe_writer(writer) if writer else "by an earlier hf_featcal save", len(replaced))
+
+
+def _previous_name(staging_name: str) -> str:
+    return staging_name.replace(_STAGING_TAG, _PREVIOUS_TAG, 1)
+
+
+def repair_interrupted_save(folder: str | os.PathLike) -> str | None:
+    """Finish or undo a save into `folder` that was killed (SIGKILL, power loss: no `except` ran) between
+    its renames, which leaves a folder that loads as neither save: the old save's entries partly in a
+    hidden ``previous-`` folder, the new one's partly in its hidden ``saving-`` folder. Where every new
+    entry was renamed in (the ``saving-`` folder is empty or gone), the new save is complete and the old
+    entries are deleted; otherwise the new entries renamed in so far go back and the old ones are
+    renamed back: the previous save, as it was. Called by `check_output_dir` (every save, and the checks
+    before a run) and every load of a local folder (`hf_featcal.model_io`); nothing happens (one
+    `listdir`) without such folders. Not for a folder another process is saving into right now. Returns
+    "completed" / "restored" (also logged as a warning), or None when there was nothing to repair."""
+    folder = os.fspath(folder)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    outcome = None
+    for previous_name in sorted(n for n in names if n.startswith(_TEMPORARY_PREFIX + _PREVIOUS_TAG)):
+        previous = os.path.join(folder, previous_name)
+        staging = os.path.join(folder, previous_name.replace(_PREVIOUS_TAG, _STAGING_TAG, 1))
+        with interrupts_deferred():
+            if not os.path.isdir(staging) or not os.listdir(staging):
+                shutil.rmtree(previous, ignore_errors=True)  # the new save is all in place
+                outcome = "completed"
+            else:
+                _roll_back(folder, staging, previous)
+                outcome = "restored"
+            shutil.rmtree(staging, ignore_errors=True)
+        warnings.warn(
+            f"{folder!r}: a save there was interrupted between its renames; "
+            + ("its new files were all in place: the save is complete." if outcome == "completed"
+               else "the previous save is restored as it was."), stacklevel=2,
+        )
+    return outcome
+
+
+def _roll_back(folder: str, staging: str, previous: str) -> None:
+    """The entries the killed save renamed in go back to `staging`, the old ones out of `previous`."""
+    manifest = os.path.join(staging, MANIFEST_NAME)
+    # the new save's entries: its manifest's list, from `staging` or (renamed in already) from the folder
+    new = read_manifest(staging) if os.path.isfile(manifest) else read_manifest(folder)
+    moved_in = [name for name in (new or []) if os.path.lexists(os.path.join(folder, name))
+                and not os.path.lexists(os.path.join(staging, name))]
+    for name in moved_in:
+        os.rename(os.path.join(folder, name), os.path.join(staging, name))
+    for name in os.listdir(previous):
+        os.rename(os.path.join(previous, name), os.path.join(folder, name))
+    os.rmdir(previous)
 
 
 def _swap_files(staging: str, target: str, overwrite: bool, argument: str = "output_dir") -> None:
@@ -291,7 +406,9 @@ def _swap_files(staging: str, target: str, overwrite: bool, argument: str = "out
                 f"overwrite=True: weight files this save does not write stay in {target!r}: {left} "
                 "(remove them if they belong to another model: loaders may pick them up).", stacklevel=4,
             )
-    previous = os.path.join(target, f"{_TEMPORARY_PREFIX}previous-{uuid.uuid4().hex[:12]}")
+    # named after the staging folder, so that a save killed between the renames is found and repaired
+    # (`repair_interrupted_save`)
+    previous = os.path.join(target, _previous_name(os.path.basename(staging)))
     os.mkdir(previous)
     moved_out: list[str] = []
     moved_in: list[str] = []
@@ -315,8 +432,9 @@ def _swap_files(staging: str, target: str, overwrite: bool, argument: str = "out
     os.rmdir(staging)
 
 
-#: An absolute POSIX path in text (not part of a URL or of `owner/name`): redacted from what is pushed.
-_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~<>-])/[^\s\"'`|,;)\]}>]+")
+#: An absolute POSIX path in text, also after a scheme (open_clip's ``local-dir:/...``, ``file:///...``) but
+#: not the second part of `owner/name`: redacted from what is pushed when its first component exists here.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~<>-])/(?!/)[^\s\"'`|,;)\]}>]+")
 #: JSON files larger than this are not rewritten when pushed (weights indexes, tokenizers: no local paths).
 _REDACT_JSON_LIMIT = 2 << 20
 
@@ -338,7 +456,7 @@ def _redact_text(text: str) -> str:
 
 def _redact_value(value: Any) -> Any:
     if isinstance(value, str):
-        return _redacted(value) if value.startswith("/") and _local_path(value) else value
+        return _redacted(value) if value.startswith("/") and _local_path(value) else _redact_text(value)
     if isinstance(value, list):
         return [_redact_value(item) for item in value]
     if isinstance(value, dict):
@@ -408,11 +526,15 @@ def push_folder(
     """Create (if needed) the hub model repo `repo_id` (`private` as in `HfApi.create_repo`) and upload
     exactly the files of the save in `folder` (its manifest's; no other file of the folder, no local
     absolute path) in one commit; remote weight files of an earlier upload that this one does not write
-    (stale shards) are deleted in the same commit. Returns `upload_folder`'s result."""
+    (stale shards) are deleted in the same commit. Returns `upload_folder`'s result. Refused first
+    (`hf_featcal.hub.check_push_target`): no token, or `private` into an existing public repository."""
     from huggingface_hub import HfApi
 
+    from .hub import check_push_target
+
+    api = HfApi(token=token)
+    check_push_target(repo_id, private=private, token=token, api=api)  # before anything is staged
     with push_staging(folder) as staging:
-        api = HfApi(token=token)
         api.create_repo(repo_id, private=private, exist_ok=True)
         return api.upload_folder(repo_id=repo_id, folder_path=staging, commit_message=commit_message,
                                  delete_patterns=STALE_WEIGHT_PATTERNS)
@@ -492,9 +614,12 @@ __all__: Sequence[str] = [
     "atomic_folder",
     "check_output_dir",
     "check_writable_folder",
+    "describe_writer",
     "push_folder",
     "push_staging",
     "read_manifest",
+    "read_writer",
+    "same_writer",
     "processing_to_save",
     "save_model_files",
     "save_processing_class",

@@ -214,6 +214,12 @@ _CALIBRATION_DATA = (
               nullable=True),
     RecipeKey("max_target_length", "int", "target truncation length in tokens (null: none)", default=32, minimum=1,
               nullable=True),
+    RecipeKey("text_column", "str", "the text column, tokenised by the base's tokenizer", nullable=True,
+              default_text="text"),
+    RecipeKey("messages_column", "str", "instead of text_column: a column of chat messages ([{role, content}, "
+              "...]) rendered by the base's chat template", nullable=True),
+    RecipeKey("max_length", "int", "token truncation length of each text (null: none)", default=512, minimum=1,
+              nullable=True),
 )
 
 #: Section path -> its keys, in the order the schema shows them. ``""`` is the top level; ``<task>``
@@ -230,7 +236,8 @@ RECIPE_SECTIONS: dict[str, tuple[RecipeKey, ...]] = {
         RecipeKey("featcal", "section", "any FeatCalConfig field", default_text="FeatCalConfig defaults"),
         RecipeKey("calibration", "section", "where each task's calibration examples come from", required=True),
         RecipeKey("evaluation", "section", "what is scored before and after calibration (false: nothing)",
-                  value_text="false | {...}", default_text="enabled with defaults"),
+                  value_text="false | {...}",
+                  default_text="enabled with defaults; bert / vit: false, they have none"),
         RecipeKey("output_dir", "folder", "where the calibrated model is saved (relative to the working directory)",
                   default_text="outputs/<recipe file stem>"),
         RecipeKey("push_to_hub", "repo_id", "also upload the files of this save (not the rest of the output folder) "
@@ -252,7 +259,8 @@ RECIPE_SECTIONS: dict[str, tuple[RecipeKey, ...]] = {
     "evaluation": (
         RecipeKey("tasks", "list", "the evaluated tasks", value_text="[<task>, ...]", default_text="every expert"),
         RecipeKey("split", "str", "evaluation split", value_text="<split> | {<task>: <split>}",
-                  default_text="clip / open_clip: test; flan_t5: validation (mnli: validation_matched)"),
+                  default_text="clip / open_clip / causal_lm: test; flan_t5: validation (mnli: "
+                  "validation_matched)"),
         RecipeKey("max_samples", "int",
                   "evaluate a seeded random subset (seed 0) of at most this many examples per task",
                   minimum=1, nullable=True),
@@ -265,6 +273,10 @@ RECIPE_SECTIONS: dict[str, tuple[RecipeKey, ...]] = {
                   value_text="{<task>: [\"a photo of a {c}.\", ...]}"),
         RecipeKey("clip_model", "model", "the CLIPModel whose text tower builds the zero-shot heads",
                   default_text="base"),
+        RecipeKey("lm_eval_tasks", "list", "lm-evaluation-harness tasks also scored before and after calibration "
+                  "(needs lm-eval[hf])", value_text="[<lm-eval task>, ...]"),
+        RecipeKey("lm_eval_include_path", "folder", "a folder of lm-evaluation-harness task YAMLs (its "
+                  "--include_path)", nullable=True, value_text="<local folder or null>"),
     ),
     f"evaluation.datasets.{TASK}": (
         RecipeKey("dataset", "dataset", "evaluation dataset", required=True),
@@ -273,6 +285,10 @@ RECIPE_SECTIONS: dict[str, tuple[RecipeKey, ...]] = {
         RecipeKey("image_column", "str", "the image column (renamed to image)", nullable=True,
                   default_text="image / img"),
         RecipeKey("label_column", "str", "the label column (renamed to label)", nullable=True, default_text="label"),
+        RecipeKey("text_column", "str", "the text column", nullable=True,
+                  default_text="the calibration's if it reads one, else text"),
+        RecipeKey("messages_column", "str", "the chat-messages column", nullable=True,
+                  default_text="the calibration's"),
     ),
     "compare": (
         RecipeKey("merges", "mapping", "method -> parameters laid over its defaults (null: the defaults)",

@@ -7,9 +7,11 @@
     hf-featcal demo      (offline, < 3 minutes on 2 CPU cores)
     hf-featcal compare   --demo | RECIPE.yaml   (merges × post-merging steps, one table)
 
-Run ``hf-featcal <command> --help`` for every option. Errors in what was given (a bad recipe key, a
-missing path, a model that does not fit) print one line and exit with status 2; ``--debug``
-shows the traceback instead.
+Run ``hf-featcal <command> --help`` for every option; every command takes ``--device``, ``--quiet`` and
+``--debug`` with the same defaults. Errors print one line: exit status 2 for a usage error (a bad option,
+recipe key or path), 1 for a run that failed (a model that does not fit, an unreadable file); ``--debug``
+shows the traceback instead. Commands without ``--output-dir`` (demo, compare --demo) write into a new
+folder ``./outputs/<command>-<date>-<time>`` and print it.
 
 One module per command (`merge`, `calibrate`, `evaluate`, `run`, `demo`, `compare`), each with
 ``register(commands)`` (its subparser) and ``run(args)``; `app` holds the parser and the entry point `main`,

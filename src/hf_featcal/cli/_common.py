@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 # Heavy libraries (torch, transformers, datasets) and the modules that import them load inside the
 # commands that need them, so that `hf-featcal --help` starts at once.
-from ..architectures import model_type_of
-from ..families import ModelFamily, detect_family, family_names, get_family
+from ..families import ModelFamily, detect_family, get_family, no_family_reason
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..recipes import KeyChecker
@@ -26,7 +25,7 @@ DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "hf_featcal")
 
 
 class CLIError(Exception):
-    """A user error in the command line (printed without a traceback, exit status 2)."""
+    """A usage error: the command line is wrong (printed without a traceback, exit status 2)."""
 
 
 def log(message: str) -> None:
@@ -56,8 +55,28 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_common(parser: argparse.ArgumentParser) -> None:
+#: --device's help, the same on every command.
+DEVICE_HELP = ("where to compute, e.g. cuda, cuda:1 or cpu (default: this process's GPU if one is available, else "
+               "the CPU; as accelerate picks it, so torchrun / accelerate launch give each process its own)")
+
+
+def add_common(parser: argparse.ArgumentParser, device_help: str | None = DEVICE_HELP) -> None:
+    """The options every command takes, with the same defaults: --device (not for a command that computes
+    nothing: ``device_help=None``), --quiet, --debug."""
+    if device_help is not None:
+        parser.add_argument("--device", help=device_help)
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bars (the merge's, the calibration's, the scenarios' training, "
+                             "transformers' and datasets')")
     parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+
+
+def default_output_dir(command: str) -> str:
+    """Where a command without --output-dir writes: ``./outputs/<command>-<date>-<time>`` (a new folder per run,
+    so a run never replaces another's files)."""
+    import time
+
+    return os.path.join("outputs", f"{command}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 def help_text(text: str) -> str:
@@ -158,6 +177,33 @@ def check_source(value: str, option: str, kind: str = "model") -> str:
         raise CLIError(str(err)) from None
 
 
+def adapter_base(source: str | None) -> str | None:
+    """For a local LoRA adapter folder (it holds adapter_config.json): the base it records ("" when none);
+    None when `source` is not an adapter folder."""
+    import json
+
+    path = os.path.join(source, "adapter_config.json") if source else ""
+    if not source or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            recorded = json.load(handle).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    return recorded if isinstance(recorded, str) else ""
+
+
+def check_not_adapter_base(source: str | None, option: str = "--base") -> None:
+    """Refuse a LoRA adapter given where the model the experts were fine-tuned from is expected."""
+    recorded = adapter_base(source)
+    if recorded is None:
+        return
+    trained_on = f" (its adapter_config.json records {recorded!r})" if recorded else ""
+    raise CLIError(f"{option}: {source!r} is a LoRA adapter, not a full model: {option} takes the model the experts "
+                   f"were fine-tuned from, the one the adapter was trained on{trained_on}. Pass that model as "
+                   f"{option} and the adapter as --expert TASK=ADAPTER")
+
+
 def check_device(device: str | None) -> None:
     """Refuse a --device this machine cannot use (before anything is loaded)."""
     if device is None:
@@ -172,27 +218,50 @@ def check_device(device: str | None) -> None:
 
 def check_output_dir(
     path: str, option: str = "--output-dir", *, inputs: dict[str, Any] | None = None, overwrite: bool = False,
-    model_folder: bool = True,
+    model_folder: bool = True, written_by: dict[str, str] | None = None,
 ) -> None:
     """Refuse, before merging or calibrating, an output folder the save would refuse (the run's
     `check_output_dir` stage: not writable, one of the `inputs` or inside / around one, non-empty and
-    not an earlier save unless `overwrite`); `model_folder=False`: writability only."""
+    not an earlier save, or an earlier save of another command or base than `written_by`, unless
+    `overwrite`); `model_folder=False`: writability only."""
     from ..recipes import RecipeError
     from ..recipes import check_output_dir as check_for_save
 
     try:
-        check_for_save(path, option, inputs=inputs, overwrite=overwrite, model_folder=model_folder)
+        check_for_save(path, option, inputs=inputs, overwrite=overwrite, model_folder=model_folder,
+                       written_by=written_by)
     except RecipeError as err:
         raise CLIError(str(err)) from None
 
 
-def check_output_file(path: str, option: str) -> None:
-    """Refuse, before any work, a file path that is a folder or whose folder cannot be created and
-    written (missing folders are created when the file is written)."""
+def check_push(repo_id: str | None, private: bool | None, option: str = "--push-to-hub") -> None:
+    """Refuse, before any work, a push that cannot succeed: no token, or --private into an existing
+    public repository (`hf_featcal.hub.check_push_target`)."""
+    if not repo_id:
+        return
+    from ..hub import check_push_target
+
+    try:
+        check_push_target(repo_id, private=private, argument=option)
+    except ValueError as err:
+        raise CLIError(str(err).replace(f"`{option}`", option, 1)) from None
+
+
+def check_output_file(path: str, option: str, inputs: dict[str, str | None] | None = None) -> None:
+    """Refuse, before any work, a file path that is a folder, an existing file inside one of the local
+    folders the command reads (`inputs`: option → source; writing there would replace a file of that
+    model) or whose folder cannot be created and written (missing folders are created when the file is
+    written)."""
     from ..saving import FolderError, check_writable_folder
 
     if os.path.isdir(path):
         raise CLIError(f"{option}: {path!r} is a folder; give a file path")
+    target = os.path.realpath(path)
+    for name, source in (inputs or {}).items():
+        folder = os.path.realpath(source) if source and os.path.isdir(source) else None
+        if folder is not None and os.path.isfile(target) and os.path.commonpath([target, folder]) == folder:
+            raise CLIError(f"{option}: {path!r} is a file of the folder of {name} ({source!r}), which this command "
+                           "reads: writing the scores there would replace it. Give a file path outside that folder")
     try:
         check_writable_folder(os.path.dirname(os.path.abspath(path)), option)
     except FolderError as err:
@@ -206,43 +275,22 @@ def family_of(model: Any, given: str | None, option: str = "--model") -> ModelFa
             raise CLIError(f"--family {given} does not match {option}, a {found.name!r} model ({type(model).__name__})")
         return get_family(given)
     if found is None:
-        model_type = model_type_of(model)
-        names = [family.article_name for family in (get_family(n) for n in family_names())]
-        kinds = ", ".join(names[:-1]) + " nor " + names[-1] if len(names) > 1 else names[0]
-        raise CLIError(
-            f"{option}: model_type {model_type!r} is neither {kinds} model; supported families: "
-            + ", ".join(family_names())
-        )
+        raise CLIError(f"{option}: {no_family_reason(model)}")
     return found
 
 
 def first_processing(family: ModelFamily, candidates: Sequence[str | None]) -> dict[str, Any]:
-    """Processing classes from the first candidate folder / hub id that has them."""
-    errors = []
-    for source in candidates:
-        if not source:
-            continue
-        try:
-            return family.load_processing(source)
-        except (OSError, ValueError, TypeError) as err:
-            errors.append(f"{source}: {err}")
-    what = family.processing_name
-    raise CLIError(f"no {what} found (tried {[c for c in candidates if c]}); pass --processor. "
-                   + " | ".join(errors)[:500])
+    """The family's processing classes, each part from the first candidate folder / hub id that has it
+    (`ModelFamily.processing_from`: e.g. a CLIP expert's image processor and the base's tokenizer)."""
+    found = family.processing_from(candidates)
+    if found is None:
+        raise CLIError(f"no {family.processing_name} found (tried {[c for c in candidates if c]}); pass --processor")
+    return found
 
 
 def maybe_processing(family: ModelFamily | None, sources: Sequence[str | None]) -> dict[str, Any] | None:
-    """The processing classes of the first source that has them (None if none has)."""
-    if family is None:
-        return None
-    for source in sources:
-        if not source:
-            continue
-        try:
-            return family.load_processing(source)
-        except (OSError, ValueError, TypeError):
-            continue
-    return None
+    """The family's processing classes, each part from the first of `sources` that has it (None if none has)."""
+    return None if family is None else family.processing_from(sources)
 
 
 class ProgressBars:

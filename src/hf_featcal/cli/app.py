@@ -1,22 +1,24 @@
 """The ``hf-featcal`` parser (one subparser per module of `COMMANDS`) and the entry point `main`, which
-turns user errors into one line on stderr and exit status 2.
+turns errors into one line on stderr: exit status 2 for a usage error (the command line or the recipe is
+wrong), 1 for a run that failed (a model that does not fit, a file that cannot be read, a hub failure).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable, Sequence
 
 from ..families import FamilyUsageError
-from . import calibrate, compare, demo, evaluate, merge, run
+from . import calibrate, compare, demo, evaluate, merge, push, run
 from ._common import FORMATTER, PROG, CLIError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: The commands, in the order ``hf-featcal --help`` lists them; a new command is a module with
 #: ``register(commands)`` (adds its subparser, ``set_defaults(func=run)``) and a line here.
-COMMANDS = (merge, calibrate, evaluate, run, demo, compare)
+COMMANDS = (merge, calibrate, evaluate, run, push, demo, compare)
 
 _MAIN_EPILOG = """\
 examples:
@@ -31,8 +33,11 @@ examples:
       --data mnist=ylecun/mnist --data svhn=ufldl-stanford/svhn --data-config svhn=cropped_digits \\
       --output-dir merged-featcal
   hf-featcal evaluate --model merged-featcal --task mnist --task svhn --max-samples 1000
+  hf-featcal push merged-featcal me/clip-vit-b32-mnist-svhn-featcal   # exactly the save's files
 
 Every command runs offline with local folders (save_pretrained / Dataset.save_to_disk) in place of hub ids.
+Model families: clip, open_clip, flan_t5, causal_lm (Llama, Mistral, Qwen2, Qwen3), bert (BERT, RoBERTa),
+vit; a tiny offline Llama recipe: examples/recipes/tiny_llama_offline.yaml.
 """
 
 
@@ -68,9 +73,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hf-featcal``; returns the exit status (0 on success).
 
-    User errors (invalid recipe or options, missing files, models that do not fit, hub failures)
-    print one line ``hf-featcal <command>: error: ...`` on stderr and return 2 (also when found
-    while running); ``--debug`` re-raises them with the traceback.
+    Errors print one line ``hf-featcal <command>: error: ...`` on stderr. A usage error (an invalid option,
+    recipe or path: argparse's, `CLIError`, `RecipeError`, `FamilyUsageError`) returns 2; a run that failed
+    (``ValueError``, ``OSError``, ... raised while working: inputs that do not fit, unreadable files, hub
+    failures) returns 1; Ctrl-C returns 130. ``--debug`` re-raises them with the traceback.
     """
     parser = build_parser()
     try:
@@ -80,6 +86,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..recipes import RecipeError  # after parsing: --help loads no recipe machinery
     command: Callable[[argparse.Namespace], int] = args.func
     name = f"{PROG} {args.command}"
+    saves = logging.getLogger("hf_featcal.saving")  # its one line per replaced save, printed on stderr
+    said = logging.StreamHandler(sys.stderr)
+    said.setFormatter(logging.Formatter("%(message)s"))
+    saves.addHandler(said)
+    level = saves.level
+    saves.setLevel(logging.INFO)
     try:
         return command(args)
     except (CLIError, RecipeError, FamilyUsageError) as err:
@@ -95,4 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         reason = " ".join(str(err).split())  # one line, whatever the message
         print(f"{name}: error: {type(err).__name__}: {reason} (--debug shows the traceback)", file=sys.stderr)
-        return 2
+        return 1
+    finally:
+        saves.removeHandler(said)
+        saves.setLevel(level)

@@ -15,10 +15,13 @@ from ._common import (
     FORMATTER,
     CLIError,
     ProgressBars,
+    adapter_base,
     add_common,
     add_recipe_options,
     check_device,
+    check_not_adapter_base,
     check_output_dir,
+    check_push,
     check_source,
     family_of,
     first_processing,
@@ -41,6 +44,10 @@ examples:
   hf-featcal calibrate --model t5-ta --base google/flan-t5-base \\
       --expert cola=tanganke/flan-t5-base_glue-cola --expert rte=tanganke/flan-t5-base_glue-rte \\
       --data-default nyu-mll/glue --data-default-config "{task}" --output-dir t5-ta-featcal
+  # a decoder LLM: chat messages rendered by the base's chat template, cut at 1024 tokens
+  hf-featcal calibrate --model llama-ta --base meta-llama/Llama-3.2-1B-Instruct --expert math=./math \
+      --expert code=./code --data-default "./{task}_chats" --messages-column messages --max-length 1024 \
+      --output-dir llama-ta-featcal
   # local folders (Dataset.save_to_disk; a DatasetDict gives --split)
   hf-featcal calibrate --model ./merged --base ./base --expert a=./expert_a --data a=./data_a \\
       --lambda-ratio 0.1 --output-dir ./merged-featcal
@@ -83,9 +90,7 @@ def register(commands: Any) -> None:
     p.add_argument("--processor",
                    help="processor / tokenizer folder or hub id (default: the model folder, else the base)")
     _add_featcal_options(p)
-    p.add_argument("--device", help="device for calibration, e.g. cuda or cpu (default: accelerate's)")
     add_recipe_options(p, "", ("output_dir", "push_to_hub", "private", "overwrite"), required=("output_dir",))
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_common(p)
     p.set_defaults(func=run)
 
@@ -141,8 +146,12 @@ def run(args: argparse.Namespace) -> int:
     `load_calibration_data` → `build_calibrator` → `calibrate_merged` → `save_run` → `push_run`."""
     model_source = check_source(args.model, "--model")
     base_source = check_source(args.base, "--base") if args.base else None
+    check_not_adapter_base(base_source)
+    if adapter_base(model_source) == "" and base_source is None:  # an adapter is a model only on its base
+        raise CLIError(f"--model: {args.model!r} is a LoRA adapter that records no base model: pass the model it was "
+                       "trained on as --base (the adapter is then applied to it)")
     experts = {t: check_source(s, f"--expert {t}") for t, s in task_pairs(args.experts, "--expert").items()}
-    data = task_pairs(args.data, "--data")
+    data = {t: check_source(d, f"--data {t}", kind="dataset") for t, d in task_pairs(args.data, "--data").items()}
     configs = task_pairs(args.data_config, "--data-config")
     for option, mapping in (("--data", data), ("--data-config", configs)):
         for task in mapping:
@@ -154,11 +163,17 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--data: no calibration dataset for {missing}; give --data TASK=DATASET or --data-default")
     config = _featcal_config(args)
     check_device(args.device)
+    check_push(args.push_to_hub, args.private)
     check_output_dir(args.output_dir, inputs=_calibrate_inputs(args, model_source, base_source, experts, data),
-                      overwrite=bool(args.overwrite))
+                      overwrite=bool(args.overwrite), written_by=_writer(model_source, base_source))
 
     with ProgressBars(args.quiet):
         return _calibrate(args, model_source, base_source, experts, data, configs, default, config)
+
+
+def _writer(model_source: str, base_source: str | None) -> dict[str, str]:
+    """What the save records of its writer (an earlier save of another is replaced only with --overwrite)."""
+    return {"command": "hf-featcal calibrate", "base": base_source or model_source}
 
 
 def _calibrate_inputs(
@@ -195,7 +210,7 @@ def _calibrate(
     from ..schema import recipe_keys
 
     log(f"Loading the merged model {args.model} ...")
-    model = load_model(model_source, "--model")
+    model = load_model(model_source, "--model", base=base_source)  # an adapter --model: applied to --base
     family = family_of(model, args.family)
     try:  # before the calibration data are loaded
         check_forward_dtype(config, {"--model": model})
@@ -221,7 +236,8 @@ def _calibrate(
     finally:
         ridge = finish()
     plot, _ = save_run(run, args.output_dir, family, processing, overwrite=bool(args.overwrite),
-                       inputs=_calibrate_inputs(args, model_source, base_source, experts, data))
+                       inputs=_calibrate_inputs(args, model_source, base_source, experts, data),
+                       written_by=_writer(model_source, base_source))
     if run.calibrator.report is not None:
         print("Feature drift per task (before → after FeatCal)\n")
         print(run.calibrator.report.summary_markdown())

@@ -10,6 +10,7 @@ from typing import Any
 
 from ._common import (
     DEFAULT_CACHE_DIR,
+    DEVICE_HELP,
     FORMATTER,
     PROG,
     CLIError,
@@ -17,6 +18,7 @@ from ._common import (
     add_common,
     check_device,
     check_output_dir,
+    default_output_dir,
     log,
     positive_int,
     quiet_warnings,
@@ -49,10 +51,11 @@ train images per task; a recipe: its calibration data, drawn with featcal.seed),
 steps once) and draws sample_efficiency.png: accuracy against examples per task, one line per step, the
 merge as a flat line, the experts as the ceiling.
 
-With a RECIPE, its base, experts, calibration, featcal and evaluation sections are used and its merge
-section is not; an optional compare: section (merges: method -> parameters, post_merging: [...] or
-step -> parameters, samples: [...]) sets the grid, and --merges / --post-merging / --samples restrict
-or replace it.
+With a RECIPE, its base, experts, calibration, featcal and evaluation sections are used; the grid is
+the recipe's own merge × every post-merging step, or every merge with --all-merges; an optional
+compare: section (merges: method -> parameters, or null for every merge; post_merging: [...] or
+step -> parameters; samples: [...]) sets the grid instead, and --merges / --post-merging / --samples
+restrict or replace it. The grid's size is printed before it starts.
 """
 
 
@@ -114,8 +117,8 @@ def register(commands: Any) -> None:
     )
     p.add_argument("recipe", metavar="RECIPE", nargs="?", help="a recipe file (YAML); or give --demo")
     p.add_argument("--demo", action="store_true", help="the offline digits demo scenario (as hf-featcal demo)")
-    p.add_argument("--output-dir", help="where comparison.md/.json/.png go (default: ./hf-featcal-compare for "
-                   "--demo, the recipe's output_dir for a recipe)")
+    p.add_argument("--output-dir", help="where comparison.md/.json/.png go (default: a new folder "
+                   "./outputs/compare-<date>-<time> for --demo, the recipe's output_dir for a recipe)")
     p.add_argument("--merges", nargs="+", metavar="METHOD",
                    help="only these merge methods (default: all; a recipe's compare.merges)")
     p.add_argument("--post-merging", nargs="+", metavar="STEP",
@@ -137,9 +140,10 @@ def register(commands: Any) -> None:
                       help="a smaller, quickly trained scenario (a smoke test; accuracies are lower)")
     demo.add_argument("--real-weights", action="store_true", help=REAL_WEIGHTS_HELP)
     recipe = p.add_argument_group("RECIPE options")
-    recipe.add_argument("--device", help="device, e.g. cuda or cpu (default: cuda if available)")
-    recipe.add_argument("--quiet", action="store_true", help="no progress bars")
-    add_common(p)
+    recipe.add_argument("--all-merges", action="store_true",
+                        help="every merge method in the grid (default without a compare: section: the recipe's "
+                             "own merge)")
+    add_common(p, DEVICE_HELP + "; --demo runs on the CPU")
     p.set_defaults(func=run)
 
 
@@ -164,9 +168,10 @@ def run(args: argparse.Namespace) -> int:
         if steps is not None and step not in steps:
             raise CLIError(f"--step-parameter: {step}.{name} is for a step not in --post-merging {steps}")
     if args.demo:
-        for option in ("device", "quiet"):
-            if getattr(args, option):
-                raise CLIError(f"--{option} is for a RECIPE, not --demo")
+        if args.device not in (None, "cpu"):
+            raise CLIError(f"--device {args.device}: compare --demo runs on the CPU (a RECIPE's grid takes a device)")
+        if args.all_merges:
+            raise CLIError("--all-merges is for a RECIPE, not --demo")
         return _compare_demo(args, merges, steps)
     return _compare_recipe(args, merges, steps)
 
@@ -174,18 +179,20 @@ def run(args: argparse.Namespace) -> int:
 def _compare_demo(args: argparse.Namespace, merges: list[str] | None, steps: list[str] | None) -> int:
     import torch
 
-    from ..compare import compare_demo
+    from ..compare import DEFAULT_MERGES, compare_demo, post_merging_steps
 
     name, words, overrides = demo_scenario(args)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    output_dir = args.output_dir or "hf-featcal-compare"
+    output_dir = args.output_dir or default_output_dir("compare")
     check_output_dir(output_dir, model_folder=False)  # tables and plots, not a model save
     cache_dir = os.path.expanduser(args.cache_dir)
-    log(f"Building the scenario of {words} (cache: {cache_dir}) ...")
+    say_grid(len(merges or DEFAULT_MERGES), len(steps or post_merging_steps()))
+    log(f"Building the scenario of {words} (cache: {cache_dir}); the grid goes to {output_dir}/ ...")
     start = time.perf_counter()
-    result = compare_demo(output_dir, seed=args.seed, cache_dir=cache_dir, samples_per_task=args.samples_per_task,
-                          merges=merges, post_merging=_with_parameters(args, steps, {}), scenario_overrides=overrides,
-                          scenario=name, log=log, samples=args.samples)
+    with ProgressBars(args.quiet):
+        result = compare_demo(output_dir, seed=args.seed, cache_dir=cache_dir, samples_per_task=args.samples_per_task,
+                              merges=merges, post_merging=_with_parameters(args, steps, {}),
+                              scenario_overrides=overrides, scenario=name, log=log, samples=args.samples)
     print(f"Test accuracy (%) on {words}; last-block drift ‖h_merged − h_expert‖ per token\n")
     print(result.to_markdown())
     print(f"({time.perf_counter() - start:.1f} s) Saved {_saved(result)} to {output_dir}/")
@@ -210,6 +217,12 @@ def _with_parameters(args: argparse.Namespace, steps: list[str] | None,
     return {step: parameters.get(step) for step in (steps if steps is not None else post_merging_steps())}
 
 
+def say_grid(merges: int, steps: int, note: str = "") -> None:
+    """One line before the grid starts: its size (rows computed, besides the experts' own row)."""
+    log(f"Grid: {merges} merge{'s' if merges != 1 else ''} × {steps} post-merging step{'s' if steps != 1 else ''} "
+        f"= {merges * steps} rows, plus the experts' row{note}")
+
+
 def _compare_status(result: Any) -> int:
     """1 (with one line on stderr) when no requested row of the grid succeeded, else 0."""
     if result.succeeded():
@@ -220,7 +233,7 @@ def _compare_status(result: Any) -> int:
 
 
 def _compare_recipe(args: argparse.Namespace, merges: list[str] | None, steps: list[str] | None) -> int:
-    from ..compare import DEFAULT_MERGES, compare_recipe
+    from ..compare import DEFAULT_MERGES, compare_recipe, post_merging_steps, recipe_grid
     from ..recipes import load_recipe
 
     overrides = {"output_dir": args.output_dir} if args.output_dir is not None else {}
@@ -229,32 +242,35 @@ def _compare_recipe(args: argparse.Namespace, merges: list[str] | None, steps: l
         raise CLIError(f"{args.recipe}: evaluation: false; compare scores every row, so it needs the evaluation")
     check_device(args.device)
     check_output_dir(recipe.output_dir, "output_dir", model_folder=False)  # tables and plots, not a model save
-    grid = recipe.compare.merges if recipe.compare is not None else DEFAULT_MERGES
+    # --merges picks from the compare section's merges, else (no section) from every merge
+    grid = recipe_grid(recipe, all_merges=args.all_merges or (merges is not None and recipe.compare is None))
     if merges is not None:
         missing = [m for m in merges if m not in grid]
         if missing:
             raise CLIError(f"--merges: {missing} are not in the recipe's compare.merges {list(grid)}")
-        merges_grid: dict[str, Any] | None = {m: grid[m] for m in merges}
-    else:
-        merges_grid = None
+        grid = {m: grid[m] for m in merges}
+    own = recipe.compare is None and not args.all_merges and merges is None
     section = recipe.compare
     if steps is None and section is not None and section.post_merging is not None:
         steps = list(section.post_merging)
     grid_steps = _with_parameters(args, steps, section.step_parameters if section is not None else {})
     print(f"Recipe {args.recipe}: {recipe.model_family}, base {recipe.base}, {len(recipe.experts)} experts "
-          f"({', '.join(recipe.tasks)}); its merge section is not used by compare")
+          f"({', '.join(recipe.tasks)}); merges: "
+          + (f"the recipe's own ({recipe.merge.describe()})" if own else ", ".join(grid)))
+    steps_of = steps or (recipe.compare.post_merging if recipe.compare is not None else None) or post_merging_steps()
+    say_grid(len(grid), len(steps_of), f" (--all-merges: {len(DEFAULT_MERGES)} merges)" if own else "")
     start = time.perf_counter()
     finish = quiet_warnings()
     try:
         with ProgressBars(args.quiet):
-            result = compare_recipe(recipe, merges=merges_grid, post_merging=grid_steps, device=args.device, log=log,
+            result = compare_recipe(recipe, merges=grid, post_merging=grid_steps, device=args.device, log=log,
                                     samples=args.samples)
     finally:
         ridge = finish()
     splits = ", ".join(sorted({recipe.evaluation.datasets[t].split or "" for t in recipe.evaluation.tasks}))
     limit = recipe.evaluation.max_samples
     subset = f", random subsets of at most {limit} examples per task" if limit else ""
-    print(f"\n{recipe.family.score_label} (%), split {splits}{subset}; last-block drift ‖h_merged − h_expert‖ per "
+    print(f"\n{recipe.family.score_heading()}, split {splits}{subset}; last-block drift ‖h_merged − h_expert‖ per "
           "token\n")
     print(result.to_markdown())
     if ridge:

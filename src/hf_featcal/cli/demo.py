@@ -11,9 +11,12 @@ from ._common import (
     DEFAULT_CACHE_DIR,
     FORMATTER,
     CLIError,
+    ProgressBars,
     add_common,
     add_recipe_options,
+    check_device,
     check_output_dir,
+    default_output_dir,
     log,
     positive_int,
     quiet_warnings,
@@ -58,8 +61,8 @@ def register(commands: Any) -> None:
     )
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
                    help=f"where the built scenario is cached (default {DEFAULT_CACHE_DIR})")
-    p.add_argument("--output-dir", default="hf-featcal-demo",
-                   help="where the calibrated model is saved (default ./hf-featcal-demo)")
+    p.add_argument("--output-dir",
+                   help="where the calibrated model is saved (default: a new folder ./outputs/demo-<date>-<time>)")
     add_recipe_options(p, "", ("overwrite",))
     p.add_argument("--samples-per-task", type=positive_int, default=64,
                    help="calibration images per task (default 64)")
@@ -87,39 +90,75 @@ def demo_scenario(args: argparse.Namespace) -> tuple[str, str, dict[str, Any]]:
     return "minilm", "the real-weights (all-MiniLM-L6-v2) demo", quick if args.fast else {}
 
 
+def accuracy_table(tasks: list[str], rows: dict[str, dict[str, float]], reference: str) -> list[str]:
+    """The demo's table: one row per model (scores in [0, 1], shown in % to 0.1), the mean last; in the rows
+    after `reference` a task shown below `reference`'s is marked ↓ (a legend line follows when one is)."""
+    widths = [max(5, len(t)) for t in tasks]
+    names = list(rows)
+    marked = False
+
+    def cell(value: float, reference_value: float | None, width: int) -> str:
+        nonlocal marked
+        fell = reference_value is not None and round(100 * value, 1) < round(100 * reference_value, 1)
+        marked = marked or fell
+        return f"{100 * value:{width}.1f}" + (" ↓" if fell else "  ")
+
+    lines = [f"| {'model':<27} | " + " | ".join(f"{t:>{w + 2}}" for t, w in zip(tasks, widths, strict=True))
+             + " |  mean |",
+             "|" + "-" * 29 + "|" + "|".join("-" * (w + 3) + ":" for w in widths) + "|------:|"]
+    for name in names:
+        scores = rows[name]
+        after_reference = names.index(name) > names.index(reference)
+        cells = " | ".join(cell(scores[t], rows[reference][t] if after_reference else None, w)
+                           for t, w in zip(tasks, widths, strict=True))
+        lines.append(f"| {name:<27} | {cells} | {100 * sum(scores[t] for t in tasks) / len(tasks):5.1f} |")
+    if marked:
+        lines.append(f"\n↓: below {reference} on that task")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..calibrator import FeatCalCalibrator
     from ..config import FeatCalConfig
+    from ..merging import get_method
     from ..plotting import plot_drift
 
-    check_output_dir(args.output_dir, overwrite=bool(args.overwrite))  # before the scenario is built
+    try:  # the demo's Task Arithmetic λ, checked by its declaration before the scenario is built
+        get_method("task_arithmetic").declared()["scaling_factor"].check(args.scaling_factor)
+    except ValueError as err:
+        raise CLIError(f"--scaling-factor {err}") from None
+    output_dir = args.output_dir or default_output_dir("demo")
+    check_device(args.device)
     name, words, overrides = demo_scenario(args)
+    writer = {"command": "hf-featcal demo", "base": words}  # recorded in the manifest
+    check_output_dir(output_dir, overwrite=bool(args.overwrite), written_by=writer)  # before building
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     cache_dir = os.path.expanduser(args.cache_dir)
     start = time.perf_counter()
-    log(f"Building the scenario of {words} (cache: {cache_dir}) ...")
-    if name == "minilm":
-        from ..scenarios.minilm import build_minilm_scenario
+    log(f"Building the scenario of {words} (cache: {cache_dir}); the model goes to {output_dir}/ ...")
+    with ProgressBars(args.quiet):
+        if name == "minilm":
+            from ..scenarios.minilm import build_minilm_scenario
 
-        overrides.setdefault("calibration_samples", args.samples_per_task)
-        scenario: Any = build_minilm_scenario(seed=args.seed, cache_dir=cache_dir, **overrides)
-        processing_class = scenario.tokenizer
-    else:
-        from ..scenarios.digits import build_digits_scenario
+            overrides.setdefault("calibration_samples", args.samples_per_task)
+            scenario: Any = build_minilm_scenario(seed=args.seed, cache_dir=cache_dir, **overrides)
+            processing_class = scenario.tokenizer
+        else:
+            from ..scenarios.digits import build_digits_scenario
 
-        scenario = build_digits_scenario(seed=args.seed, cache_dir=cache_dir, **overrides)
-        processing_class = None
-    built = time.perf_counter() - start
-    tasks = scenario.tasks
-    merged = scenario.task_arithmetic(args.scaling_factor)
+            scenario = build_digits_scenario(seed=args.seed, cache_dir=cache_dir, **overrides)
+            processing_class = None
+        built = time.perf_counter() - start
+        tasks = scenario.tasks
+        merged = scenario.task_arithmetic(args.scaling_factor)
     merged_scores = scenario.evaluate(merged)
 
     calibrator = FeatCalCalibrator(
         merged, scenario.base, scenario.experts, scenario.calibration,
         FeatCalConfig(num_samples_per_task=args.samples_per_task), processing_class=processing_class,
-        show_progress=False,
+        show_progress=False, device=args.device,
     )
     start = time.perf_counter()
     finish = quiet_warnings()
@@ -133,18 +172,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"Scenario {'loaded from the cache' if scenario.loaded_from_cache else 'built'} in {built:.1f} s; "
           f"FeatCal on {len(tasks)} tasks × {min(samples.values())} examples in {seconds:.1f} s\n")
     print("Test accuracy (%)\n")
-
-    widths = [max(5, len(t)) for t in tasks]
-
-    def row(name: str, scores: dict[str, float]) -> str:
-        cells = " | ".join(f"{100 * scores[t]:{w}.1f}" for t, w in zip(tasks, widths, strict=True))
-        return f"| {name:<27} | {cells} | {100 * sum(scores.values()) / len(scores):5.1f} |"
-
-    print(f"| {'model':<27} | " + " | ".join(f"{t:>{w}}" for t, w in zip(tasks, widths, strict=True)) + " |  mean |")
-    print("|" + "-" * 29 + "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|------:|")
-    print(row("experts (own task)", scenario.evaluate_experts()))
-    print(row(f"Task Arithmetic ({args.scaling_factor:g})", merged_scores))
-    print(row("Task Arithmetic + FeatCal", scenario.evaluate(calibrated)))
+    merge_name = f"Task Arithmetic ({args.scaling_factor:g})"
+    print("\n".join(accuracy_table(tasks, {"experts (own task)": scenario.evaluate_experts(), merge_name: merged_scores,
+                                            "Task Arithmetic + FeatCal": scenario.evaluate(calibrated)}, merge_name)))
 
     report = calibrator.report
     assert report is not None
@@ -157,11 +187,12 @@ def run(args: argparse.Namespace) -> int:
     from ..saving import atomic_folder
     from ..scenarios.base import quiet_transformers
 
-    with quiet_transformers(), atomic_folder(args.output_dir, "--output-dir", inputs=calibrator.input_folders(),
-                                             overwrite=bool(args.overwrite)) as folder:  # one save, plot included
+    with quiet_transformers(), atomic_folder(  # one save, plot included
+            output_dir, "--output-dir", inputs=calibrator.input_folders(), overwrite=bool(args.overwrite),
+            written_by=writer) as folder:
         calibrator.write_model_folder(folder)
         plot_drift(report, os.path.join(folder, "featcal_drift.png"),
                    title=f"FeatCal on {words}: feature drift per block")
-    plot = os.path.join(args.output_dir, "featcal_drift.png")
-    print(f"\nSaved the calibrated model, model card and drift report to {args.output_dir}/ (drift plot: {plot})")
+    plot = os.path.join(output_dir, "featcal_drift.png")
+    print(f"\nSaved the calibrated model, model card and drift report to {output_dir}/ (drift plot: {plot})")
     return 0

@@ -10,10 +10,14 @@ from typing import Any
 
 from ..families import detect_family
 from ._common import (
+    DEVICE_HELP,
     FORMATTER,
     CLIError,
+    ProgressBars,
     add_common,
     add_recipe_options,
+    check_device,
+    check_not_adapter_base,
     check_output_dir,
     check_source,
     help_text,
@@ -58,7 +62,7 @@ def register(commands: Any) -> None:
     _add_svc_options(p)
     p.add_argument("--output-dir", required=True, help="folder the merged model is saved to")
     add_recipe_options(p, "", ("overwrite",))
-    add_common(p)
+    add_common(p, DEVICE_HELP + "; merge: where --svc computes (the merge itself streams tensors on the CPU)")
     p.set_defaults(func=run)
 
 
@@ -79,7 +83,15 @@ def _add_merge_options(parser: argparse.ArgumentParser) -> None:
     from ..merging import merge_methods
 
     offered = list(merge_methods(calibration_data=False))
-    parser.add_argument("--method", default="task_arithmetic", choices=offered,
+
+    def method(text: str) -> str:
+        if text in merge_methods(calibration_data=True):
+            from ..recipes.parse import needs_data_reason
+
+            raise argparse.ArgumentTypeError(needs_data_reason(text))
+        return text
+
+    parser.add_argument("--method", default="task_arithmetic", type=method, choices=offered,
                         help="merge method (default: task_arithmetic)")
     for name, users in _merge_options().items():
         parameter = users[0][1]
@@ -133,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
     from ..recipes import RecipeError, merge_experts, validate_merge_spec
 
     base = check_source(args.base, "--base")
+    check_not_adapter_base(base)
     experts = {t: check_source(s, f"--expert {t}") for t, s in task_pairs(args.experts, "--expert").items()}
     options = _merge_options()
     params = {name: getattr(args, name) for name in options if getattr(args, name) is not None}
@@ -144,28 +157,35 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"{option}: {err.reason}") from None
     alpha = _svc_alpha(args)
     inputs = {"--base": base, **{f"--expert {task}": source for task, source in experts.items()}}
-    check_output_dir(args.output_dir, inputs=inputs, overwrite=bool(args.overwrite))
+    writer = {"command": "hf-featcal merge", "base": base}  # recorded in the manifest
+    check_output_dir(args.output_dir, inputs=inputs, overwrite=bool(args.overwrite), written_by=writer)
+    check_device(args.device)
     start = time.perf_counter()
-    merged = merge_experts(base, experts, spec, log=log)  # the recipe run's merge stage
-    described = spec.describe()
-    if alpha is not None:
-        from ..merging import singular_value_calibration
+    with ProgressBars(args.quiet):
+        merged = merge_experts(base, experts, spec, log=log)  # the recipe run's merge stage
+        described = spec.describe()
+        if alpha is not None:
+            from ..merging import singular_value_calibration
 
-        log(f"Singular Value Calibration (alpha={alpha:g}) ...")
-        merged = singular_value_calibration(merged, base, experts, alpha=alpha)
-        described += f" + SVC (alpha={alpha:g})"
+            log(f"Singular Value Calibration (alpha={alpha:g}) ...")
+            merged = singular_value_calibration(merged, base, experts, alpha=alpha, device=args.device)
+            described += f" + SVC (alpha={alpha:g})"
+    from ..processing import describe_processing, processing_classes_of
     from ..saving import atomic_folder, save_model_files
 
+    # the base's tokenizer and processor go beside the merge, as mergekit copies them
     family = detect_family(merged)
-    processing = maybe_processing(family, [base])
-    to_save = family.processing_to_save(processing) if family is not None else []
-    with atomic_folder(args.output_dir, "--output-dir", inputs=inputs,
-                       overwrite=bool(args.overwrite)) as folder:  # as FeatCalCalibrator.save_model saves
+    if family is not None:
+        to_save = family.processing_to_save(maybe_processing(family, [base]))
+    else:  # a model no family takes (merge_models merges any transformers model): what the base was saved with
+        to_save = processing_classes_of(base)
+    with atomic_folder(args.output_dir, "--output-dir", inputs=inputs, overwrite=bool(args.overwrite),
+                       written_by=writer) as folder:  # as FeatCalCalibrator.save_model saves
         save_model_files(merged, folder, processing_class=to_save)
-    saved = processing is not None
     print(f"Merged {type(merged).__name__} ({described}; tasks: {', '.join(experts)}) "
           f"in {time.perf_counter() - start:.1f} s → {args.output_dir}"
-          + ("" if saved else " (no processor/tokenizer found with the base)"))
+          + (f" (with the base's {describe_processing(to_save)})" if to_save
+             else " (no processor/tokenizer found with the base)"))
     return 0
 
 

@@ -11,7 +11,6 @@ from ._common import (
     add_common,
     add_recipe_options,
     check_device,
-    check_output_dir,
     log,
     quiet_warnings,
 )
@@ -22,8 +21,11 @@ examples:
   hf-featcal run examples/recipes/flan_t5_base_glue8.yaml --output-dir /data/t5-featcal --device cuda
   hf-featcal run my_recipe.yaml --no-eval --push-to-hub me/my-merged-featcal
 
-Steps: validate the recipe (before anything is downloaded) → load base, processor and calibration
-data → merge → check the calibration inputs → evaluate the merged model → FeatCal → evaluate again →
+Steps: validate the recipe, the output folder and the push (token; --private into an existing public
+repo is refused) before anything is downloaded → load base, processor and calibration data → check
+the FeatCal module selection and every calibration batch against the base, and the class names
+against the evaluation data (the pre-flight; --check runs it too, loading local sources only, no
+merge) → merge → evaluate the merged model → FeatCal → evaluate again →
 save model, processor, model card (with the evaluation), drift report, drift plot (featcal_drift.png),
 featcal_evaluation.json and the recipe → push to the hub if asked.
 
@@ -50,15 +52,14 @@ def register(commands: Any) -> None:
     add_recipe_options(p, "", ("output_dir", "push_to_hub", "private", "overwrite"), override=True)
     p.add_argument("--no-push", action="store_true", help="do not push even if the recipe says so")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation before and after calibration")
-    p.add_argument("--device", help="device, e.g. cuda or cpu (default: accelerate's)")
     p.add_argument("--check", action="store_true", help="only validate the recipe and print what would run")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_common(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..recipes import load_recipe, recipe_input_folders, run_recipe
+    from ..recipes import load_recipe, run_recipe
+    from ..recipes.preflight import check_recipe_targets
 
     overrides: dict[str, Any] = {}
     if args.output_dir is not None:
@@ -69,17 +70,12 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, switch):
             overrides[switch] = True
     recipe = load_recipe(args.recipe, overrides)
-    if not args.check:
-        check_device(args.device)
-        check_output_dir(recipe.output_dir, "output_dir", inputs=recipe_input_folders(recipe),
-                          overwrite=recipe.overwrite)
+    check_device(args.device)
+    check_recipe_targets(recipe, push=not args.no_push)  # output folder and push, as the run checks them
     print(f"Recipe {args.recipe}: {recipe.model_family}, base {recipe.base}, {len(recipe.experts)} experts "
           f"({', '.join(recipe.tasks)}), merge {recipe.merge.describe()}, output {recipe.output_dir}")
     if args.check:
-        evaluation = "off" if recipe.evaluation is None else f"{len(recipe.evaluation.tasks)} tasks"
-        print(f"The recipe is valid. Calibration examples per task: "
-              f"{ {t: s.num_examples for t, s in recipe.calibration.items()} }; evaluation: {evaluation}.")
-        return 0
+        return _check(args, recipe)
     finish = quiet_warnings()
     try:
         with ProgressBars(args.quiet):
@@ -92,10 +88,10 @@ def run(args: argparse.Namespace) -> int:
     if result.table is not None:
         assert recipe.evaluation is not None
         splits = ", ".join(sorted({recipe.evaluation.datasets[t].split or "" for t in recipe.evaluation.tasks}))
-        metric = recipe.family.score_label
+        heading = recipe.family.score_heading()
         limit = recipe.evaluation.max_samples
         subset = f", random subsets of at most {limit} examples per task" if limit else ""
-        print(f"\n{metric} (%), split {splits}{subset}\n")
+        print(f"\n{heading}, split {splits}{subset}\n")
         print(result.table)
     if result.report is not None:
         print("\nFeature drift per task (before → after FeatCal)\n")
@@ -107,4 +103,26 @@ def run(args: argparse.Namespace) -> int:
           + (", drift plot" if result.plot_path else "") + f"). Timings: {timing}.")
     if result.pushed_to:
         print(f"Pushed to https://huggingface.co/{result.pushed_to}")
+    return 0
+
+
+def _check(args: argparse.Namespace, recipe: Any) -> int:
+    """``--check``: the run's pre-flight without the merge (base and calibration data loaded when they
+    are local; hub sources are not downloaded)."""
+    from ..recipes.preflight import check_recipe_inputs, recipe_sources_are_local
+    from ..recipes.run import prepare_recipe_inputs
+
+    evaluation = "off" if recipe.evaluation is None else f"{len(recipe.evaluation.tasks)} tasks"
+    if recipe_sources_are_local(recipe, evaluate=not args.no_eval):
+        with ProgressBars(True):
+            inputs = prepare_recipe_inputs(recipe, evaluate=not args.no_eval, log=log)
+            check_recipe_inputs(recipe, inputs, evaluate=not args.no_eval, device=args.device)
+        checked = ("the output folder, the push, the FeatCal module selection and every calibration batch against "
+                   "the base" + (", the class names against the evaluation data" if evaluation != "off" else ""))
+    else:
+        checked = ("the output folder and the push; some sources (base, datasets) are on the hub and are not "
+                   "downloaded: the module selection, the batches and the class names are checked when the run "
+                   "starts, before the merge")
+    print(f"The recipe is valid. Checked {checked}. Calibration examples per task: "
+          f"{ {t: s.num_examples for t, s in recipe.calibration.items()} }; evaluation: {evaluation}.")
     return 0

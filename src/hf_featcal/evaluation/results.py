@@ -62,13 +62,16 @@ class EvaluationResults:
         return "\n".join(lines)
 
 
-def scores_table(rows: Mapping[str, Mapping[str, float]], tasks: list[str], title: str = "model") -> str:
-    """A markdown table, one row per model, one column per task plus the mean (in %)."""
+def scores_table(rows: Mapping[str, Mapping[str, float]], tasks: list[str], title: str = "model",
+                 percent: bool = True) -> str:
+    """A markdown table, one row per model, one column per task plus the mean (in % when `percent`, else
+    the scores as they are, with two decimals)."""
+    scale, digits = (100.0, 1) if percent else (1.0, 2)
     header = f"| {title} | " + " | ".join(tasks) + " | mean |"
     lines = [header, "|---|" + "---:|" * (len(tasks) + 1)]
     for name, scores in rows.items():
-        cells = [f"{100 * scores[t]:.1f}" if t in scores else "–" for t in tasks]
+        cells = [f"{scale * scores[t]:.{digits}f}" if t in scores else "–" for t in tasks]
         values = [scores[t] for t in tasks if t in scores]
-        mean = f"{100 * sum(values) / len(values):.1f}" if values else "–"
+        mean = f"{scale * sum(values) / len(values):.{digits}f}" if values else "–"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {mean} |")
     return "\n".join(lines)

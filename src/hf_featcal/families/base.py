@@ -29,6 +29,7 @@ __all__ = [
     "get_family",
     "image_family_names",
     "iter_families",
+    "no_family_reason",
     "register_family",
     "source_schemes",
 ]
@@ -53,6 +54,14 @@ class ModelFamily:
     processing_name: ClassVar[str] = "tokenizer"
     #: The headline score printed above evaluation tables.
     score_label: ClassVar[str]
+    #: Scores are fractions shown in % (accuracy); False: shown as they are (perplexity).
+    score_in_percent: ClassVar[bool] = True
+    #: A lower score is better (perplexity); the table headers say so.
+    lower_is_better: ClassVar[bool] = False
+    #: Whether the family has a built-in evaluation (False: recipes take ``evaluation: false`` only).
+    evaluates: ClassVar[bool] = True
+    #: Why a family without evaluation has none (in the error of a recipe or ``hf-featcal evaluate``).
+    no_evaluation_reason: ClassVar[str] = ""
     #: A longer form of `score_label` for `hf-featcal evaluate` (default: the same).
     score_description: ClassVar[str | None] = None
     #: Calibration images (zero-shot evaluation) rather than text.
@@ -81,6 +90,14 @@ class ModelFamily:
         """The score label of ``hf-featcal evaluate``."""
         return self.score_description or self.score_label
 
+    def score_heading(self, label: str | None = None) -> str:
+        """The heading of a table of scores: the label (default `score_label`) with its unit or direction,
+        e.g. ``"zero-shot top-1 accuracy (%)"``, ``"held-out perplexity (lower is better)"``."""
+        text = label or self.score_label
+        if self.score_in_percent:
+            text += " (%)"
+        return text + (" (lower is better)" if self.lower_is_better else "")
+
     # ----------------------------------------------------------------------------- processing
     def load_processing(self, source: str) -> dict[str, Any]:
         """The processing classes saved with `source` (hub id, folder), as a dict."""
@@ -89,6 +106,30 @@ class ModelFamily:
     def calibration_processing_class(self, processing: Mapping[str, Any]) -> Any:
         """What the calibrator applies to raw calibration rows."""
         raise NotImplementedError
+
+    def load_processing_parts(self, source: str) -> dict[str, Any]:
+        """The parts of the family's processing that `source` has (default: `load_processing` whole, or
+        nothing when it fails); `processing_from` takes each part from the first source that has it."""
+        try:
+            return self.load_processing(source)
+        except (OSError, ValueError, TypeError):
+            return {}
+
+    def assemble_processing(self, parts: Mapping[str, Any]) -> dict[str, Any]:
+        """The processing dict from parts found in several sources (default: as they are)."""
+        return dict(parts)
+
+    def processing_from(self, sources: Sequence[str | None]) -> dict[str, Any] | None:
+        """Each part of the family's processing from the first of `sources` that has it (e.g. a CLIP
+        expert's image processor and the base's tokenizer); None when no source has any part."""
+        parts: dict[str, Any] = {}
+        for source in sources:
+            if not source:
+                continue
+            for name, value in self.load_processing_parts(source).items():
+                if value is not None and parts.get(name) is None:
+                    parts[name] = value
+        return self.assemble_processing(parts) if parts else None
 
     def processing_to_save(self, processing: Mapping[str, Any] | None) -> list[Any]:
         """What of `processing` is saved next to the model (`hf_featcal.saving`)."""
@@ -171,6 +212,12 @@ class ModelFamily:
     def check_evaluation_processing(self, processing: Mapping[str, Any]) -> None:
         """``hf-featcal evaluate``: refuse processing classes evaluation cannot use."""
 
+    def evaluate_whole_model(self, model: Any, spec: EvaluationSpec, *, processing: Mapping[str, Any],
+                             device: Any = None) -> dict[str, Any]:
+        """Scores not tied to an expert's task (e.g. lm-evaluation-harness tasks), as ``{name: details}``;
+        {} when the family has none (the default)."""
+        return {}
+
     def evaluate_task(
         self,
         model: Any,
@@ -183,7 +230,8 @@ class ModelFamily:
         clip_model: Any = None,
         device: Any = None,
     ) -> tuple[float, dict[str, Any]]:
-        """(headline score in [0, 1], details) of `model` on one task's loaded evaluation rows."""
+        """(headline score, details) of `model` on one task's loaded evaluation rows: a fraction in [0, 1]
+        where `score_in_percent`, else the score as it is (perplexity)."""
         raise NotImplementedError
 
 
@@ -225,6 +273,21 @@ def get_family(name: str) -> ModelFamily:
 def source_schemes() -> dict[str, str]:
     """The model-source reference schemes of every registered family (`ModelFamily.source_schemes`)."""
     return {scheme: kind for family in iter_families() for scheme, kind in family.source_schemes.items()}
+
+
+def no_family_reason(model: Any) -> str:
+    """Why no registered family takes `model`, and what to do about it (for the CLI's and recipes' errors)."""
+    from ..architectures import model_type_of, supported_model_types
+
+    model_type = model_type_of(model)
+    families = ", ".join(family_names())
+    if model_type in supported_model_types():  # a layer map without a family: the family is what is missing
+        return (f"model_type {model_type!r} has a layer map but no model family (families: {families}); add one: "
+                "docs/architectures.md, 'Model families'")
+    return (f"model_type {model_type!r} ({type(model).__name__}) has no layer map, so the command line has no model "
+            f"family for it (families: {families}). Calibrate it from Python with FeatCalCalibrator(..., "
+            "allow_inferred_layer_map=True), which infers its blocks (docs/architectures.md, 'Any other model'), or "
+            "add a layer map and a family for it (docs/architectures.md)")
 
 
 def detect_family(model_or_config: Any) -> ModelFamily | None:

@@ -25,15 +25,51 @@ class CLIPFamily(ZeroShotImageFamily):
         return model_type_of(model_or_config) in ("clip", "clip_vision_model")
 
     def load_processing(self, source: str) -> dict[str, Any]:
-        """The image processor (``"image"``) and, when there is a tokenizer, a ``CLIPProcessor``."""
-        from transformers import CLIPImageProcessor, CLIPProcessor
+        """The image processor (``"image"``) and, when `source` also has a tokenizer, a ``CLIPProcessor``
+        of the two (``"processor"``; else None). Raises when `source` has no image processor."""
+        from transformers import CLIPImageProcessor
 
-        out: dict[str, Any] = {"image": CLIPImageProcessor.from_pretrained(source, trust_remote_code=False)}
+        parts = {"image": CLIPImageProcessor.from_pretrained(source, trust_remote_code=False),
+                 "tokenizer": self._tokenizer(source)}
+        return self.assemble_processing(parts)
+
+    @staticmethod
+    def _tokenizer(source: str) -> Any:
+        from ..processing import tokenizer_of
+
+        return tokenizer_of(source)
+
+    def load_processing_parts(self, source: str) -> dict[str, Any]:
+        """The image processor and the tokenizer `source` has (an expert's folder often has only the
+        image processor; its base has both)."""
+        from transformers import CLIPImageProcessor
+
         try:
-            out["processor"] = CLIPProcessor.from_pretrained(source, trust_remote_code=False)
+            image = CLIPImageProcessor.from_pretrained(source, trust_remote_code=False)
         except (OSError, ValueError, TypeError):
-            out["processor"] = None
-        return out
+            image = None
+        return {"image": image, "tokenizer": self._tokenizer(source)}
+
+    def assemble_processing(self, parts: Mapping[str, Any]) -> dict[str, Any]:
+        """``"image"``, ``"tokenizer"`` and, when both are there, their ``CLIPProcessor`` (``"processor"``)."""
+        from transformers import CLIPProcessor
+
+        image, tokenizer = parts.get("image"), parts.get("tokenizer")
+        processor = None if image is None or tokenizer is None else CLIPProcessor(image_processor=image,
+                                                                                  tokenizer=tokenizer)
+        return {"image": image, "tokenizer": tokenizer, "processor": processor}
+
+    def processing_to_save(self, processing: Mapping[str, Any] | None) -> list[Any]:
+        """The CLIPProcessor (tokenizer and image processor) when both were found, else what was."""
+        if processing is not None and processing.get("processor") is not None:
+            return [processing["processor"]]
+        return super().processing_to_save(processing)
+
+    def calibration_processing_class(self, processing: Mapping[str, Any]) -> Any:
+        if processing.get("image") is None:
+            raise ValueError("CLIP calibration needs the image processor (preprocessor_config.json) of the model, "
+                             "the base or --processor; none was found")
+        return processing["image"]
 
     def command_text_model(self, model, clip_source, load):
         if clip_source is not None:

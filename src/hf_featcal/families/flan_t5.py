@@ -29,9 +29,12 @@ class FlanT5Family(ModelFamily):
         return model_type_of(model_or_config) == "t5"
 
     def load_processing(self, source: str) -> dict[str, Any]:
-        from transformers import AutoTokenizer
+        from ..processing import tokenizer_of
 
-        return {"tokenizer": AutoTokenizer.from_pretrained(source, trust_remote_code=False)}
+        tokenizer = tokenizer_of(source)  # None for a folder without tokenizer files (not an empty tokenizer)
+        if tokenizer is None:
+            raise OSError(f"{source!r} has no tokenizer files")
+        return {"tokenizer": tokenizer}
 
     def calibration_processing_class(self, processing: Mapping[str, Any]) -> Any:
         return processing["tokenizer"]

@@ -10,7 +10,23 @@ from .base import FamilyUsageError, ModelFamily
 if TYPE_CHECKING:  # pragma: no cover
     from ..recipes.spec import DatasetSpec, EvaluationSpec, KeyChecker
 
-__all__ = ["ZeroShotImageFamily"]
+__all__ = ["ZeroShotImageFamily", "image_calibration_rows"]
+
+
+def image_calibration_rows(task: str, ds: Any, spec: DatasetSpec) -> Any:
+    """One ``image`` column (processed per batch by the calibrator); ``pixel_values`` as they are."""
+    if "pixel_values" in ds.column_names and spec.image_column is None:
+        return ds.select_columns(["pixel_values"])
+    from ..data import IMAGE_COLUMNS, images_from_column
+
+    column = spec.image_column or next((c for c in IMAGE_COLUMNS if c in ds.column_names), None)
+    if column is None or column not in ds.column_names:
+        raise ValueError(
+            f"calibration.tasks.{task}: the dataset has no image column "
+            f"{spec.image_column or list(IMAGE_COLUMNS)!r} (columns: {ds.column_names}); set image_column"
+        )
+    ds = images_from_column(ds.select_columns([column]), column, f"calibration.tasks.{task}")
+    return ds.rename_column(column, "image") if column != "image" else ds
 
 
 class ZeroShotImageFamily(ModelFamily):
@@ -72,19 +88,7 @@ class ZeroShotImageFamily(ModelFamily):
         return out
 
     def prepare_calibration(self, task: str, ds: Any, spec: DatasetSpec, processing: Mapping[str, Any] | None) -> Any:
-        """One ``image`` column (processed per batch by the calibrator); ``pixel_values`` as they are."""
-        if "pixel_values" in ds.column_names and spec.image_column is None:
-            return ds.select_columns(["pixel_values"])
-        from ..data import IMAGE_COLUMNS, images_from_column
-
-        column = spec.image_column or next((c for c in IMAGE_COLUMNS if c in ds.column_names), None)
-        if column is None or column not in ds.column_names:
-            raise ValueError(
-                f"calibration.tasks.{task}: the dataset has no image column "
-                f"{spec.image_column or list(IMAGE_COLUMNS)!r} (columns: {ds.column_names}); set image_column"
-            )
-        ds = images_from_column(ds.select_columns([column]), column, f"calibration.tasks.{task}")
-        return ds.rename_column(column, "image") if column != "image" else ds
+        return image_calibration_rows(task, ds, spec)
 
     def evaluation_source(self, task, data, configs, class_names):
         from ..evaluation.clip_templates import CLIP_CLASS_NAMES, CLIP_DATASETS, CLIP_TASK_ALIASES

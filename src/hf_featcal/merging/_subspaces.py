@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from .engine import DeltaFn, Expert
 
 __all__ = [
-    "isotropic_product", "orthogonal_factor", "orthogonalised", "per_tensor_rule", "running_mean", "truncated_svd",
+    "isotropic_product", "nonzero_rank", "nonzero_svd", "orthogonal_factor", "orthogonalised", "per_tensor_rule",
+    "running_mean", "truncated_svd",
 ]
 
 #: [tau_i of every expert, in the experts' order] -> the merged task vector of one tensor
@@ -58,9 +59,34 @@ def orthogonal_factor(matrix: torch.Tensor) -> torch.Tensor:
     return u @ vh
 
 
-def truncated_svd(matrix: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(U_k, s_k, V_kᵀ)``: the top ``rank`` singular triplets of ``matrix`` (thin SVD)."""
+def nonzero_rank(spectrum: torch.Tensor, shape: tuple[int, ...], scale: float | None = None) -> int:
+    """How many of the singular values ``spectrum`` (descending) of an ``m x n`` matrix are nonzero:
+    above ``scale · max(m, n) · eps`` of their dtype, with ``scale`` the largest singular value (the
+    tolerance of numpy's ``matrix_rank``) unless given (a matrix computed from a larger one, whose
+    rounding is relative to that one's scale). Below it a singular value is rounding, and its singular
+    vectors are arbitrary directions of the null space: the SVD picks them by its own internals, so
+    they change with a permutation of the matrix's rows or columns."""
+    if spectrum.numel() == 0:
+        return 0
+    reference = float(spectrum[0]) if scale is None else scale
+    return int((spectrum > reference * max(shape) * torch.finfo(spectrum.dtype).eps).sum())
+
+
+def nonzero_svd(matrix: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The thin SVD ``(U, s, Vᵀ)`` of ``matrix`` cut to its triplets of nonzero singular value (`nonzero_rank`)."""
     u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
+    kept = nonzero_rank(s, tuple(matrix.shape), scale)
+    return u[:, :kept], s[:kept], vh[:kept]
+
+
+def truncated_svd(
+    matrix: torch.Tensor, rank: int, scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(U_k, s_k, V_kᵀ)``: the top ``rank`` singular triplets of ``matrix`` (thin SVD) that carry a
+    nonzero singular value (`nonzero_rank`, relative to ``scale``): fewer than ``rank`` for a matrix of
+    lower rank (a LoRA expert's task matrix, or the zero matrix of an expert that left the tensor
+    unchanged)."""
+    u, s, vh = nonzero_svd(matrix, scale)
     return u[:, :rank], s[:rank], vh[:rank]
 
 
@@ -70,11 +96,16 @@ def orthogonalised(
     """Several blocks of singular triplets joined: the concatenated left factors and right factors each
     replaced by their orthogonal factor, the spectra concatenated in the same order."""
     lefts, spectra, rights = zip(*triplets, strict=True)
-    return (orthogonal_factor(torch.cat(lefts, dim=1)), torch.cat(spectra),
-            orthogonal_factor(torch.cat(rights, dim=0)))
+    left, spectrum, right = torch.cat(lefts, dim=1), torch.cat(spectra), torch.cat(rights, dim=0)
+    if spectrum.numel() == 0:  # no triplet at all (every block empty): nothing to orthogonalise
+        return left, spectrum, right
+    return orthogonal_factor(left), spectrum, orthogonal_factor(right)
 
 
 def isotropic_product(u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
     """``U diag(s̄) Vᵀ`` with ``s̄`` the mean of ``s``: the spectrum flattened to its mean, which keeps
-    the sum of the singular values (the nuclear norm when ``u`` and ``vh`` are orthonormal)."""
+    the sum of the singular values (the nuclear norm when ``u`` and ``vh`` are orthonormal); zero for
+    no triplets."""
+    if s.numel() == 0:
+        return u @ vh  # (m x 0) @ (0 x n): zeros
     return (u * s.mean()) @ vh

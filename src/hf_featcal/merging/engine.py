@@ -52,7 +52,8 @@ from ..model_io import (
     match_keys,
     resolve_checkpoint,
 )
-from ..pipeline.checks import check_compatible
+from ..pipeline.checks import check_compatible, check_same_function
+from ..progress import progress_bar
 from .params import MERGE_CONFIG_ATTRIBUTE
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "elect_and_merge",
     "float_state",
     "kth_largest_magnitude",
+    "load_expert",
     "merge_record",
     "merge_task_vectors",
     "open_expert",
@@ -132,10 +134,13 @@ class Expert:
 
 
 def _open_lora_expert(
-    name: str, adapter: LoraAdapter, merged: nn.Module, base_state: dict[str, torch.Tensor], canonical: dict[str, str]
+    name: str, adapter: LoraAdapter, merged: nn.Module, base_state: dict[str, torch.Tensor], canonical: dict[str, str],
+    base: Expert | None,
 ) -> Expert:
-    """A LoRA expert covers the weights it adapts (base + its delta) and the biases it trained
-    (``bias="all"`` / ``"lora_only"``: the stored bias replaces the base's, as PEFT applies it)."""
+    """A LoRA expert covers the weights it adapts (the run's base + its delta) and the biases it trained
+    (``bias="all"`` / ``"lora_only"``: the stored bias replaces the base's, as PEFT applies it). The
+    base weights are `base`'s (a post-merging step's `base_model`), else `base_state`'s as they are
+    now (a merge, whose result starts as the base: snapshotted, since the merge then overwrites it)."""
     # the adapter names modules relative to the model class it was trained on (e.g. a CLIPVisionModel
     # inside a CLIPModel base, or a *ForCausalLM around a *Model base): model_io places them
     root, paths = lora_module_paths(adapter, merged, family_layer_map(merged))
@@ -146,15 +151,25 @@ def _open_lora_expert(
     if missing:
         raise ValueError(f"expert {name!r}: the LoRA adapter adapts modules the base model lacks: {missing[:3]}")
     weights = [by_tensor[f"{m}.weight"] for m in adapter.modules]
-    original = {key: base_state[key].detach().clone() for key in weights}
+    base_weight: Callable[[str], torch.Tensor]
+    if base is None:
+        base_weight = {key: base_state[key].detach().clone() for key in weights}.__getitem__
+    else:
+        unread = [key for key in weights if canonical[key] not in base.keys]
+        if unread:
+            raise ValueError(f"expert {name!r}: the LoRA adapter adapts {unread[:3]}, which {base.who} lacks")
+        reader = base
+
+        def base_weight(key: str) -> torch.Tensor:
+            return reader.read(canonical[key])
     keys = {canonical[key]: tensor for tensor, key in by_tensor.items()}
 
     def fetch(tensor: str) -> torch.Tensor:
         module, _, kind = tensor.rpartition(".")
         if kind == "bias":
             return adapter.bias(module)
-        base = original[by_tensor[tensor]]  # base weight + (B·A)·scaling
-        return base.float() + adapter.delta(module).to(base.device)
+        weight = base_weight(by_tensor[tensor])  # the run's base weight + (B·A)·scaling
+        return weight.float() + adapter.delta(module).to(weight.device)
 
     inside = root + "." if root else ""
     model_keys = {canonical[k] for k in base_state if k.startswith(inside)}  # the model the adapter adapts
@@ -170,25 +185,39 @@ def open_expert(
     base_label: str,
     stack: contextlib.ExitStack,
     argument: str | None = None,
+    base: Expert | None = None,
 ) -> Expert:
     """Match an expert's keys and shapes to the base's; tensors of a checkpoint are read lazily.  When
     the library knows the base's family, the expert must also pass the calibrator's compatibility
     check (`hf_featcal.pipeline.checks.check_compatible`: model type, the configuration's geometry
     such as layer and head counts and activation, the tower's shapes), so that a merge FeatCal would
-    refuse is refused here, before any tensor is merged.  (A LoRA adapter is the base plus deltas:
+    refuse is refused here, before any tensor is merged; without a layer map, the configuration
+    check alone (`hf_featcal.pipeline.checks.check_same_function`: every field that changes the
+    function).  (A LoRA adapter is the base plus deltas:
     it has the base's configuration by construction.)  ``argument`` names the source in errors
-    (default ``experts[name]``; a post-merging step opens the base model this way too)."""
+    (default ``experts[name]``; a post-merging step opens the base model this way too).
+
+    The run's base decides what an adapter is: its weights are ``base``'s (the reader of the base
+    model a post-merging step was given) plus the adapter's delta, never ``merged``'s, which after a
+    merge are not the base's; without ``base`` (a merge, whose ``merged`` is still the base when its
+    experts are opened) ``base_state``'s values at opening."""
     who = argument or f"expert {name!r}"
     argument = argument or f"experts[{name!r}]"
     checkpoint = None if isinstance(source, nn.Module) else resolve_checkpoint(source, argument)
     if checkpoint is not None and checkpoint.adapter is not None:
-        return _open_lora_expert(name, LoraAdapter(checkpoint.adapter, argument), merged, base_state, canonical)
+        return _open_lora_expert(name, LoraAdapter(checkpoint.adapter, argument), merged, base_state, canonical,
+                                 base)
     layer_map = family_layer_map(merged)
     fetch: Callable[[str], torch.Tensor]
     if checkpoint is not None and checkpoint.lazy:
         assert not isinstance(source, nn.Module)  # only a path or hub id resolves to a checkpoint
         if layer_map is not None:  # the calibrator's check, on the config and shapes alone
             check_compatible(make_source(source, argument, layer_map), layer_map, merged, model_config(merged))
+        elif checkpoint.folder is not None and os.path.isfile(os.path.join(checkpoint.folder, "config.json")):
+            from transformers import AutoConfig
+
+            check_same_function(argument, model_config(merged),
+                                AutoConfig.from_pretrained(checkpoint.folder, trust_remote_code=False), "base")
         tensors = stack.enter_context(LazyTensors(checkpoint.files, argument))  # files open until the merge ends
         shapes = {key: tensors.shape(key) for key in tensors.keys() if tensors.is_floating(key)}
         fetch = tensors.read
@@ -197,6 +226,8 @@ def open_expert(
         model = source if isinstance(source, nn.Module) else load_model(source, argument)
         if layer_map is not None:
             check_compatible(InMemorySource(model, argument, layer_map), layer_map, merged, model_config(merged))
+        else:  # no layer map: the configuration alone
+            check_same_function(argument, model_config(merged), model_config(model), "base")
         state = float_state(model)
         shapes = {k: tuple(v.shape) for k, v in state.items()}
         fetch = state.__getitem__
@@ -221,6 +252,27 @@ def open_expert(
         if base_key in by_base:
             keys.setdefault(canonical[base_key], by_base[base_key])
     return Expert(name, keys, fetch, who=who)
+
+
+def load_expert(source: ModelLike, argument: str, base: nn.Module) -> nn.Module:
+    """The expert `source` as a whole model, for what needs one in memory (the compare grid's
+    evaluation and RegMean): a model is itself, a checkpoint is loaded (`load_model`), and a LoRA adapter
+    is put on the run's `base` — a copy of it with each adapted tensor read by `open_expert`, as a merge
+    reads it (the adapter's modules placed by the same rule; its recorded base is not used, and need
+    not exist). `base` is not modified."""
+    if isinstance(source, nn.Module):
+        return source
+    if resolve_checkpoint(source, argument).adapter is None:
+        return load_model(source, argument)
+    model = copy.deepcopy(base)
+    state = float_state(model)
+    canonical = canonical_keys(state)
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        expert = open_expert(argument, source, model, state, canonical, f"the base ({type(base).__name__})", stack,
+                             f"`{argument}`")
+        for key in expert.keys:
+            state[key].copy_(expert.read(key))
+    return model.eval()
 
 
 def canonical_keys(state: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -276,7 +328,8 @@ def merge_task_vectors(
     weights.  Task vectors of an expert that lacks a key are absent from that key's list.  A
     non-finite value in an input is refused when its tensor is first read (naming the expert or the
     base and the tensor), a non-finite result before it is written (naming ``scaling_factor``); the
-    result is the function's own copy, so the caller's models stay as they were.  The result records
+    result is the function's own copy, so the caller's models stay as they were.  A progress bar counts
+    the tensors (`hf_featcal.progress`: hidden by transformers' ``disable_progress_bar()``).  The result records
     ``{"method": method, **params, "experts": [...]}`` (`record_merge`)."""
     validate_base(base_model)
     validate_experts(experts)
@@ -292,10 +345,10 @@ def merge_task_vectors(
         with torch.no_grad():
             if prepare is not None:
                 prepare(readers, state)
-            for key in dict.fromkeys(canonical.values()):
+            covered = [key for key in dict.fromkeys(canonical.values()) if any(key in r.keys for r in readers)]
+            bar = stack.enter_context(progress_bar(covered, desc=f"Merging ({method})", unit="tensor"))
+            for key in bar:
                 covering = [r for r in readers if key in r.keys]
-                if not covering:
-                    continue
                 target = state[key]
                 base32 = target.detach().float()
                 delta = delta_fn(key, [(r, r.task_vector(key, base32)) for r in covering])

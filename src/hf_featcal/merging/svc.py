@@ -114,6 +114,8 @@ def singular_value_calibration(
 
     Raises:
         ValueError: for ``alpha`` outside (0, inf) or an invalid argument (before any tensor is read),
+            ``experts`` named otherwise than in the merge record of ``merged_model`` (when it has one;
+            before any tensor of the base or the experts is read),
             a base or an expert that does not line up with the merged model, non-finite inputs, or a
             non-finite result (naming the matrix).
     """
@@ -121,6 +123,7 @@ def singular_value_calibration(
     from torch import nn
 
     from ..model_io import load_model, resolve_checkpoint
+    from ..progress import progress_bar
     from .engine import (
         canonical_keys,
         float_state,
@@ -145,6 +148,13 @@ def singular_value_calibration(
 
     result = copy.deepcopy(merged_model) if isinstance(merged_model, nn.Module) else load_model(
         merged_model, "merged_model")
+    recorded = (merge_record(result) or {}).get("experts")
+    if isinstance(recorded, list) and sorted(map(str, recorded)) != sorted(map(str, experts)):
+        raise ValueError(
+            f"`experts` must be the experts `merged_model` was merged from, which its merge record names: "
+            f"{list(recorded)}; got {list(experts)} (SVC measures how much of each task the merge holds: the "
+            "tasks must be the merge's own)."
+        )
     state = float_state(result)  # shares storage with the result's parameters
     canonical = canonical_keys(state)
     parameters = {name for name, _ in result.named_parameters(remove_duplicate=False)}
@@ -153,9 +163,10 @@ def singular_value_calibration(
     calibrated = 0
     with contextlib.ExitStack() as stack, torch.no_grad():
         base = open_expert("base_model", base_model, result, state, canonical, label, stack, "`base_model`")
-        readers = [open_expert(name, source, result, state, canonical, label, stack)
+        # an adapter expert is the base model plus its delta (ΔW_i = B_i A_i · scale), not the merge plus it
+        readers = [open_expert(name, source, result, state, canonical, label, stack, base=base)
                    for name, source in experts.items()]
-        for key in matrices:
+        for key in stack.enter_context(progress_bar(matrices, desc="SVC", unit="matrix")):
             if not any(key in reader.keys for reader in readers):
                 continue
             if key not in base.keys:

@@ -39,8 +39,70 @@ def check_not_empty(task: str, batches: list[Batch]) -> None:
         raise ValueError(f"calibration_data[{task!r}] is empty: at least one example per task is needed.")
 
 
+#: Config fields that may differ between models merged or calibrated together, because they do not
+#: change the function the weights compute (names, labels and their heads' bookkeeping, storage dtype,
+#: library version, output and cache switches, the attention kernel, tokenizer and generation ids,
+#: initialisation, whether a decoder exists; and every field whose name holds "dropout", "pdrop",
+#: "drop_path" or "layerdrop", the identity at inference). Every other field of a transformers config
+#: must be equal (`function_differences`).
+FUNCTION_NEUTRAL_FIELDS = frozenset({
+    "_name_or_path", "name_or_path", "_commit_hash", "architectures", "transformers_version", "torch_dtype",
+    "dtype", "id2label", "label2id", "num_labels", "problem_type", "finetuning_task", "task_specific_params",
+    "use_cache", "output_hidden_states", "output_attentions", "return_dict", "torchscript", "use_return_dict",
+    "_attn_implementation", "attn_implementation", "_attn_implementation_autoset", "_experts_implementation",
+    "tokenizer_class", "prefix", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
+    "decoder_start_token_id", "initializer_range", "initializer_factor", "logit_scale_init_value",
+    "gradient_checkpointing", "chunk_size_feed_forward", "pretraining_tp",
+    # whether the model has a decoder besides its encoder (T5EncoderModel vs T5ForConditionalGeneration):
+    # which parts exist, which the key and shape matching decides; the shared parts compute the same
+    "is_encoder_decoder",
+})
+
+
+def _neutral(field: str) -> bool:
+    return (field in FUNCTION_NEUTRAL_FIELDS or field.startswith("hf_featcal_")
+            or any(word in field for word in ("dropout", "pdrop", "drop_path", "layerdrop")))
+
+
+def function_differences(ours: Any, theirs: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """Field → (ours, theirs) for every field of two transformers configs (or their dicts) that changes
+    the function (`FUNCTION_NEUTRAL_FIELDS` are left out): `model_type`, the geometry, activation, norm
+    eps, rope_theta / rope_scaling, tied embeddings, ... ; a mapping (a sub-config, `rope_parameters`)
+    field by field. A
+    field only one of them has (an older transformers' config) is not compared. Configs without
+    `to_dict` (open_clip's geometry): nothing here, `LayerMap.compatibility` compares them."""
+    mine = ours.to_dict() if hasattr(ours, "to_dict") else ours
+    other = theirs.to_dict() if hasattr(theirs, "to_dict") else theirs
+    if not isinstance(mine, dict) or not isinstance(other, dict):
+        return {}
+    found: dict[str, tuple[Any, Any]] = {}
+    for field in mine.keys() & other.keys():
+        if _neutral(field):
+            continue
+        a, b = mine[field], other[field]
+        if isinstance(a, dict) and isinstance(b, dict):  # a sub-config, rope_parameters: field by field
+            found.update(function_differences(a, b, f"{prefix}{field}."))
+        elif a != b:
+            found[prefix + field] = (a, b)
+    return found
+
+
+def check_same_function(argument: str, merged_config: Any, config: Any, what: str = "merged") -> None:
+    """`config` (of `argument`) computes the function of `merged_config` (the `what` model's): a
+    ValueError naming the argument, each field and both values otherwise (`function_differences`)."""
+    diff = function_differences(merged_config, config)
+    if diff:
+        detail = ", ".join(f"{k}: {what} {a!r} vs {b!r}" for k, (a, b) in sorted(diff.items()))
+        raise ValueError(
+            f"`{argument}` has a different configuration from the {what} model ({detail}): it computes another "
+            "function, so its weights cannot be merged or calibrated with it (the fields that may differ: "
+            "hf_featcal.pipeline.checks.FUNCTION_NEUTRAL_FIELDS)."
+        )
+
+
 def check_compatible(source: ModelSource, layer_map: LayerMap, model: nn.Module, merged_config: Any) -> None:
-    """`source` (an expert or the base) has the merged model's architecture, configuration and tower shapes."""
+    """`source` (an expert or the base) has the merged model's architecture, configuration (every field
+    that changes the function, `check_same_function`, of the tower's config) and tower shapes."""
     argument = source.argument
     if model_type_of(source.config) == model_type_of(merged_config):
         other_map = layer_map  # also an inferred one
@@ -56,6 +118,7 @@ def check_compatible(source: ModelSource, layer_map: LayerMap, model: nn.Module,
     if diff:
         detail = ", ".join(f"{k}: merged {a!r} vs {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"`{argument}` has a different configuration from the merged model ({detail}).")
+    check_same_function(argument, layer_map.tower_config(merged_config), other_map.tower_config(source.config))
     mine = {k: tuple(v.shape) for k, v in layer_map.tower(model).state_dict().items()}
     other_shapes = source.tower_shapes(model)
     missing = sorted(set(mine) - set(other_shapes))

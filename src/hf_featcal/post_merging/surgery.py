@@ -38,7 +38,7 @@ from .corrections import CORRECTIONS, ProbSurgeryModule, SurgeryModule
 from .representation import RepresentationPoint, representation_point, representations, required_batch_keys
 from .task_modules import TaskModules, task_seed
 
-__all__ = ["DEFAULT_STEPS", "ProbSurgeryModule", "SurgeryModule", "fit_surgery", "train_module"]
+__all__ = ["DEFAULT_STEPS", "ProbSurgeryModule", "SurgeryModule", "calibration_batches", "fit_surgery", "train_module"]
 
 #: Training steps per task (per module) when `steps` is None: the papers' settings.
 DEFAULT_STEPS = {"surgery": 1000, "prob_surgery": 5000}
@@ -65,7 +65,7 @@ def train_module(
     optimizer = torch.optim.Adam(module.parameters(), lr=lr)
     rows, position = len(inputs), len(inputs)
     order = torch.empty(0, dtype=torch.long)
-    losses = []
+    losses: list[Tensor] = []
     progress = _progress(steps, description) if show_progress else None
     module.train()
     try:
@@ -77,23 +77,23 @@ def train_module(
             loss = module.training_loss(inputs[index], targets[index], generator)  # type: ignore[operator]
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            value = float(loss.detach())
-            # checked before the step, so the module keeps the last finite parameters
-            if not math.isfinite(value) or not all(bool(torch.isfinite(p.grad).all())
-                                                   for p in module.parameters() if p.grad is not None):
+            # checked before the step, so the module keeps the last finite parameters; one sum carries
+            # any NaN/Inf of the loss and the gradients, so the check costs one device sync per step
+            grads = [p.grad.abs().sum() for p in module.parameters() if p.grad is not None]
+            if not math.isfinite(float(loss.detach() + torch.stack(grads).sum())):
                 raise ValueError(
                     f"{description or 'the module'}: the loss or its gradient became non-finite at step {step} "
-                    f"(loss {value}); lower `lr`."
+                    f"(loss {float(loss.detach())}); lower `lr`."
                 )
             optimizer.step()
-            losses.append(value)
+            losses.append(loss.detach())
             if progress is not None:
                 progress.update(1)
     finally:
         module.eval()
         if progress is not None:
             progress.close()
-    return losses
+    return torch.stack(losses).tolist() if losses else []
 
 
 def _progress(total: int, description: str) -> Any:
@@ -136,6 +136,15 @@ def _check_arguments(method: Any, rank: Any, hidden: Any, steps: Any, lr: Any, b
         _check_int("data_seed", data_seed, 0)
 
 
+def _check_device(device: Any) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"`device` must be a torch device or its name (e.g. 'cpu', 'cuda:0'), got {device!r}."
+        ) from None
+
+
 def _check_batches(task: str, batches: list[Batch], keys: tuple[str, ...]) -> None:
     for index, batch in enumerate(batches):
         missing = [key for key in keys if key not in batch]
@@ -147,23 +156,23 @@ def _check_batches(task: str, batches: list[Batch], keys: tuple[str, ...]) -> No
 
 
 # ---------------------------------------------------------------------------- experts
-def _expert_model(source: ModelSource) -> nn.Module:
+def _expert_model(source: ModelSource, base_model: Any) -> nn.Module:
     """The expert as a whole model: the caller's, or loaded from its folder / hub id (a LoRA adapter:
-    merged into the base it records)."""
+    a copy of `base_model` with the adapter merged in)."""
     if isinstance(source, InMemorySource):
         return source.model
     assert source.name is not None  # a source opened from a folder or hub id keeps its name
-    return load_model(source.name, source.argument)
+    return load_model(source.name, source.argument, base=base_model)
 
 
 def _expert_representations(
-    merged: nn.Module, source: ModelSource, point: RepresentationPoint, batches: list[Batch]
+    merged: nn.Module, source: ModelSource, point: RepresentationPoint, batches: list[Batch], base_model: Any = None
 ) -> Tensor:
     """The expert's representations: its own model's, where it has the merged model's representation
     point (a full CLIPModel expert uses its own projection); else (a bare tower, e.g. a CLIPVisionModel
     expert of a merged CLIPModel) the merged architecture with the expert's tower weights loaded into a
     copy, so the parts outside the tower (CLIP's projection) are the merged model's."""
-    expert = _expert_model(source)
+    expert = _expert_model(source, base_model)
     try:
         own = representation_point(expert)
     except (ValueError, TypeError):
@@ -180,6 +189,38 @@ def _expert_representations(
 
 
 # ---------------------------------------------------------------------------- the step
+def calibration_batches(
+    merged: nn.Module,
+    calibration_data: Mapping[str, Any],
+    *,
+    num_samples_per_task: int | None = None,
+    data_seed: int | None = None,
+    processing_class: Any = None,
+    data_collator: Callable[[list[dict]], Batch] | None = None,
+    max_length: int | None = None,
+) -> dict[str, list[Batch]]:
+    """Task → the calibration batches `fit_surgery` computes representations on: taken as
+    `FeatCalCalibrator` takes them (`data.prepare_batches`, `FeatCalConfig`'s default batch size, the
+    draw seeded with `data_seed`, default `FeatCalConfig`'s seed), so FeatCal and these steps given the
+    same data and numbers see the same examples. Every task gives a batch, and every batch has what the
+    representation's forward needs (ValueErrors naming the task and batch otherwise)."""
+    point = representation_point(merged)
+    layer_map = get_layer_map(merged, "merged")
+    defaults = FeatCalConfig()
+    text_limit = text_length_limit(max_length, layer_map.tower_config(model_config(merged)), processing_class)
+    keys = required_batch_keys(merged, point)
+    batches: dict[str, list[Batch]] = {}
+    for task, data in calibration_data.items():
+        batches[task] = prepare_batches(
+            task, data, main_input_name=layer_map.main_input_name, num_samples=num_samples_per_task,
+            batch_size=defaults.batch_size, seed=defaults.seed if data_seed is None else data_seed,
+            data_collator=data_collator, processing_class=processing_class, max_length=text_limit,
+        )
+        check_not_empty(task, batches[task])
+        _check_batches(task, batches[task], keys)
+    return batches
+
+
 def fit_surgery(
     merged: nn.Module,
     experts: Mapping[str, nn.Module | str | os.PathLike],
@@ -201,6 +242,7 @@ def fit_surgery(
     data_seed: int | None = None,
     data_collator: Callable[[list[dict]], Batch] | None = None,
     max_length: int | None = None,
+    base_model: nn.Module | str | os.PathLike | None = None,
 ) -> TaskModules:
     """Train Representation Surgery (`method="surgery"`) or ProbSurgery (`"prob_surgery"`) modules that
     correct `merged`'s representation (`representation.representation_point`) towards each task's expert.
@@ -208,7 +250,7 @@ def fit_surgery(
     Args:
         merged: the merged model (frozen: never changed; run in eval mode).
         experts: task → expert (a model, a local folder or a hub id; a LoRA adapter folder is merged
-            into the base it records). A bare tower (a `CLIPVisionModel` expert of a merged `CLIPModel`)
+            into `base_model`). A bare tower (a `CLIPVisionModel` expert of a merged `CLIPModel`)
             is read through the merged model's parts outside the tower (its projection).
         calibration_data: task → `datasets.Dataset` or iterable of batches, as `FeatCalCalibrator`
             takes it (never the test split).
@@ -228,6 +270,8 @@ def fit_surgery(
         data_seed: the draw's seed; None: `FeatCalConfig`'s default seed, so FeatCal and these steps
             draw the same examples.
         data_collator, max_length: as `FeatCalCalibrator` / `FeatCalConfig.max_length`.
+        base_model: the model LoRA adapter experts were trained on (a model, folder or hub id); needed
+            only for adapter experts.
 
     Every argument is checked before any forward. Returns the trained `TaskModules` (apply them with
     `modules.for_task(merged, task)`).
@@ -240,31 +284,25 @@ def fit_surgery(
     tasks = check_tasks(experts, calibration_data)
     layer_map = get_layer_map(merged, "merged")
     config = model_config(merged)
-    sources = {task: make_source(experts[task], f"experts[{task!r}]", layer_map) for task in tasks}
+    base = None if base_model is None else make_source(base_model, "base_model", layer_map)
+    sources = {task: make_source(experts[task], f"experts[{task!r}]", layer_map, base) for task in tasks}
     for source in sources.values():
         check_compatible(source, layer_map, merged, config)
         source.check_finite(merged)
-    train_device = torch.device(device) if device is not None else module_device(merged)
-    defaults = FeatCalConfig()
-    text_limit = text_length_limit(max_length, layer_map.tower_config(config), processing_class)
-    keys = required_batch_keys(merged, point)
-    batches: dict[str, list[Batch]] = {}
-    for task in tasks:
-        batches[task] = prepare_batches(
-            task, calibration_data[task], main_input_name=layer_map.main_input_name,
-            num_samples=num_samples_per_task, batch_size=defaults.batch_size,
-            seed=defaults.seed if data_seed is None else data_seed, data_collator=data_collator,
-            processing_class=processing_class, max_length=text_limit,
-        )
-        check_not_empty(task, batches[task])
-        _check_batches(task, batches[task], keys)
+    train_device = _check_device(device) if device is not None else module_device(merged)
+    batches = calibration_batches(
+        merged, {task: calibration_data[task] for task in tasks}, num_samples_per_task=num_samples_per_task,
+        data_seed=data_seed, processing_class=processing_class, data_collator=data_collator, max_length=max_length,
+    )
+    data_seed = FeatCalConfig().seed if data_seed is None else data_seed
 
     # the frozen models' representations, once per calibration input
     inputs = {task: representations(merged, batches[task], point, argument="merged").to(train_device)
               for task in tasks}
     targets = {}
     for task in tasks:
-        targets[task] = _expert_representations(merged, sources[task], point, batches[task]).to(train_device)
+        targets[task] = _expert_representations(merged, sources[task], point, batches[task],
+                                                base_model).to(train_device)
         if targets[task].shape != inputs[task].shape:
             raise ValueError(f"`experts[{task!r}]` gives representations of shape {tuple(targets[task].shape)}, "
                              f"the merged model {tuple(inputs[task].shape)}.")
@@ -276,7 +314,7 @@ def fit_surgery(
         training={"steps": steps, "lr": lr, "batch_size": batch_size, "optimizer": "Adam",
                   "rows_per_task": {task: len(inputs[task]) for task in tasks},
                   "num_samples_per_task": num_samples_per_task,
-                  "data_seed": defaults.seed if data_seed is None else data_seed},
+                  "data_seed": data_seed},
     ).to(train_device)
     if shared:
         train_module(modules.module_for(None), torch.cat([inputs[t] for t in tasks]),

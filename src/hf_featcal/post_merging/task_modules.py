@@ -21,7 +21,12 @@ from torch import Tensor, nn
 
 from ..experts import module_device
 from .corrections import CORRECTIONS
-from .representation import RepresentationPoint, check_point_module, replace_representation
+from .representation import (
+    RepresentationPoint,
+    check_point_module,
+    replace_representation,
+    representation_point,
+)
 
 #: The files `save_pretrained` writes (the manifest of a model save that includes them lists them).
 WEIGHTS_NAME = "post_merging_modules.safetensors"
@@ -109,8 +114,12 @@ class TaskModules(nn.Module):
         weight = next(module.parameters())
         return module(z.to(device=weight.device, dtype=weight.dtype)).to(device=z.device, dtype=z.dtype)
 
-    def apply(self, z: Tensor, task: str | None = None) -> Tensor:  # type: ignore[override]
-        """Same as calling the modules: the corrected representation of `task`."""
+    def apply(self, z: Any, task: str | None = None) -> Any:
+        """Same as calling the modules: the corrected representation of `task`. Given a function instead
+        of a tensor, `nn.Module.apply` (the function applied to every submodule), which torch and
+        transformers call on a model's children."""
+        if not isinstance(z, Tensor) and callable(z):
+            return super().apply(z)
         return self(z, task)
 
     @contextlib.contextmanager
@@ -119,6 +128,12 @@ class TaskModules(nn.Module):
         correction for `task`; the hook is removed on exit, also after an exception. Yields `model`."""
         module = self.module_for(task)
         target = check_point_module(model, self.point)
+        here = representation_point(model)
+        if (here.module, here.selection, here.dim) != (self.point.module, self.point.selection, self.point.dim):
+            raise ValueError(
+                f"`model` ({type(model).__name__}) reads its representation at {here.module!r} ({here.dim} "
+                f"features), these modules were trained at {self.point.module!r} ({self.point.dim} features)."
+            )
         device = module_device(target) if any(True for _ in target.parameters()) else module_device(model)
         weight = next(module.parameters())
         if weight.device != device:

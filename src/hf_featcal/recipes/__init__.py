@@ -14,8 +14,9 @@ the fields of `FeatCalConfig`), which also drive the validation and the matching
     <recipe schema>
 
 ``hf-featcal compare RECIPE`` runs the grid merges × post-merging steps on the recipe's base,
-experts, calibration data and evaluation and ignores its ``merge`` section (list that method and its
-parameters under ``compare.merges`` to have it in the grid). A method's parameters are laid over its
+experts, calibration data and evaluation; the merges are the recipe's ``compare.merges`` when it has a
+``compare`` section (without ``merges``: every merge), else its own ``merge`` (``--all-merges``: every
+merge; `hf_featcal.compare.recipe_grid`). A method's parameters are laid over its
 ``DEFAULT_MERGES`` entry; their names and values are checked here with the rest of the recipe (so
 ``run --check`` refuses a bad one too).
 
@@ -38,7 +39,8 @@ shuffled with ``featcal.seed`` and cut); the :class:`~hf_featcal.FeatCalConfig` 
 ``num_samples_per_task=None``.
 
 The package: `spec` (the spec dataclasses, `RecipeError`, `KeyChecker`), `parse` (YAML → `Recipe`),
-`load` (datasets, evaluation) and `run` (the stages, the card, the upload).
+`load` (datasets, evaluation), `preflight` (what `run`, `compare` and ``run --check`` check before the
+merge) and `run` (the stages, the card, the upload).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from .parse import (
     parse_recipe,
     validate_merge_spec,
 )
+from .preflight import check_recipe_inputs, check_recipe_targets
 from .run import (
     CalibrationRun,
     RecipeInputs,
@@ -70,6 +73,7 @@ from .run import (
     calibrate_merged,
     check_fast_mode,
     check_output_dir,
+    lm_eval_table,
     load_calibration_data,
     merge_experts,
     prepare_recipe_inputs,
@@ -104,7 +108,10 @@ __all__ = [
     "check_family",
     "check_fast_mode",
     "check_output_dir",
+    "check_recipe_inputs",
+    "check_recipe_targets",
     "evaluate_model",
+    "lm_eval_table",
     "load_calibration_data",
     "load_dataset_spec",
     "load_recipe",

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..architectures import model_type_of
-from ..families import detect_family, get_family
+from ..families import detect_family, get_family, no_family_reason
 from .spec import DatasetSpec, EvaluationSpec
 
 __all__ = [
@@ -73,7 +73,8 @@ def check_family(model: Any, family: str, argument: str) -> None:
     found = model_family_of(model)
     if found != family:
         model_type = model_type_of(model)
-        raise ValueError(f"{argument} has model_type {model_type!r}, which is not a {family!r} model")
+        why = f"it is a {found!r} model" if found is not None else no_family_reason(model)
+        raise ValueError(f"{argument} has model_type {model_type!r}, which is not a {family!r} model: {why}")
 
 
 def evaluate_model(
@@ -85,7 +86,9 @@ def evaluate_model(
     clip_model: Any = None,
     device: Any = None,
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    """Score `model` on every task of `spec`; returns (task → headline score in [0, 1], details)."""
+    """Score `model` on every task of `spec`; returns (task → headline score, details). Scores the
+    family has beyond the tasks' (lm-evaluation-harness tasks) are in the details under their name
+    (``"lm_eval"``)."""
     model_family = get_family(family)
     scores: dict[str, float] = {}
     details: dict[str, Any] = {}
@@ -98,4 +101,5 @@ def evaluate_model(
         scores[task], details[task] = model_family.evaluate_task(
             model, task, ds, data_spec, spec, processing=processing, clip_model=clip_model, device=device
         )
+    details.update(model_family.evaluate_whole_model(model, spec, processing=processing, device=device))
     return scores, details

@@ -257,7 +257,10 @@ def parse_recipe(
 
     calibration = parse_calibration(v, data["calibration"], family, tasks, default_num)
 
-    evaluation_raw = data.get("evaluation", {})
+    evaluation_raw = data.get("evaluation", {} if get_family(family).evaluates else False)
+    if evaluation_raw is not False and not get_family(family).evaluates:
+        raise v.error("evaluation", f"model_family {family!r} has no built-in evaluation "
+                      f"({get_family(family).no_evaluation_reason}); set evaluation: false or leave it out")
     evaluation = None if evaluation_raw is False else _parse_evaluation(v, evaluation_raw, family, tasks, calibration)
 
     output_dir = os.path.expanduser(v.checked("output_dir", data.get("output_dir") or default_output_dir))
@@ -301,6 +304,15 @@ def _parse_merge(v: KeyChecker, section: Any) -> MergeSpec:
     return validate_merge_spec(method, {k: val for k, val in section.items() if k != "method"}, v)
 
 
+def needs_data_reason(method: str) -> str:
+    """Why a merge method that needs calibration data (RegMean, RegMean++) is not a merge step of its own,
+    and where it runs."""
+    return (f"{method!r} needs calibration data, which a merge on its own does not take: run it in the grid of "
+            f"`hf-featcal compare RECIPE` (a recipe with a calibration section and compare: merges: "
+            f"{{{method}: {{}}}}) or from Python: hf_featcal.merging.merge_models(base, experts, {method!r}, "
+            "calibration_data=...)")
+
+
 def validate_merge_spec(method: Any, params: Mapping[str, Any], validator: KeyChecker | None = None) -> MergeSpec:
     """Check a merge method and its parameters (also used by the CLI); returns a `MergeSpec`.
 
@@ -309,6 +321,8 @@ def validate_merge_spec(method: Any, params: Mapping[str, Any], validator: KeyCh
     """
     v = validator if isinstance(validator, KeyChecker) else KeyChecker()
     offered = list(merge_methods(calibration_data=False))
+    if method in merge_methods(calibration_data=True):
+        raise v.error("merge.method", f"{needs_data_reason(method)}; a merge section takes one of {offered}")
     if method not in offered:
         raise v.error("merge.method", f"must be one of {offered}, got {method!r}")
     declared = merge_parameters(method)
@@ -640,6 +654,21 @@ def _parse_evaluation(  # noqa: C901 - one flat check per key of the evaluation 
     clip_model = section.get("clip_model")
     if clip_model is not None:
         clip_model = v.source(clip_model, "evaluation.clip_model", kind="model")
+    lm_eval_tasks = v.string_list(section["lm_eval_tasks"], "evaluation.lm_eval_tasks") if "lm_eval_tasks" in section \
+        else []
+    if lm_eval_tasks:
+        from ..evaluation.lm_harness import LM_EVAL_INSTALL, lm_eval_installed
+
+        if not lm_eval_installed():
+            raise v.error("evaluation.lm_eval_tasks", f"needs lm-evaluation-harness, not installed: {LM_EVAL_INSTALL}")
+    include_path = section.get("lm_eval_include_path")
+    if include_path is not None:
+        v.checked("evaluation.lm_eval_include_path", include_path)
+        if not lm_eval_tasks:
+            raise v.error("evaluation.lm_eval_include_path", "needs evaluation.lm_eval_tasks (the tasks it defines)")
+        include_path = v.local_path(include_path, "evaluation.lm_eval_include_path", "folder")
+        if include_path is None or not os.path.isdir(include_path):
+            raise v.error("evaluation.lm_eval_include_path", "must be an existing local folder of task YAMLs")
     return EvaluationSpec(
         tasks=eval_tasks,
         datasets=specs,
@@ -648,4 +677,6 @@ def _parse_evaluation(  # noqa: C901 - one flat check per key of the evaluation 
         class_names=class_names,
         templates=templates,
         clip_model=clip_model,
+        lm_eval_tasks=lm_eval_tasks,
+        lm_eval_include_path=include_path,
     )

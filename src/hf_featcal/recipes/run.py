@@ -15,6 +15,14 @@ from ..config import FeatCalConfig
 from ..families import ModelFamily
 from .load import check_family, evaluate_model, prepare_calibration
 from .parse import Recipe
+from .preflight import (
+    check_fast_mode,
+    check_output_dir,
+    check_recipe_inputs,
+    check_recipe_targets,
+    recipe_input_folders,
+    recipe_writer,
+)
 from .spec import DatasetSpec, EvaluationSpec, MergeSpec, RecipeError
 
 __all__ = [
@@ -25,6 +33,7 @@ __all__ = [
     "calibrate_merged",
     "check_fast_mode",
     "check_output_dir",
+    "lm_eval_table",
     "load_calibration_data",
     "merge_experts",
     "prepare_recipe_inputs",
@@ -61,7 +70,14 @@ def prepare_recipe_inputs(recipe: Recipe, *, evaluate: bool = True, log: Callabl
     base = load_model(recipe.base, "base")
     check_family(base, family, "base")
     model_family = recipe.family
-    processing = model_family.load_processing(recipe.base)
+    try:
+        processing = model_family.load_processing(recipe.base)
+    except (OSError, ValueError, TypeError) as err:  # transformers' error would speak of the hub
+        raise RecipeError(
+            "base", f"{recipe.base!r} has no {model_family.processing_name} to process the calibration data with: "
+            "save the base's processor with it (processor.save_pretrained(<base folder>)) or set base to a model "
+            "that has one (--debug shows transformers' error)", recipe.source,
+        ) from err
     clip_model = None
     if recipe.evaluation is not None and evaluate:  # the text tower of zero-shot heads, before merging
         clip_model, processing = model_family.recipe_text_model(base, recipe.evaluation, processing, load_model)
@@ -118,65 +134,6 @@ class RecipeResult:
 # same inputs from their flags and call the same stages (a given merged model replaces *merge*):
 #   check_output_dir → prepare_recipe_inputs / load_calibration_data → merge_experts →
 #   build_calibrator → calibrate_merged (evaluating before and after when asked) → save_run → push_run
-
-
-def check_output_dir(
-    output_dir: str,
-    key: str = "output_dir",
-    source: str | None = None,
-    *,
-    inputs: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    model_folder: bool = True,
-) -> None:
-    """Stage *check*: refuse, before anything is loaded, an output folder a save cannot go to
-    (`hf_featcal.saving.check_output_dir`, the rule the save applies again): not writable, one of the
-    run's `inputs` (or inside or around one), or non-empty and not an earlier save unless `overwrite`.
-    `model_folder=False` (outputs that are not a model save, e.g. compare's tables): writability only.
-
-    Raises:
-        RecipeError: naming `key`.
-    """
-    from ..saving import FolderError, check_writable_folder
-    from ..saving import check_output_dir as check_save_folder
-
-    try:
-        if model_folder:
-            check_save_folder(output_dir, key, inputs=inputs, overwrite=overwrite)
-        else:
-            check_writable_folder(output_dir, key)
-    except FolderError as err:
-        raise RecipeError(key, err.reason, source) from None
-
-
-def recipe_input_folders(recipe: Recipe) -> dict[str, str]:
-    """Recipe key → local path of everything the run reads (base, experts, local datasets, the
-    evaluation's CLIP model); hub ids are left out by `hf_featcal.saving.check_output_dir`."""
-    folders = {"base": recipe.base, **{f"experts.{task}": path for task, path in recipe.experts.items()}}
-    for task, spec in recipe.calibration.items():
-        if spec.is_local:
-            folders[f"calibration.tasks.{task}.dataset"] = spec.dataset
-    if recipe.evaluation is not None:
-        for task, spec in recipe.evaluation.datasets.items():
-            if spec.is_local:
-                folders[f"evaluation.datasets.{task}"] = spec.dataset
-        if recipe.evaluation.clip_model:
-            folders["evaluation.clip_model"] = recipe.evaluation.clip_model
-    return folders
-
-
-def check_fast_mode(recipe: Recipe, base: Any) -> None:
-    """Refuse ``featcal.forward_dtype`` when it cannot run the (loaded) base's dtype, before merging.
-
-    Raises:
-        RecipeError: naming ``featcal.forward_dtype``.
-    """
-    from ..pipeline.checks import check_forward_dtype
-
-    try:
-        check_forward_dtype(recipe.featcal, {"base": base})
-    except ValueError as err:
-        raise RecipeError("featcal.forward_dtype", str(err), recipe.source) from None
 
 
 def merge_experts(base: Any, experts: Mapping[str, Any], merge: MergeSpec, *,
@@ -246,12 +203,15 @@ def save_run(
     recipe: Recipe | None = None,
     overwrite: bool = False,
     inputs: Mapping[str, Any] | None = None,
+    written_by: Mapping[str, str] | None = None,
 ) -> tuple[str | None, str | None]:
     """Stage *save*: one save (`hf_featcal.saving.atomic_folder`, one manifest) of the calibrated folder
     (`save_calibrated`'s files) and, with the run's `recipe`, the before / after table
     (``featcal_evaluation.json``, the model card's evaluation section) and the resolved recipe
     (``featcal_recipe.yaml``). `output_dir` is checked as the *check* stage does (`inputs`: the run's
-    sources besides the calibrator's own; `overwrite`). Returns (drift plot path, scores table)."""
+    sources besides the calibrator's own; `overwrite`; `written_by`, recorded in the manifest: an
+    earlier save of another writer is replaced only with `overwrite`). Returns (drift plot path, scores
+    table)."""
     import yaml
 
     from ..evaluation.results import scores_table
@@ -260,11 +220,15 @@ def save_run(
     table = None
     if recipe is not None and recipe.evaluation is not None and run.before is not None and run.after is not None:
         rows = {recipe.merge.describe(): run.before, f"{recipe.merge.describe()} + FeatCal": run.after}
-        table = scores_table(rows, recipe.evaluation.tasks)
+        table = scores_table(rows, recipe.evaluation.tasks, percent=model_family.score_in_percent)
+        harness = lm_eval_table(run.details, {recipe.merge.describe(): "before",
+                                              f"{recipe.merge.describe()} + FeatCal": "after"})
+        if harness:
+            table += "\n\nlm-evaluation-harness (zero-shot)\n\n" + harness
     if not run.calibrator.state.is_main_process:
         return None, table
     with atomic_folder(output_dir, inputs={**run.calibrator.input_folders(), **(inputs or {})},
-                       overwrite=overwrite) as folder:
+                       overwrite=overwrite, written_by=written_by) as folder:
         plot_name = _write_calibrated(run.calibrator, folder, model_family, processing)
         if table is not None:
             assert recipe is not None
@@ -371,10 +335,11 @@ def run_recipe(
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     inputs_read = recipe_input_folders(recipe)
-    check_output_dir(recipe.output_dir, "output_dir", recipe.source, inputs=inputs_read,
-                     overwrite=recipe.overwrite)  # before anything is loaded or merged
+    # the pre-flight: output folder and push before anything is loaded; module selection, batches and
+    # class names against the base and the data before anything is merged
+    check_recipe_targets(recipe, push=push_to_hub)
     inputs = prepare_recipe_inputs(recipe, evaluate=evaluate, log=log)
-    check_fast_mode(recipe, inputs.base)  # the merge is in the base's dtype
+    check_recipe_inputs(recipe, inputs, evaluate=evaluate, device=device)
     timings["load"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
@@ -388,7 +353,7 @@ def run_recipe(
                            evaluation=recipe.evaluation if evaluate else None, clip_model=inputs.clip_model, log=log)
     timings.update(run.timings)
     plot_path, table = save_run(run, recipe.output_dir, recipe.family, inputs.processing, recipe=recipe,
-                                overwrite=recipe.overwrite, inputs=inputs_read)
+                                overwrite=recipe.overwrite, inputs=inputs_read, written_by=recipe_writer(recipe))
     pushed = push_run(recipe.output_dir, recipe.push_to_hub if push_to_hub else None, private=recipe.private, log=log)
     return RecipeResult(
         output_dir=recipe.output_dir,
@@ -408,12 +373,30 @@ def _append_to_card(output_dir: str, table: str, recipe: Recipe) -> None:
     splits = sorted({recipe.evaluation.datasets[t].split or "" for t in recipe.evaluation.tasks})
     limit = (f", seeded random subsets of at most {recipe.evaluation.max_samples} examples per task"
              if recipe.evaluation.max_samples else "")
+    heading = recipe.family.score_heading("Headline score per task")
     text = (
-        f"\n## Evaluation\n\nHeadline score per task (%; split {', '.join(splits)}{limit}), "
+        f"\n## Evaluation\n\n{heading}, split {', '.join(splits)}{limit}, "
         f"before and after FeatCal:\n\n{table}\n\n![feature drift per block](featcal_drift.png)\n"
     )
     with open(path, "a", encoding="utf-8") as handle:
         handle.write(text)
+
+
+def lm_eval_table(details: Mapping[str, Any], rows: Mapping[str, str]) -> str | None:
+    """A markdown table of the lm-evaluation-harness scores in evaluation `details` (`rows`: row name →
+    the key of its details, e.g. ``"before"``), one column per task and metric; None when there are none."""
+    found = {name: details.get(key, {}).get("lm_eval") for name, key in rows.items()}
+    found = {name: scores for name, scores in found.items() if scores}
+    if not found:
+        return None
+    columns = sorted({(task, metric) for scores in found.values() for task, metrics in scores.items()
+                      for metric in metrics})
+    lines = ["| model | " + " | ".join(f"{task} {metric}" for task, metric in columns) + " |",
+             "|---|" + "---:|" * len(columns)]
+    for name, scores in found.items():
+        cells = [f"{scores[task][metric]:.4f}" if metric in scores.get(task, {}) else "–" for task, metric in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def upload_folder(folder: str, repo_id: str, *, private: bool | None = None) -> Any:

@@ -73,6 +73,9 @@ class DatasetSpec:
         label_column: CLIP evaluation: the label column (renamed to ``label``).
         glue_task: FLAN-T5: the GLUE task whose prompt format is applied.
         max_input_length, max_target_length: FLAN-T5: token truncation lengths.
+        text_column, messages_column: text families: the column of text, or of chat messages rendered
+            by the base's chat template (None: ``text``).
+        max_length: text families: token truncation length (None: none).
     """
 
     dataset: str
@@ -85,6 +88,9 @@ class DatasetSpec:
     glue_task: str | None = None
     max_input_length: int | None = _CALIBRATION_DATA["max_input_length"].default
     max_target_length: int | None = _CALIBRATION_DATA["max_target_length"].default
+    text_column: str | None = None
+    messages_column: str | None = None
+    max_length: int | None = _CALIBRATION_DATA["max_length"].default
 
 
 @dataclass
@@ -98,6 +104,8 @@ class EvaluationSpec:
     class_names: dict[str, list[str]] = field(default_factory=dict)
     templates: dict[str, list[str]] = field(default_factory=dict)
     clip_model: str | None = None
+    lm_eval_tasks: list[str] = field(default_factory=list)
+    lm_eval_include_path: str | None = None
 
 
 @dataclass
@@ -187,6 +195,8 @@ class KeyChecker:
                 return os.path.abspath(candidate)
         if explicit_local:
             raise self.error(path, f"local {kind} path {value!r} does not exist")
+        if looks_local(value, [self.base_dir, os.getcwd()]):
+            raise self.error(path, f"no local folder {value!r} ({PATH_RULE})")
         if not HUB_ID.match(value) or ".." in value:
             raise self.error(path, f"{value!r} is neither an existing local path nor a valid hub id")
         return None
@@ -210,6 +220,24 @@ class KeyChecker:
             if not isinstance(item, str) or not item:
                 raise self.error(f"{path}[{i}]", f"must be a non-empty string, got {show(item)}")
         return list(value)
+
+
+#: How a source that names nothing local is told from a hub id (said in the error; docs/recipes.md).
+PATH_RULE = ("a source is a local path when it starts with '/', './', '../' or '~', has a backslash or more "
+             "than one '/', or when its first part before '/' is an existing local folder; "
+             "otherwise `org/name` is a hub id")
+
+
+def looks_local(value: str, folders: list[str]) -> bool:
+    """Whether `value`, which names no existing path, is still meant as a local path (`PATH_RULE`): more
+    than one ``/``, a backslash, or an ``org/name`` form whose ``org`` is an existing folder in one of
+    `folders` (``tiny/bse`` beside ``tiny/base``): refused at once instead of asking the hub for it."""
+    if "\\" in value or value.count("/") > 1:
+        return True
+    if "/" not in value:
+        return False
+    first = value.split("/", 1)[0]
+    return any(os.path.isdir(os.path.join(folder, first)) for folder in folders)
 
 
 def join_key(path: str, key: str) -> str:

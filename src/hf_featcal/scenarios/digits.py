@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..progress import progress_bar
 from .base import (
     MergingScenario,
     ScenarioSettings,
@@ -293,19 +294,23 @@ def _train(
     batch_size: int,
     generator: torch.Generator,
     train_head: bool,
+    description: str,
 ) -> None:
     params = list(vision_model.parameters()) + (list(head.parameters()) if train_head else [])
     head.requires_grad_(train_head)
     optimizer = torch.optim.Adam(params, lr=lr)
     vision_model.train()
-    for _ in range(epochs):
-        order = torch.randperm(len(images), generator=generator)
-        for start in range(0, len(images), batch_size):
-            idx = order[start : start + batch_size]
-            loss = F.cross_entropy(head(_pooled(vision_model, images[idx])), labels[idx])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+    starts = range(0, len(images), batch_size)
+    with progress_bar(total=epochs * len(starts), desc=description, unit="step") as bar:
+        for _ in range(epochs):
+            order = torch.randperm(len(images), generator=generator)
+            for start in starts:
+                idx = order[start : start + batch_size]
+                loss = F.cross_entropy(head(_pooled(vision_model, images[idx])), labels[idx])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                bar.update(1)
     vision_model.eval()
     head.requires_grad_(True)
     vision_model.zero_grad(set_to_none=True)
@@ -326,7 +331,7 @@ def pretrain_base(
     generator = generator or torch.Generator().manual_seed(0)
     head = nn.Linear(vision_model.config.hidden_size, int(labels.max()) + 1)
     _train(vision_model, head, images, labels, epochs=epochs, lr=lr, batch_size=batch_size,
-           generator=generator, train_head=True)
+           generator=generator, train_head=True, description="Pre-training the base")
     return vision_model
 
 
@@ -378,15 +383,17 @@ def finetune_expert(
     batch_size: int = 64,
     train_head: bool = False,
     generator: torch.Generator | None = None,
+    description: str = "Fine-tuning an expert",
 ) -> nn.Module:
     """Fully fine-tune a deep copy of ``base_model`` on one task (Adam); returns the expert.
 
-    The head is frozen unless ``train_head`` (then it is updated in place).
+    The head is frozen unless ``train_head`` (then it is updated in place). ``description`` labels the
+    progress bar (`hf_featcal.progress`).
     """
     generator = generator or torch.Generator().manual_seed(0)
     expert = copy.deepcopy(base_model)
     _train(expert, head, images, labels, epochs=epochs, lr=lr, batch_size=batch_size,
-           generator=generator, train_head=train_head)
+           generator=generator, train_head=train_head, description=description)
     return expert.eval()
 
 
@@ -561,6 +568,8 @@ def build_digits_scenario(
         **overrides: Any other field of ``DigitsScenarioSettings`` (e.g. ``finetune_epochs=5``,
             ``hidden_size=32``) for smaller/faster variants.
 
+    Training the base and each expert shows a progress bar of its steps (`hf_featcal.progress`).
+
     Returns:
         A ``DigitsScenario``; every model is in eval mode on CPU.
     """
@@ -640,6 +649,7 @@ def _train_models(
         heads[task] = fit_probe_head(base, d.train_images, d.train_labels, d.num_classes, shots=settings.head_shots)
         experts[task] = finetune_expert(base, heads[task], d.train_images, d.train_labels,
                                         epochs=settings.finetune_epochs, lr=settings.finetune_lr,
-                                        batch_size=settings.batch_size, generator=task_stream)
+                                        batch_size=settings.batch_size, generator=task_stream,
+                                        description=f"Fine-tuning the {task!r} expert")
     return base, experts, heads
 

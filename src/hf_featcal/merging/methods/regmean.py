@@ -14,7 +14,8 @@ task brings the same number of tokens (a common factor cancels in the solve) and
 ``"sum"`` weighs a task by its token count, ``"token_mean"`` weighs tasks alike. FusionBench counts
 every position of the Linear's input, padding included (its GPT-2 variant), a difference by design;
 so is the set of Linears: FusionBench 0.2.33 solves every ``nn.Linear`` of the model, a causal LM's
-``lm_head`` too, ours those inside the blocks (the paper's transformer layers), the head averaged.
+``lm_head`` and a BERT model's pooler too, ours those inside the blocks (the paper's transformer layers),
+those outside averaged.
 With ``gram_rule="token_mean"`` the rest equals FusionBench's ``RegMeanAlgorithmForCLIP`` to float32
 rounding (benchmarks/fusionbench_parity.py; docs/merge-methods.md).
 
@@ -276,6 +277,7 @@ def regmean_merging(
 
     from ...architectures import get_layer_map
     from ...pipeline.context import check_finite
+    from ...progress import progress_bar
     from ..engine import record_merge
 
     check_arguments(base_model, experts, calibration_data, "RegMean")
@@ -290,7 +292,7 @@ def regmean_merging(
     # `check_compatible`), before any Gram
     merged = simple_average(base_model, experts)
     grams = {}
-    for task, expert in experts.items():
+    for task, expert in progress_bar(experts.items(), total=len(experts), desc="RegMean: Grams", unit="expert"):
         grams[task] = expert_grams(expert, batches[task], gram_rule=gram_rule)
         for (si, bi, name), gram in grams[task].items():  # NaN features: named here, not by the solver
             check_finite(gram, features_where(task, bi, stack_names[si], name))

@@ -95,9 +95,7 @@ def wudi_merging(
         ValueError: on an invalid argument (named in the message, before any tensor is read),
             mismatched architectures, non-finite weights, or a non-finite optimisation result.
     """
-    from tqdm.auto import tqdm
-    from transformers.utils import logging as hf_logging
-
+    from ...progress import progress_bar
     from ..engine import merge_task_vectors, sum_delta, validate_base, validate_experts
 
     iter_num, lr = get_method("wudi").check(iter_num=iter_num, lr=lr)
@@ -109,8 +107,8 @@ def wudi_merging(
     def open_progress_bar(readers: list[Expert], state: dict[str, torch.Tensor]) -> None:
         covered = {key for reader in readers for key in reader.keys}
         matrices = sum(1 for key in covered if state[key].dim() == 2)
-        bars.append(tqdm(total=matrices * iter_num, unit="step", desc=f"WUDI: {matrices} matrices × {iter_num} "
-                         "Adam steps", disable=not hf_logging.is_progress_bar_enabled()))
+        bars.append(progress_bar(total=matrices * iter_num, unit="step",
+                                 desc=f"WUDI: {matrices} matrices × {iter_num} Adam steps"))
 
     def delta(key: str, task_vectors: list[tuple[Expert, torch.Tensor]]) -> torch.Tensor:
         total = sum_delta(key, task_vectors)
