@@ -370,8 +370,8 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
 
     The experts are held in memory (RegMean runs each expert's own forward; the ceiling row
     evaluates each expert on its own task); a LoRA adapter expert is the recipe's base with the adapter
-    applied (`hf_featcal.merging.engine.load_expert`), the expert `run` merges."""
-    from .merging.engine import load_expert
+    applied (`hf_featcal.model_io.load_model` with the recipe's base), the expert `run` merges."""
+    from .model_io import load_model
     from .recipes import RecipeError, check_fast_mode, prepare_recipe_inputs, recipe_evaluator
     from .saving import check_writable_folder
 
@@ -402,7 +402,7 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
     check_fast_mode(recipe, inputs.base)
     say(f"Loading {len(recipe.experts)} experts ...")
     # an adapter goes on the recipe's base, as `run` merges it (not on the base its adapter_config.json names)
-    experts = {t: load_expert(source, f"experts.{t}", inputs.base) for t, source in recipe.experts.items()}
+    experts = {t: load_model(source, f"experts.{t}", base=inputs.base) for t, source in recipe.experts.items()}
     evaluate = recipe_evaluator(recipe, inputs, device)
     family = recipe.family
     result = compare_post_merging(

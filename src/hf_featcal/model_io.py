@@ -205,9 +205,9 @@ def load_model(
     with its checkpoint's own class (or `auto_class`, e.g. `AutoModelForSeq2SeqLM`, when given),
     `trust_remote_code=False`, safetensors preferred.
 
-    A PEFT LoRA adapter folder gives the full expert: a copy of `base` (default: the adapter's
-    recorded `base_model_name_or_path`) with the adapter merged in — for evaluation; merging and
-    calibration use adapters per tensor / per block instead.
+    A PEFT LoRA adapter folder (local or a hub snapshot) gives the full expert: a copy of `base`
+    (default: the adapter's recorded `base_model_name_or_path`) with the adapter's tensors written in
+    by `AdapterExpert`, the reader merging and calibration use per tensor / per block.
     """
     if isinstance(source, nn.Module):
         return source
@@ -216,14 +216,11 @@ def load_model(
             f"`{argument}` must be a PreTrainedModel, a local path or a hub id, got {type(source).__name__}."
         )
     path = os.fspath(source)
-    if os.path.isdir(path):
-        repair_interrupted_save(path)  # a save killed between its renames loads as neither save: repaired first
-    if os.path.isfile(os.path.join(path, ADAPTER_CONFIG_NAME)):
-        return _load_adapter_expert(path, argument, base, auto_class)
-    library = library_checkpoint(path, argument)
-    if library is not None:
-        return load_checkpoint(Checkpoint(path, library=library), argument)
-    check_local_path(path, argument)
+    checkpoint = resolve_checkpoint(path, argument)  # also repairs a save killed between its renames
+    if checkpoint.adapter is not None:
+        return _load_adapter_expert(checkpoint.adapter, argument, base, auto_class)
+    if checkpoint.library is not None:
+        return load_checkpoint(checkpoint, argument)
     import transformers
     from transformers import AutoConfig, AutoModel, PreTrainedModel
 
@@ -255,8 +252,6 @@ def load_checkpoint(checkpoint: Checkpoint, argument: str) -> nn.Module:
 
 
 def _load_adapter_expert(folder: str, argument: str, base: ModelLike | None, auto_class: Any) -> nn.Module:
-    from peft import PeftModel
-
     if base is None:
         with open(os.path.join(folder, ADAPTER_CONFIG_NAME), encoding="utf-8") as handle:
             base = json.load(handle).get("base_model_name_or_path")
@@ -266,7 +261,12 @@ def _load_adapter_expert(folder: str, argument: str, base: ModelLike | None, aut
         model = copy.deepcopy(base)
     else:
         model = load_model(base, f"base of {argument}", auto_class=auto_class)
-    return PeftModel.from_pretrained(model, folder).merge_and_unload().eval()
+    adapter = AdapterExpert(LoraAdapter(folder, argument), model, family_layer_map(model))
+    state = model.state_dict()  # shares storage with the model's parameters and buffers
+    with torch.no_grad():
+        for key in adapter.tensors:
+            state[key].copy_(adapter.value(key, state[key]))
+    return model.eval()
 
 
 # ---------------------------------------------------------------------------------------- lazy tensors
@@ -579,6 +579,34 @@ def lora_module_paths(
         f"`{adapter.argument}`: the LoRA adapter adapts modules that {where}the model lacks (or with other "
         f"shapes): {missing[:3]}"
     )
+
+
+class AdapterExpert:
+    """The one reader of an expert given as a LoRA adapter, on the run's base: which tensors of `model`
+    (the run's base, or a model of its architecture) the adapter changes, and their values. Merging
+    (`merging.engine.open_expert`: merges, SVC), FeatCal's per-block reading (`experts.LoraSource`) and
+    whole experts (`load_model`: compare, post-merging steps, evaluation) all read adapters here, so an
+    adapter is the same weights on every path: as PEFT's `merge_and_unload` on that base, an adapted
+    weight is the base's plus (B·A)·scaling, a trained bias (`bias="all"` / `"lora_only"`) replaces the
+    base's. Modules are placed by `lora_module_paths` (`layer_map`, `within` as there)."""
+
+    def __init__(self, adapter: LoraAdapter, model: nn.Module, layer_map: Any = None, within: str = "") -> None:
+        self.adapter = adapter
+        self.root, paths = lora_module_paths(adapter, model, layer_map, within=within)
+        #: qualified tensor name in `model` → (the adapter's module path, "weight" | "bias")
+        self.tensors: dict[str, tuple[str, str]] = {f"{paths[m]}.weight": (m, "weight") for m in adapter.modules}
+        self.tensors.update({f"{paths[m]}.bias": (m, "bias") for m in adapter.biases})
+
+    def value(self, key: str, base_value: torch.Tensor | None = None) -> torch.Tensor:
+        """The expert's tensor `key` (a name in `tensors`) in float32, on `base_value`'s device: the
+        run's base value of that weight (`base_value`) plus the adapter's delta, or the trained bias
+        (the base's bias is not used)."""
+        module, kind = self.tensors[key]
+        if kind == "bias":
+            return self.adapter.bias(module)
+        if base_value is None:
+            raise ValueError(f"`{self.adapter.argument}`: the base value of {key!r} is needed to apply the adapter.")
+        return base_value.float() + self.adapter.delta(module).to(base_value.device)
 
 
 def family_layer_map(model: nn.Module) -> Any:
