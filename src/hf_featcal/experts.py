@@ -19,7 +19,6 @@ from .model_io import (
     load_checkpoint,
     load_model,  # noqa: F401 - documented as importable from here (docs/api.md)
     resolve_checkpoint,
-    safetensors_files,
     tower_key_map,
 )
 
@@ -136,7 +135,7 @@ class CheckpointSource(ModelSource):
 
     def __init__(
         self, folder: str | None, argument: str, name: str, layer_map: LayerMap, config: Any = None,
-        files: dict[str, str] | None = None,
+        files: dict[str, str] | None = None, stored: dict[str, str] | None = None,
     ) -> None:
         """A transformers checkpoint `folder` (config and safetensors found there), or a library
         checkpoint given by its `config` and `files` (state-dict key → safetensors file)."""
@@ -149,7 +148,11 @@ class CheckpointSource(ModelSource):
             except Exception as err:
                 raise ValueError(f"`{argument}`: cannot load a model config from {name!r}: {err}") from err
         self.config = config
-        self._tensors = LazyTensors(safetensors_files(folder, argument) if files is None else files, argument)
+        if files is None:  # the folder's tensors, named as `resolve_checkpoint` names them
+            assert folder is not None
+            checkpoint = resolve_checkpoint(folder, argument)
+            files, stored = checkpoint.files, checkpoint.stored
+        self._tensors = LazyTensors(files, argument, stored)
         self._key_map: dict[str, str] | None = None
 
     # -- keys
@@ -366,7 +369,8 @@ def make_source(
     if checkpoint.library is not None and checkpoint.lazy:
         return CheckpointSource(None, argument, name, layer_map, checkpoint.library.describe(), checkpoint.files)
     if checkpoint.lazy:
-        return CheckpointSource(checkpoint.folder, argument, name, layer_map, files=checkpoint.files)
+        return CheckpointSource(checkpoint.folder, argument, name, layer_map, files=checkpoint.files,
+                                stored=checkpoint.stored)
     return InMemorySource(load_checkpoint(checkpoint, argument), argument, layer_map, name)
 
 

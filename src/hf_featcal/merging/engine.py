@@ -209,7 +209,8 @@ def open_expert(
 
             check_same_function(argument, model_config(merged),
                                 AutoConfig.from_pretrained(checkpoint.folder, trust_remote_code=False), "base")
-        tensors = stack.enter_context(LazyTensors(checkpoint.files, argument))  # files open until the merge ends
+        # the files stay open until the merge ends
+        tensors = stack.enter_context(LazyTensors(checkpoint.files, argument, checkpoint.stored))
         shapes = {key: tensors.shape(key) for key in tensors.keys() if tensors.is_floating(key)}
         fetch = tensors.read
         label = f"checkpoint {os.fspath(source)!r}"
