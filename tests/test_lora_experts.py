@@ -200,3 +200,55 @@ def test_adapter_tensors_that_are_not_read_are_refused_not_dropped(clip_setting,
         task_arithmetic(base, {**experts, "cars": str(tmp_path / "a")})
     with pytest.raises(ValueError, match=named):
         FeatCalCalibrator(merged, base, {**experts, "cars": str(tmp_path / "a")}, data)
+
+
+def test_one_adapter_reader_gives_peft_s_weights_bit_for_bit_on_every_path(clip_setting, tmp_path):
+    """Issue 38 item 1: one adapter folder is the same weights on every path — the merge engine's reader
+    (merges; SVC, which reads the adapter on its `base_model`), FeatCal's per-block source (blocks and the
+    tower's input path), and the whole expert of post-merging steps and compare (`load_model` on the run's
+    base) — each bit-identical to PEFT's own `merge_and_unload` of the folder on that base."""
+    import contextlib
+
+    from hf_featcal.architectures import get_layer_map
+    from hf_featcal.experts import InMemorySource, make_source
+    from hf_featcal.merging.engine import canonical_keys, float_state, open_expert
+    from hf_featcal.post_merging.surgery import _expert_model
+
+    base = clip_setting[0]
+    folder = str(tmp_path / "a")
+    _adapter_with_trained_biases(base, folder, 3, "all")
+    config = PeftModel.from_pretrained(copy.deepcopy(base), folder).peft_config["default"]
+    assert config.lora_alpha == 8 and config.r == 2  # scaling 4: not a no-op
+    # PEFT applies the folder to the base, independently of this library's reading
+    want = PeftModel.from_pretrained(copy.deepcopy(base), folder).merge_and_unload().eval().state_dict()
+    adapted = [k for k, v in base.state_dict().items() if not torch.equal(v, want[k])]
+    assert any(k.endswith("q_proj.weight") for k in adapted) and any(k.endswith("layer_norm1.bias") for k in adapted)
+
+    def check(got: dict, path: str) -> None:
+        for key, value in got.items():
+            assert torch.equal(value.to(want[key].dtype), want[key]), f"{path}: {key}"
+
+    # the merge engine: a merge (the base as the merge's own copy) and SVC (the base read as `base_model`)
+    with contextlib.ExitStack() as stack:
+        model = copy.deepcopy(base)
+        state = float_state(model)
+        canonical = canonical_keys(state)
+        merge_reader = open_expert("a", folder, model, state, canonical, "the base", stack)
+        base_reader = open_expert("base_model", base, model, state, canonical, "the base", stack, "`base_model`")
+        svc_reader = open_expert("a", folder, model, state, canonical, "the base", stack, base=base_reader)
+        assert set(merge_reader.keys) == set(svc_reader.keys) == set(adapted)
+        check({key: merge_reader.read(key) for key in merge_reader.keys}, "merge")
+        check({key: svc_reader.read(key) for key in svc_reader.keys}, "svc")
+    # FeatCal's per-block source: every block, and the input path outside the blocks
+    layer_map = get_layer_map(base)
+    source = make_source(folder, "experts['a']", layer_map, InMemorySource(base, "base_model", layer_map))
+    assert isinstance(source, LoraSource)
+    assert layer_map.tower_prefix(base) == ""  # the tower's names are the model's
+    for index in range(len(layer_map.stacks(base)[0].blocks)):
+        prefix = f"encoder.layers.{index}."
+        got = source.block(base, 0, index, torch.device("cpu")).state_dict()
+        check({prefix + key: value for key, value in got.items()}, f"featcal block {index}")
+    with source.entry_tower(base) as tower:
+        check({k: v for k, v in tower.state_dict().items() if not k.startswith("encoder.")}, "featcal entry")
+    # the whole expert: fit_surgery's loader (and compare's, `load_model` on the recipe's base)
+    check(_expert_model(source, base).state_dict(), "surgery")

@@ -519,8 +519,8 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
 
     The experts are held in memory (RegMean runs each expert's own forward; the ceiling row
     evaluates each expert on its own task); a LoRA adapter expert is the recipe's base with the adapter
-    applied (`hf_featcal.merging.engine.load_expert`), the expert `run` merges."""
-    from .merging.engine import load_expert
+    applied (`hf_featcal.model_io.load_model` with the recipe's base), the expert `run` merges."""
+    from .model_io import load_model
     from .recipes import RecipeError, prepare_recipe_inputs, recipe_evaluator
     from .recipes.preflight import check_recipe_inputs
     from .saving import check_writable_folder
@@ -556,7 +556,7 @@ def compare_recipe(recipe: Any, *, output_dir: str | os.PathLike | None = None,
     check_recipe_inputs(recipe, inputs, featcal=any(s.startswith("featcal") for s in steps), device=device)
     say(f"Loading {len(recipe.experts)} experts ...")
     # an adapter goes on the recipe's base, as `run` merges it (not on the base its adapter_config.json names)
-    experts = {t: load_expert(source, f"experts.{t}", inputs.base) for t, source in recipe.experts.items()}
+    experts = {t: load_model(source, f"experts.{t}", base=inputs.base) for t, source in recipe.experts.items()}
     evaluate = recipe_evaluator(recipe, inputs, device)
     family = recipe.family
     scale = 100.0 if family.score_in_percent else 1.0  # accuracies in %, perplexities as they are

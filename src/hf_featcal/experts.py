@@ -13,13 +13,12 @@ from torch import nn
 
 from .architectures import LayerMap
 from .model_io import (
+    AdapterExpert,
     LazyTensors,
     LoraAdapter,
     load_checkpoint,
     load_model,  # noqa: F401 - documented as importable from here (docs/api.md)
-    lora_module_paths,
     resolve_checkpoint,
-    safetensors_files,
     tower_key_map,
 )
 
@@ -136,7 +135,7 @@ class CheckpointSource(ModelSource):
 
     def __init__(
         self, folder: str | None, argument: str, name: str, layer_map: LayerMap, config: Any = None,
-        files: dict[str, str] | None = None,
+        files: dict[str, str] | None = None, stored: dict[str, str] | None = None,
     ) -> None:
         """A transformers checkpoint `folder` (config and safetensors found there), or a library
         checkpoint given by its `config` and `files` (state-dict key → safetensors file)."""
@@ -149,7 +148,11 @@ class CheckpointSource(ModelSource):
             except Exception as err:
                 raise ValueError(f"`{argument}`: cannot load a model config from {name!r}: {err}") from err
         self.config = config
-        self._tensors = LazyTensors(safetensors_files(folder, argument) if files is None else files, argument)
+        if files is None:  # the folder's tensors, named as `resolve_checkpoint` names them
+            assert folder is not None
+            checkpoint = resolve_checkpoint(folder, argument)
+            files, stored = checkpoint.files, checkpoint.stored
+        self._tensors = LazyTensors(files, argument, stored)
         self._key_map: dict[str, str] | None = None
 
     # -- keys
@@ -260,7 +263,9 @@ class LoraSource(ModelSource):
     """An expert given as a LoRA adapter on the base: each block is the base's block plus the adapter's
     deltas, computed per block (no expert is ever materialised in full). Biases the adapter trained
     (`bias="all"` / `"lora_only"`) replace the base's, as PEFT's `merge_and_unload`: in the blocks, and
-    in the tower's input path (`entry_tower`)."""
+    in the tower's input path (`entry_tower`). The tensors are `AdapterExpert`'s, the one adapter reader."""
+
+    reader: AdapterExpert  # placed within the merged model's tower on first use (`_tensors`)
 
     def __init__(self, folder: str, argument: str, name: str, base: ModelSource | None) -> None:
         if base is None:
@@ -270,20 +275,21 @@ class LoraSource(ModelSource):
         self.layer_map = base.layer_map
         self._paths: dict[str, str] | None = None
 
-    def _module_paths(self, reference: nn.Module) -> dict[str, str]:
-        """Tower-relative module path → the adapter's module path, for every adapted module."""
+    def _tensors(self, reference: nn.Module) -> dict[str, str]:
+        """Tower-relative tensor name → its name for the reader (`AdapterExpert`, the one adapter
+        reader, placed within the tower), for every tensor the adapter changes."""
         if self._paths is not None:
             return self._paths
         tower = self.layer_map.tower(reference)
         within = self.layer_map.tower_prefix(reference)
-        _, qualified = lora_module_paths(self.adapter, reference, self.layer_map, within=within)
-        paths = {path[len(within) + 1:] if within else path: module for module, path in qualified.items()}
+        self.reader = AdapterExpert(self.adapter, reference, self.layer_map, within=within)
+        paths = {key[len(within) + 1:] if within else key: key for key in self.reader.tensors}
         block_modules = {
             _qualified_name(tower, block) for stack in self.layer_map.stacks(tower) for block in stack.blocks
         }
         outside = [
-            p for p, module in paths.items()
-            if module in self.adapter.modules and not any(p.startswith(b + ".") for b in block_modules)
+            path.rpartition(".")[0] for path, key in paths.items()
+            if self.reader.tensors[key][1] == "weight" and not any(path.startswith(b + ".") for b in block_modules)
         ]
         if outside:
             raise ValueError(f"`{self.argument}`: the adapter adapts modules outside the blocks {outside[:3]}; not "
@@ -292,7 +298,7 @@ class LoraSource(ModelSource):
         return paths
 
     def tower_shapes(self, reference: nn.Module) -> dict[str, tuple[int, ...]]:
-        self._module_paths(reference)  # checks the adapter against the tower
+        self._tensors(reference)  # checks the adapter against the tower
         return self.base.tower_shapes(reference)
 
     def block(self, reference: nn.Module, stack: int, index: int, device: torch.device) -> nn.Module:
@@ -300,14 +306,10 @@ class LoraSource(ModelSource):
         prefix = _qualified_name(tower, self.layer_map.stacks(tower)[stack].blocks[index]) + "."
         block = copy.deepcopy(self.base.block(reference, stack, index, device))  # never the base's own
         with torch.no_grad():
-            for path, adapter_path in self._module_paths(reference).items():
+            for path, key in self._tensors(reference).items():
                 if path.startswith(prefix):
-                    module = block.get_submodule(path[len(prefix):])
-                    if adapter_path in self.adapter.modules:
-                        delta = self.adapter.delta(adapter_path)
-                        module.weight.add_(delta.to(device=module.weight.device, dtype=module.weight.dtype))
-                    if adapter_path in self.adapter.biases:
-                        module.bias.copy_(self.adapter.bias(adapter_path))
+                    tensor = block.get_parameter(path[len(prefix):])
+                    tensor.copy_(self.reader.value(key, tensor))
         return block.eval()
 
     @contextlib.contextmanager
@@ -321,10 +323,10 @@ class LoraSource(ModelSource):
             blocks = {_qualified_name(tower, b) for stack in self.layer_map.stacks(tower) for b in stack.blocks}
             saved: list[tuple[str, torch.Tensor]] = []
             try:
-                for path, adapter_path in self._module_paths(reference).items():
-                    if adapter_path in self.adapter.biases and not any(path.startswith(b + ".") for b in blocks):
-                        saved.append((f"{path}.bias", parameters.read(f"{path}.bias").clone()))
-                        parameters.write(f"{path}.bias", self.adapter.bias(adapter_path))
+                for path, key in self._tensors(reference).items():
+                    if not any(path.startswith(b + ".") for b in blocks):  # only biases (weights: refused)
+                        saved.append((path, parameters.read(path).clone()))
+                        parameters.write(path, self.reader.value(key))
                 yield tower
             finally:
                 for name, value in reversed(saved):
@@ -367,7 +369,8 @@ def make_source(
     if checkpoint.library is not None and checkpoint.lazy:
         return CheckpointSource(None, argument, name, layer_map, checkpoint.library.describe(), checkpoint.files)
     if checkpoint.lazy:
-        return CheckpointSource(checkpoint.folder, argument, name, layer_map, files=checkpoint.files)
+        return CheckpointSource(checkpoint.folder, argument, name, layer_map, files=checkpoint.files,
+                                stored=checkpoint.stored)
     return InMemorySource(load_checkpoint(checkpoint, argument), argument, layer_map, name)
 
 

@@ -9,12 +9,15 @@ calibrated as expert A too:
   safetensors, or one that must be loaded whole (`load_model`).
 * `weights_file` / `safetensors_files`: the weights transformers 5 reads in a folder
   (`transformers_weights`, then `model.safetensors`, then the shard index).
+* `transformers_names`: the names `from_pretrained` gives a folder's stored keys (transformers'
+  checkpoint conversion mapping, e.g. ViT's legacy names), which the lazy readers use.
 * `LazyTensors`: shapes, dtypes and values of single tensors, never a whole state dict.
 * Key rules: `prefix_candidates` (family prefixes first, then the "" and derived ones) behind both
   `find_key_prefix` / `match_keys` (merging: every expert key must land in the base) and
   `tower_key_map` (calibration: every tower tensor must be found); `lora_module_paths` maps a LoRA
   adapter's modules onto a model (its recorded `base_model_class`, then the family's tower, then the
-  model itself; the adapter's own leading prefixes such as a `*ForCausalLM`'s `model.` stripped).
+  model itself; the adapter's own leading prefixes such as a `*ForCausalLM`'s `model.` stripped), and
+  `AdapterExpert` is the one reader of an adapter expert's weights on the run's base.
 """
 
 from __future__ import annotations
@@ -165,13 +168,16 @@ def safetensors_files(folder: str, argument: str | None = None) -> dict[str, str
 class Checkpoint:
     """What a model reference (path, hub id, library reference) points at; exactly one of `library`
     (a model library's own checkpoint), `adapter` (a LoRA adapter folder) or `folder` describes it.
-    `files` (checkpoint key → safetensors file) is empty when the model can only be loaded whole."""
+    `files` (tensor name, as the model's class names it → safetensors file; `stored` gives the key in
+    the file where the two differ) is empty when the model can only be loaded whole."""
 
     name: str
     folder: str | None = None
     files: dict[str, str] = field(default_factory=dict)
     library: Any = None
     adapter: str | None = None
+    #: the model's name of a tensor → the key it is stored under, where they differ (`transformers_names`)
+    stored: dict[str, str] = field(default_factory=dict)
 
     @property
     def lazy(self) -> bool:
@@ -194,7 +200,77 @@ def resolve_checkpoint(source: str | os.PathLike, argument: str) -> Checkpoint:
     if folder is not None and os.path.isfile(os.path.join(folder, ADAPTER_CONFIG_NAME)):
         return Checkpoint(name, adapter=folder)
     files = safetensors_files(folder, argument) if folder is not None else {}
-    return Checkpoint(name, folder=folder, files=files)
+    names = transformers_names(folder, files) if folder is not None and files else {}
+    if names is None:  # a conversion that changes tensors: only `from_pretrained` applies it
+        return Checkpoint(name, folder=folder)
+    return Checkpoint(name, folder=folder, files={names[key]: file for key, file in files.items()},
+                      stored={names[key]: key for key in files if names[key] != key})
+
+
+_NAMES_CACHE: dict[tuple, dict[str, str] | None] = {}
+
+
+def transformers_names(folder: str, keys: Collection[str]) -> dict[str, str] | None:
+    """Stored key → the name `from_pretrained` gives the tensor with the checkpoint's own class. Since
+    transformers 5 a model's modules may be named otherwise than its checkpoints: loading renames the
+    keys by the library's checkpoint conversion mapping (`transformers.conversion_mapping.
+    get_model_conversion_mapping`: ViT's `encoder.layer.N.attention.attention.query` → `layers.N.
+    attention.q_proj`, legacy `LayerNorm.gamma` → `.weight`, CLIP's `vision_model.` prefix), and
+    saving writes the old names back. The lazy readers name tensors the same way, applying the same
+    mapping (`rename_source_key`, as `from_pretrained` does). Every key keeps its name where the folder
+    has no config or its class is not transformers' own; None when a key needs a conversion that
+    changes tensors (a `WeightConverter`: fused or split weights) or two keys would get one name: such
+    a checkpoint is loaded whole."""
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        return {key: key for key in keys}
+    cache_key = (os.path.realpath(folder), os.stat(config_path).st_mtime_ns, tuple(sorted(keys)))
+    if cache_key not in _NAMES_CACHE:
+        _NAMES_CACHE[cache_key] = _transformers_names(folder, keys)
+    return _NAMES_CACHE[cache_key]
+
+
+def _transformers_names(folder: str, keys: Collection[str]) -> dict[str, str] | None:
+    from transformers import AutoConfig, AutoModel
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+        model_class = _checkpoint_class(config)
+        with torch.device("meta"):  # the module names and conversions alone: no tensor is allocated
+            model = model_class._from_config(config) if model_class is not None else AutoModel.from_config(config)
+    except (ValueError, KeyError, TypeError, OSError, ImportError, AttributeError):
+        # not a model transformers builds from its config (its loader names its tensors as stored)
+        return {key: key for key in keys}
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta_state = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None) or None
+    names = {}
+    for key in keys:
+        name, converted = rename_source_key(key, renamings, converters, prefix, meta_state)
+        if converted is not None:
+            return None
+        if name not in meta_state and key in meta_state:  # as `from_pretrained`: a key that should not be renamed
+            name, _ = rename_source_key(key, [], [], prefix, meta_state)
+        names[key] = name
+    if len(set(names.values())) != len(names):
+        return None
+    return names
+
+
+def _checkpoint_class(config: Any) -> Any:
+    """The transformers class a config's `architectures` names (None: none of them is one)."""
+    import transformers
+    from transformers import PreTrainedModel
+
+    for name in getattr(config, "architectures", None) or []:
+        candidate = getattr(transformers, name, None)
+        if isinstance(candidate, type) and issubclass(candidate, PreTrainedModel):
+            return candidate
+    return None
 
 
 # ---------------------------------------------------------------------------------------- loading whole
@@ -205,9 +281,9 @@ def load_model(
     with its checkpoint's own class (or `auto_class`, e.g. `AutoModelForSeq2SeqLM`, when given),
     `trust_remote_code=False`, safetensors preferred.
 
-    A PEFT LoRA adapter folder gives the full expert: a copy of `base` (default: the adapter's
-    recorded `base_model_name_or_path`) with the adapter merged in — for evaluation; merging and
-    calibration use adapters per tensor / per block instead.
+    A PEFT LoRA adapter folder (local or a hub snapshot) gives the full expert: a copy of `base`
+    (default: the adapter's recorded `base_model_name_or_path`) with the adapter's tensors written in
+    by `AdapterExpert`, the reader merging and calibration use per tensor / per block.
     """
     if isinstance(source, nn.Module):
         return source
@@ -216,16 +292,12 @@ def load_model(
             f"`{argument}` must be a PreTrainedModel, a local path or a hub id, got {type(source).__name__}."
         )
     path = os.fspath(source)
-    if os.path.isdir(path):
-        repair_interrupted_save(path)  # a save killed between its renames loads as neither save: repaired first
-    if os.path.isfile(os.path.join(path, ADAPTER_CONFIG_NAME)):
-        return _load_adapter_expert(path, argument, base, auto_class)
-    library = library_checkpoint(path, argument)
-    if library is not None:
-        return load_checkpoint(Checkpoint(path, library=library), argument)
-    check_local_path(path, argument)
-    import transformers
-    from transformers import AutoConfig, AutoModel, PreTrainedModel
+    checkpoint = resolve_checkpoint(path, argument)  # also repairs a save killed between its renames
+    if checkpoint.adapter is not None:
+        return _load_adapter_expert(checkpoint.adapter, argument, base, auto_class)
+    if checkpoint.library is not None:
+        return load_checkpoint(checkpoint, argument)
+    from transformers import AutoConfig, AutoModel
 
     model_class = auto_class
     if model_class is None:
@@ -233,11 +305,7 @@ def load_model(
             config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         except Exception as err:
             raise ValueError(f"`{argument}`: cannot load a model config from {path!r}: {err}") from err
-        for name in getattr(config, "architectures", None) or []:
-            candidate = getattr(transformers, name, None)
-            if isinstance(candidate, type) and issubclass(candidate, PreTrainedModel):
-                model_class = candidate
-                break
+        model_class = _checkpoint_class(config)
     try:
         return (model_class or AutoModel).from_pretrained(path, trust_remote_code=False)
     except Exception as err:
@@ -255,8 +323,6 @@ def load_checkpoint(checkpoint: Checkpoint, argument: str) -> nn.Module:
 
 
 def _load_adapter_expert(folder: str, argument: str, base: ModelLike | None, auto_class: Any) -> nn.Module:
-    from peft import PeftModel
-
     if base is None:
         with open(os.path.join(folder, ADAPTER_CONFIG_NAME), encoding="utf-8") as handle:
             base = json.load(handle).get("base_model_name_or_path")
@@ -266,7 +332,12 @@ def _load_adapter_expert(folder: str, argument: str, base: ModelLike | None, aut
         model = copy.deepcopy(base)
     else:
         model = load_model(base, f"base of {argument}", auto_class=auto_class)
-    return PeftModel.from_pretrained(model, folder).merge_and_unload().eval()
+    adapter = AdapterExpert(LoraAdapter(folder, argument), model, family_layer_map(model))
+    state = model.state_dict()  # shares storage with the model's parameters and buffers
+    with torch.no_grad():
+        for key in adapter.tensors:
+            state[key].copy_(adapter.value(key, state[key]))
+    return model.eval()
 
 
 # ---------------------------------------------------------------------------------------- lazy tensors
@@ -274,8 +345,10 @@ class LazyTensors:
     """Single tensors of safetensors files (checkpoint key → file), read on demand. Inside `with`
     the files stay open (one handle each); outside, every call opens and closes its file."""
 
-    def __init__(self, files: Mapping[str, str], argument: str | None = None) -> None:
+    def __init__(self, files: Mapping[str, str], argument: str | None = None,
+                 stored: Mapping[str, str] | None = None) -> None:
         self.files, self.argument = dict(files), argument
+        self.stored = dict(stored or {})  # name → the key in the file, where they differ (`Checkpoint.stored`)
         self._handles: dict[str, Any] | None = None
         self._stack: contextlib.ExitStack | None = None
         self._depth = 0  # nested `with`: the files close when the outermost exits
@@ -315,15 +388,15 @@ class LazyTensors:
 
     def shape(self, key: str) -> tuple[int, ...]:
         with self._handle(key) as handle:
-            return tuple(handle.get_slice(key).get_shape())
+            return tuple(handle.get_slice(self.stored.get(key, key)).get_shape())
 
     def is_floating(self, key: str) -> bool:
-        with self._handle(key) as handle:
-            return handle.get_slice(key).get_dtype().startswith(("F", "BF"))  # F16/BF16/F32/F64/F8_*
+        with self._handle(key) as handle:  # F16/BF16/F32/F64/F8_*
+            return handle.get_slice(self.stored.get(key, key)).get_dtype().startswith(("F", "BF"))
 
     def read(self, key: str) -> torch.Tensor:
         with self._handle(key) as handle:
-            return handle.get_tensor(key)
+            return handle.get_tensor(self.stored.get(key, key))
 
 
 # ---------------------------------------------------------------------------------------- key rules
@@ -579,6 +652,34 @@ def lora_module_paths(
         f"`{adapter.argument}`: the LoRA adapter adapts modules that {where}the model lacks (or with other "
         f"shapes): {missing[:3]}"
     )
+
+
+class AdapterExpert:
+    """The one reader of an expert given as a LoRA adapter, on the run's base: which tensors of `model`
+    (the run's base, or a model of its architecture) the adapter changes, and their values. Merging
+    (`merging.engine.open_expert`: merges, SVC), FeatCal's per-block reading (`experts.LoraSource`) and
+    whole experts (`load_model`: compare, post-merging steps, evaluation) all read adapters here, so an
+    adapter is the same weights on every path: as PEFT's `merge_and_unload` on that base, an adapted
+    weight is the base's plus (B·A)·scaling, a trained bias (`bias="all"` / `"lora_only"`) replaces the
+    base's. Modules are placed by `lora_module_paths` (`layer_map`, `within` as there)."""
+
+    def __init__(self, adapter: LoraAdapter, model: nn.Module, layer_map: Any = None, within: str = "") -> None:
+        self.adapter = adapter
+        self.root, paths = lora_module_paths(adapter, model, layer_map, within=within)
+        #: qualified tensor name in `model` → (the adapter's module path, "weight" | "bias")
+        self.tensors: dict[str, tuple[str, str]] = {f"{paths[m]}.weight": (m, "weight") for m in adapter.modules}
+        self.tensors.update({f"{paths[m]}.bias": (m, "bias") for m in adapter.biases})
+
+    def value(self, key: str, base_value: torch.Tensor | None = None) -> torch.Tensor:
+        """The expert's tensor `key` (a name in `tensors`) in float32, on `base_value`'s device: the
+        run's base value of that weight (`base_value`) plus the adapter's delta, or the trained bias
+        (the base's bias is not used)."""
+        module, kind = self.tensors[key]
+        if kind == "bias":
+            return self.adapter.bias(module)
+        if base_value is None:
+            raise ValueError(f"`{self.adapter.argument}`: the base value of {key!r} is needed to apply the adapter.")
+        return base_value.float() + self.adapter.delta(module).to(base_value.device)
 
 
 def family_layer_map(model: nn.Module) -> Any:

@@ -43,12 +43,12 @@ from torch import nn
 from ..architectures import model_config
 from ..experts import InMemorySource, make_source
 from ..model_io import (
+    AdapterExpert,
     LazyTensors,
     LoraAdapter,
     ModelLike,
     family_layer_map,
     load_model,
-    lora_module_paths,
     match_keys,
     resolve_checkpoint,
 )
@@ -64,7 +64,6 @@ __all__ = [
     "elect_and_merge",
     "float_state",
     "kth_largest_magnitude",
-    "load_expert",
     "merge_record",
     "merge_task_vectors",
     "open_expert",
@@ -137,20 +136,17 @@ def _open_lora_expert(
     name: str, adapter: LoraAdapter, merged: nn.Module, base_state: dict[str, torch.Tensor], canonical: dict[str, str],
     base: Expert | None,
 ) -> Expert:
-    """A LoRA expert covers the weights it adapts (the run's base + its delta) and the biases it trained
-    (``bias="all"`` / ``"lora_only"``: the stored bias replaces the base's, as PEFT applies it). The
-    base weights are `base`'s (a post-merging step's `base_model`), else `base_state`'s as they are
-    now (a merge, whose result starts as the base: snapshotted, since the merge then overwrites it)."""
+    """A LoRA expert covers the tensors `AdapterExpert` (the one adapter reader) says it changes: the
+    weights it adapts (the run's base + its delta) and the biases it trained. The base weights are
+    `base`'s (a post-merging step's `base_model`), else `base_state`'s as they are now (a merge, whose
+    result starts as the base: snapshotted, since the merge then overwrites it)."""
     # the adapter names modules relative to the model class it was trained on (e.g. a CLIPVisionModel
-    # inside a CLIPModel base, or a *ForCausalLM around a *Model base): model_io places them
-    root, paths = lora_module_paths(adapter, merged, family_layer_map(merged))
-    # the adapter's own tensor name (its module + ".weight" / ".bias") -> the base state-dict key
-    by_tensor = {f"{module}.weight": paths[module] + ".weight" for module in adapter.modules}
-    by_tensor.update({f"{module}.bias": paths[module] + ".bias" for module in adapter.biases})
-    missing = [t for t, key in by_tensor.items() if key not in base_state]
+    # inside a CLIPModel base, or a *ForCausalLM around a *Model base): the reader places them
+    reader = AdapterExpert(adapter, merged, family_layer_map(merged))
+    missing = [key for key in reader.tensors if key not in base_state]
     if missing:
         raise ValueError(f"expert {name!r}: the LoRA adapter adapts modules the base model lacks: {missing[:3]}")
-    weights = [by_tensor[f"{m}.weight"] for m in adapter.modules]
+    weights = [key for key, (_, kind) in reader.tensors.items() if kind == "weight"]
     base_weight: Callable[[str], torch.Tensor]
     if base is None:
         base_weight = {key: base_state[key].detach().clone() for key in weights}.__getitem__
@@ -158,20 +154,16 @@ def _open_lora_expert(
         unread = [key for key in weights if canonical[key] not in base.keys]
         if unread:
             raise ValueError(f"expert {name!r}: the LoRA adapter adapts {unread[:3]}, which {base.who} lacks")
-        reader = base
+        base_reader = base
 
         def base_weight(key: str) -> torch.Tensor:
-            return reader.read(canonical[key])
-    keys = {canonical[key]: tensor for tensor, key in by_tensor.items()}
+            return base_reader.read(canonical[key])
+    keys = {canonical[key]: key for key in reader.tensors}
 
-    def fetch(tensor: str) -> torch.Tensor:
-        module, _, kind = tensor.rpartition(".")
-        if kind == "bias":
-            return adapter.bias(module)
-        weight = base_weight(by_tensor[tensor])  # the run's base weight + (B·A)·scaling
-        return weight.float() + adapter.delta(module).to(weight.device)
+    def fetch(key: str) -> torch.Tensor:
+        return reader.value(key, base_weight(key) if key in weights else None)
 
-    inside = root + "." if root else ""
+    inside = reader.root + "." if reader.root else ""
     model_keys = {canonical[k] for k in base_state if k.startswith(inside)}  # the model the adapter adapts
     return Expert(name, keys, fetch, size=sum(base_state[k].numel() for k in model_keys))
 
@@ -218,7 +210,8 @@ def open_expert(
 
             check_same_function(argument, model_config(merged),
                                 AutoConfig.from_pretrained(checkpoint.folder, trust_remote_code=False), "base")
-        tensors = stack.enter_context(LazyTensors(checkpoint.files, argument))  # files open until the merge ends
+        # the files stay open until the merge ends
+        tensors = stack.enter_context(LazyTensors(checkpoint.files, argument, checkpoint.stored))
         shapes = {key: tensors.shape(key) for key in tensors.keys() if tensors.is_floating(key)}
         fetch = tensors.read
         label = f"checkpoint {os.fspath(source)!r}"
@@ -252,27 +245,6 @@ def open_expert(
         if base_key in by_base:
             keys.setdefault(canonical[base_key], by_base[base_key])
     return Expert(name, keys, fetch, who=who)
-
-
-def load_expert(source: ModelLike, argument: str, base: nn.Module) -> nn.Module:
-    """The expert `source` as a whole model, for what needs one in memory (the compare grid's
-    evaluation and RegMean): a model is itself, a checkpoint is loaded (`load_model`), and a LoRA adapter
-    is put on the run's `base` — a copy of it with each adapted tensor read by `open_expert`, as a merge
-    reads it (the adapter's modules placed by the same rule; its recorded base is not used, and need
-    not exist). `base` is not modified."""
-    if isinstance(source, nn.Module):
-        return source
-    if resolve_checkpoint(source, argument).adapter is None:
-        return load_model(source, argument)
-    model = copy.deepcopy(base)
-    state = float_state(model)
-    canonical = canonical_keys(state)
-    with contextlib.ExitStack() as stack, torch.no_grad():
-        expert = open_expert(argument, source, model, state, canonical, f"the base ({type(base).__name__})", stack,
-                             f"`{argument}`")
-        for key in expert.keys:
-            state[key].copy_(expert.read(key))
-    return model.eval()
 
 
 def canonical_keys(state: dict[str, torch.Tensor]) -> dict[str, str]:
