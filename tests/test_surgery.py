@@ -312,6 +312,20 @@ def test_bad_models_and_data_are_refused_before_any_forward():
     assert not forwards
 
 
+def test_every_forward_a_layer_map_may_name_is_implemented_and_others_are_refused():
+    """A layer map's `representation_point` names its forward from `REPRESENTATION_FORWARDS`; each has a
+    runner here, and a saved point naming another is refused when read back."""
+    from hf_featcal.architectures import REPRESENTATION_FORWARDS, RepresentationPoint
+    from hf_featcal.post_merging.representation import ARCHITECTURES
+
+    assert set(ARCHITECTURES) == set(REPRESENTATION_FORWARDS)
+    saved = representation_point(CLIPModel(tiny_clip_config())).to_dict()
+    assert RepresentationPoint.from_dict(saved) == representation_point(CLIPModel(tiny_clip_config()))
+    for change in ({"architecture": "resnet"}, {"selection": "mean"}):
+        with pytest.raises(ValueError, match="unknown representation point"):
+            RepresentationPoint.from_dict({**saved, **change})
+
+
 def test_module_init_follows_the_seed_not_the_global_random_state():
     point = representation_point(CLIPModel(tiny_clip_config()))
     torch.manual_seed(5)

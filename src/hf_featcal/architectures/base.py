@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -115,6 +115,56 @@ class LibraryCheckpoint:
     files: dict[str, str] = field(default_factory=dict)  # state-dict key → safetensors file ({} if none)
     # what `LayerMap.describe` gives for the model, computed only when `files` are read lazily
     describe: Callable[[], Any] | None = None
+
+
+#: How a representation is taken from its module's output: the whole output (one vector per example),
+#: one token of a sequence (`token_index`), or every weighted position of a sequence.
+VECTOR, TOKEN, POSITIONS = "vector", "token", "positions"
+
+#: The forwards a representation point may name (`RepresentationPoint.architecture`): how its model runs
+#: on a batch. `post_merging.representation.ARCHITECTURES` implements each.
+REPRESENTATION_FORWARDS = ("clip", "open_clip", "encoder", "seq2seq", "decoder_lm")
+
+
+@dataclass(frozen=True)
+class RepresentationPoint:
+    """Where a model's representation is (the tensor a task's head reads, which post-merging
+    corrections such as Representation Surgery move): the output of module `module` (qualified name,
+    "" for the model itself), taken as a whole (`selection` "vector"), at token `token_index`
+    ("token") or at the weighted positions ("positions"); `dim` features per row; `architecture` says
+    which forward runs the model (one of `REPRESENTATION_FORWARDS`); `description` is for people."""
+
+    architecture: str
+    module: str
+    selection: str
+    dim: int
+    token_index: int | None = None
+    description: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> RepresentationPoint:
+        known = {name: values[name] for name in cls.__dataclass_fields__ if name in values}
+        point = cls(**known)
+        if point.architecture not in REPRESENTATION_FORWARDS or point.selection not in (VECTOR, TOKEN, POSITIONS):
+            raise ValueError(f"unknown representation point {dict(values)!r}")
+        return point
+
+
+def config_hidden_size(config: Any) -> int:
+    """The width of a model's hidden states, from its config (`hidden_size`, `d_model` or `projection_dim`)."""
+    for name in ("hidden_size", "d_model", "projection_dim"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(f"cannot find the hidden size of {type(config).__name__}")
+
+
+def qualified(prefix: str, name: str) -> str:
+    """`name` inside the module `prefix` ('' for the model itself)."""
+    return f"{prefix}.{name}" if prefix else name
 
 
 class LayerMap:
@@ -222,6 +272,22 @@ class LayerMap:
         """The geometry (from a model's config) that must agree between models calibrated together."""
         config = self.tower_config(config)
         return {name: getattr(config, name, None) for name in self.config_fields}
+
+    def representation_point(self, model: nn.Module) -> RepresentationPoint | None:
+        """Where the representation a task's head reads is in `model`, for post-merging corrections
+        (Representation Surgery, ProbSurgery); None (the default) when the map knows no such point."""
+        return None
+
+    def pooled_token_point(self, model: nn.Module, module: str, what: str) -> RepresentationPoint:
+        """The representation of a model whose head reads the last stack's pooled token
+        (`Stack.pooled_token_index`) in the output of `module` (relative to the tower)."""
+        stack = self.stacks(self.tower(model))[-1]
+        index = stack.pooled_token_index
+        if index is None:
+            raise ValueError(f"`model` ({type(model).__name__}): the layer map's last stack pools no token")
+        return RepresentationPoint("encoder", qualified(self.tower_prefix(model), module), TOKEN,
+                                   config_hidden_size(getattr(model, "config", None)), token_index=index,
+                                   description=f"the pooled token ({index}) {what}: what the head reads")
 
     # ---------------------------------------------------------------- streams
     def model_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:

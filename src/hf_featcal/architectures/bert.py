@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from .base import LayerMap, Stack, register_layer_map
+from .base import LayerMap, RepresentationPoint, Stack, register_layer_map
 
 
 @register_layer_map
@@ -35,3 +35,8 @@ class BertLayerMap(LayerMap):
 
     def stacks(self, tower: Any) -> list[Stack]:  # Any: submodules by the model class's attribute names
         return [Stack("encoder", tower.encoder.layer, pooled_token_index=0)]
+
+    def representation_point(self, model: nn.Module) -> RepresentationPoint:
+        # the pooler and the classifier read token 0 of the last encoder layer's output
+        last = len(self.stacks(self.tower(model))[-1].blocks) - 1
+        return self.pooled_token_point(model, f"encoder.layer.{last}", "of the last encoder layer")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import LayerMap, Stack, register_layer_map
+from .base import VECTOR, LayerMap, RepresentationPoint, Stack, qualified, register_layer_map
 
 
 @register_layer_map
@@ -49,6 +49,20 @@ class CLIPVisionLayerMap(LayerMap):
 
     def stacks(self, tower: Any) -> list[Stack]:  # Any: submodules by the model class's attribute names
         return [Stack("vision_encoder", tower.encoder.layers, pooled_token_index=0)]
+
+    def representation_point(self, model: nn.Module) -> RepresentationPoint:
+        # a model with a projection: the projected image embedding before normalisation (what
+        # `get_image_features` returns); a bare tower: the pooled class token the projection reads
+        projection = getattr(model, "visual_projection", None)
+        if isinstance(projection, nn.Linear):
+            return RepresentationPoint("clip", "visual_projection", VECTOR, projection.out_features,
+                                       description="the projected image embedding before normalisation")
+        norm = getattr(self.tower(model), "post_layernorm", None)
+        if not isinstance(norm, nn.LayerNorm):
+            raise ValueError(f"`model` ({type(model).__name__}) is a CLIP model without post_layernorm or projection.")
+        return RepresentationPoint("clip", qualified(self.tower_prefix(model), "post_layernorm"), VECTOR,
+                                   norm.normalized_shape[0],
+                                   description="the pooled class token after post_layernorm (what a projection reads)")
 
     # ------------------------------------------------------------ zero-shot towers
     # What `hf_featcal.evaluation.clip_zeroshot` asks of a model: the transformers CLIP API

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..pipeline.streams import StreamBatch
-from .base import LayerMap, Stack, register_layer_map
+from .base import POSITIONS, LayerMap, RepresentationPoint, Stack, config_hidden_size, qualified, register_layer_map
 
 
 @register_layer_map
@@ -92,6 +92,13 @@ class LlamaFamilyLayerMap(LayerMap):
 
     def stacks(self, tower: Any) -> list[Stack]:  # Any: submodules by the model class's attribute names
         return [Stack("decoder", tower.layers)]
+
+    def representation_point(self, model: nn.Module) -> RepresentationPoint:
+        # what lm_head reads: the final norm's output, at the positions `token_weights` weighs
+        return RepresentationPoint("decoder_lm", qualified(self.tower_prefix(model), "norm"), POSITIONS,
+                                   config_hidden_size(getattr(model, "config", None)),
+                                   description="the last hidden state (final norm, what lm_head reads) at the "
+                                               "weighted positions")
 
     def model_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         return {**super().model_inputs(batch), "use_cache": False}

@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .base import LayerMap, LibraryCheckpoint, Stack, register_layer_map
+from .base import VECTOR, LayerMap, LibraryCheckpoint, RepresentationPoint, Stack, register_layer_map
 
 WEIGHTS_NAME = "open_clip_model.safetensors"
 CONFIG_NAME = "open_clip_config.json"
@@ -115,6 +115,17 @@ class OpenCLIPVisionLayerMap(LayerMap):
 
     def forward_tower(self, tower: nn.Module, batch: Any) -> Any:
         return tower(batch["pixel_values"])
+
+    def representation_point(self, model: nn.Module) -> RepresentationPoint:
+        # the image tower's output, before `encode_image(normalize=True)` would normalise it
+        tower = self.tower(model)
+        projection = getattr(tower, "proj", None)
+        if isinstance(projection, torch.Tensor):  # an nn.Parameter (width, output_dim)
+            dim = int(projection.shape[1])
+        else:
+            dim = int(getattr(tower, "output_dim", 0)) or int(getattr(tower, "width", 0))
+        return RepresentationPoint("open_clip", self.tower_prefix(model), VECTOR, dim,
+                                   description="the image tower's output before normalisation")
 
     @classmethod
     def find_checkpoint(cls, name: str) -> LibraryCheckpoint | None:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..pipeline.streams import StreamBatch, capture_first_block_inputs
-from .base import LayerMap, Stack, register_layer_map
+from .base import POSITIONS, LayerMap, RepresentationPoint, Stack, config_hidden_size, register_layer_map
 
 # Positions of the block inputs inside `StreamBatch.args` (the hidden state is not among them).
 _POSITION_BIAS = 1
@@ -63,6 +63,16 @@ class T5LayerMap(LayerMap):
         if decoder is not None:
             stacks.append(Stack("decoder", decoder.block))
         return stacks
+
+    def representation_point(self, model: nn.Module) -> RepresentationPoint:
+        # what lm_head reads: the decoder's last hidden state at the target positions; an encoder-only
+        # model: the encoder's last hidden state at its non-padding positions
+        dim = config_hidden_size(getattr(model, "config", None))
+        if getattr(model, "decoder", None) is not None:
+            return RepresentationPoint("seq2seq", "decoder.final_layer_norm", POSITIONS, dim,
+                                       description="the decoder's last hidden state at the target positions")
+        return RepresentationPoint("seq2seq", "encoder.final_layer_norm", POSITIONS, dim,
+                                   description="the encoder's last hidden state at the non-padding positions")
 
     def required_batch_keys(self, model: nn.Module) -> tuple[str, ...]:
         # encoder-decoder models calibrate their decoder on the target text (teacher forcing)

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from .base import LayerMap, Stack, register_layer_map
+from .base import LayerMap, RepresentationPoint, Stack, register_layer_map
 
 
 @register_layer_map
@@ -31,3 +31,7 @@ class ViTLayerMap(LayerMap):
 
     def stacks(self, tower: Any) -> list[Stack]:  # Any: submodules by the model class's attribute names
         return [Stack("encoder", tower.layers, pooled_token_index=0)]
+
+    def representation_point(self, model: nn.Module) -> RepresentationPoint:
+        # the classifier reads the class token after the final layernorm
+        return self.pooled_token_point(model, "layernorm", "after the final layernorm")

@@ -1,28 +1,13 @@
-"""Where "the representation the task's head reads" is, per architecture, and how to compute it.
+"""How to compute "the representation the task's head reads", and where it is.
 
 Post-merging steps that correct a merged model's features (Representation Surgery, ProbSurgery) work on
-one tensor per input: the representation a task's head reads. `representation_point(model)` names the
-module whose output holds it and how to take it from that output; `representations(model, batches,
-point)` runs the model's own forward on calibration batches and returns the representation, one row per
-example (or per weighted position); `replace_representation` is what a correction hook does with the
-module's output at inference. Training and inference therefore read and write the same tensor.
-
-Per architecture (the reasons are in docs/surgery.md):
-
-- CLIP (`CLIPModel`, `CLIPVisionModelWithProjection`): the output of `visual_projection`, the projected
-  image embedding before it is normalised (`get_image_features`); a bare `CLIPVisionModel`: the output
-  of `post_layernorm`, the pooled class token the projection reads.
-- open_clip (`CLIP`, `CustomTextCLIP`, a `VisionTransformer`): the image tower's output (`visual`, the
-  model itself for a bare tower), before `encode_image(normalize=True)` would normalise it.
-- BERT / RoBERTa and ViT: what the layer map says the head reads, the pooled token (`pooled_token_index`,
-  0: [CLS]) of the last hidden state: the output of the last encoder layer (BERT, whose pooler and
-  classifier read its token 0) or of the final `layernorm` (ViT, whose classifier reads its token 0).
-- T5 / FLAN-T5: the decoder's last hidden state (`decoder.final_layer_norm`'s output, what `lm_head`
-  reads) at every target position the drift report weighs (labels ≠ -100, the decoder mask); an
-  encoder-only T5: the encoder's last hidden state at its non-padding positions.
-- Llama / Mistral / Qwen: the last hidden state (`norm`'s output, what `lm_head` reads) at the
-  positions the layer map weighs (non-padding, restricted by `loss_mask` / `labels` where the batch
-  has them).
+one tensor per input: the representation a task's head reads. Where it is, per architecture, is the
+layer map's knowledge (`LayerMap.representation_point`, in `architectures/<name>.py`; the reasons are in
+docs/surgery.md): `representation_point(model)` asks the model's layer map for the module whose output
+holds it and how to take it from that output. `representations(model, batches, point)` runs the model's
+own forward on calibration batches and returns the representation, one row per example (or per weighted
+position); `replace_representation` is what a correction hook does with the module's output at
+inference. Training and inference therefore read and write the same tensor.
 
 A position-wise representation (T5, Llama) is corrected at every position at inference (the correction
 acts on one vector at a time); it is trained on the weighted positions only.
@@ -32,136 +17,36 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from accelerate.utils import send_to_device
 from torch import Tensor, nn
 
-from ..architectures import get_layer_map
+from ..architectures import POSITIONS, TOKEN, RepresentationPoint, get_layer_map, layer_map_or_none
 from ..experts import module_device
 from ..hooks import eval_mode
 from ..pipeline.streams import StopForward
 
-#: How a representation is taken from its module's output: the whole output (one vector per example),
-#: one token of a sequence (`token_index`), or every weighted position of a sequence.
-VECTOR, TOKEN, POSITIONS = "vector", "token", "positions"
-
-
-@dataclass(frozen=True)
-class RepresentationPoint:
-    """Where a model's representation is: the output of module `module` (qualified name, "" for the
-    model itself), taken as a whole (`selection` "vector"), at token `token_index` ("token") or at the
-    weighted positions ("positions"); `dim` features per row; `architecture` says which forward runs
-    the model (see `ARCHITECTURES`); `description` is for people."""
-
-    architecture: str
-    module: str
-    selection: str
-    dim: int
-    token_index: int | None = None
-    description: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> RepresentationPoint:
-        known = {name: values[name] for name in cls.__dataclass_fields__ if name in values}
-        point = cls(**known)
-        if point.architecture not in ARCHITECTURES or point.selection not in (VECTOR, TOKEN, POSITIONS):
-            raise ValueError(f"unknown representation point {dict(values)!r}")
-        return point
-
 
 # ---------------------------------------------------------------------------- which point
 def representation_point(model: nn.Module) -> RepresentationPoint:
-    """The representation the task's head reads in `model` (see the module docstring). Raises a
-    ValueError naming the model's class for an architecture without one."""
+    """The representation the task's head reads in `model`, as its layer map declares it
+    (`LayerMap.representation_point`). Raises a ValueError naming the model's class for an architecture
+    without one."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}.")
-    if type(model).__module__.startswith("open_clip."):
-        return _open_clip_point(model)
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type in ("clip", "clip_vision_model"):
-        return _clip_point(model)
-    if model_type in ("bert", "roberta", "vit"):
-        return _pooled_point(model, model_type)
-    if model_type == "t5":
-        return _t5_point(model)
-    if model_type in ("llama", "mistral", "qwen2", "qwen3"):
-        prefix = get_layer_map(model).tower_prefix(model)
-        name = f"{prefix}.norm" if prefix else "norm"
-        return RepresentationPoint("decoder_lm", name, POSITIONS, _hidden(config),
-                                   description="the last hidden state (final norm, what lm_head reads) at the "
-                                               "weighted positions")
-    raise ValueError(
-        f"`model` ({type(model).__name__}, model_type={model_type!r}) has no known representation point: "
-        "post-merging representation corrections support CLIP, open_clip, BERT/RoBERTa, ViT, T5 and "
-        "Llama-family models."
-    )
-
-
-def _hidden(config: Any) -> int:
-    for name in ("hidden_size", "d_model", "projection_dim"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    raise ValueError(f"cannot find the hidden size of {type(config).__name__}")
-
-
-def _clip_point(model: nn.Module) -> RepresentationPoint:
-    projection = getattr(model, "visual_projection", None)
-    if isinstance(projection, nn.Linear):
-        return RepresentationPoint("clip", "visual_projection", VECTOR, projection.out_features,
-                                   description="the projected image embedding before normalisation")
-    tower = get_layer_map(model).tower(model)
-    prefix = get_layer_map(model).tower_prefix(model)
-    norm = getattr(tower, "post_layernorm", None)
-    if not isinstance(norm, nn.LayerNorm):
-        raise ValueError(f"`model` ({type(model).__name__}) is a CLIP model without post_layernorm or projection.")
-    return RepresentationPoint("clip", f"{prefix}.post_layernorm" if prefix else "post_layernorm", VECTOR,
-                               norm.normalized_shape[0],
-                               description="the pooled class token after post_layernorm (what a projection reads)")
-
-
-def _open_clip_point(model: nn.Module) -> RepresentationPoint:
-    visual = getattr(model, "visual", None)
-    tower = visual if isinstance(visual, nn.Module) else model
-    projection = getattr(tower, "proj", None)
-    if isinstance(projection, Tensor):  # an nn.Parameter (width, output_dim)
-        dim = int(projection.shape[1])
-    else:
-        dim = int(getattr(tower, "output_dim", 0)) or int(getattr(tower, "width", 0))
-    return RepresentationPoint("open_clip", "visual" if tower is not model else "", VECTOR, dim,
-                               description="the image tower's output before normalisation")
-
-
-def _pooled_point(model: nn.Module, model_type: str) -> RepresentationPoint:
-    layer_map = get_layer_map(model)
-    tower = layer_map.tower(model)
-    prefix = layer_map.tower_prefix(model)
-    stack = layer_map.stacks(tower)[-1]
-    index = stack.pooled_token_index
-    assert index is not None  # BERT's and ViT's maps pool a token
-    if model_type == "vit":
-        name, what = "layernorm", "after the final layernorm"
-    else:
-        name, what = f"encoder.layer.{len(stack.blocks) - 1}", "of the last encoder layer"
-    return RepresentationPoint("encoder", f"{prefix}.{name}" if prefix else name, TOKEN,
-                               _hidden(getattr(model, "config", None)), token_index=index,
-                               description=f"the pooled token ({index}) {what}: what the head reads")
-
-
-def _t5_point(model: nn.Module) -> RepresentationPoint:
-    dim = _hidden(getattr(model, "config", None))
-    if getattr(model, "decoder", None) is not None:
-        return RepresentationPoint("seq2seq", "decoder.final_layer_norm", POSITIONS, dim,
-                                   description="the decoder's last hidden state at the target positions")
-    return RepresentationPoint("seq2seq", "encoder.final_layer_norm", POSITIONS, dim,
-                               description="the encoder's last hidden state at the non-padding positions")
+    layer_map = layer_map_or_none(model)
+    point = layer_map.representation_point(model) if layer_map is not None else None
+    if point is None:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        raise ValueError(
+            f"`model` ({type(model).__name__}, model_type={model_type!r}) has no known representation point: "
+            "post-merging representation corrections support CLIP, open_clip, BERT/RoBERTa, ViT, T5 and "
+            "Llama-family models."
+        )
+    return point
 
 
 # ---------------------------------------------------------------------------- forwards and positions
@@ -219,7 +104,7 @@ class _Architecture:
     weights: Callable[[nn.Module, Mapping[str, Any], Tensor], Tensor] | None = None  # POSITIONS only
 
 
-#: Architecture name of a `RepresentationPoint` → how its model runs on a batch.
+#: Architecture name of a `RepresentationPoint` (`REPRESENTATION_FORWARDS`) → how its model runs on a batch.
 ARCHITECTURES: dict[str, _Architecture] = {
     "clip": _Architecture(_clip_forward, ("pixel_values",)),
     "open_clip": _Architecture(_open_clip_forward, ("pixel_values",)),
