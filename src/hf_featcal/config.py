@@ -103,7 +103,16 @@ class FeatCalConfig:
         default=True,
         metadata={
             "help": "Measure the per-block feature drift before and after calibration (one extra merged forward per "
-                    "block)."
+                    "block on the examples `drift_samples_per_task` chooses)."
+        },
+    )
+    drift_samples_per_task: int | None = field(
+        default=32,
+        metadata={
+            "help": "Calibration examples per task the drift report measures (None: all of them). A diagnostic "
+            "needs few: the merged-as-given stream runs on these examples only, chosen the same way every run "
+            "(whole batches in an order drawn with `seed`, the last one cut to its first examples). Does not change "
+            "the calibrated weights."
         },
     )
     stream_placement: str = field(
@@ -211,6 +220,15 @@ class FeatCalConfig:
             raise ValueError(
                 f"FeatCalConfig.num_samples_per_task must be a positive integer or None, got "
                 f"{self.num_samples_per_task!r}."
+            )
+        if self.drift_samples_per_task is not None and (
+            isinstance(self.drift_samples_per_task, bool)
+            or not isinstance(self.drift_samples_per_task, int)
+            or self.drift_samples_per_task < 1
+        ):
+            raise ValueError(
+                f"FeatCalConfig.drift_samples_per_task must be a positive integer or None, got "
+                f"{self.drift_samples_per_task!r}."
             )
         if self.max_length is not None and (
             isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 1
