@@ -267,7 +267,8 @@ def main() -> None:
     os.makedirs(args.workdir, exist_ok=True)
     prepare(args.workdir, args.tasks, args.layers, _Library("transformers", args.layers))
     load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="hf_featcal_side_by_side_") as folder:
+    # (the runs' files go under --workdir: a shared machine's temp-folder sweeps have taken them from /tmp)
+    with tempfile.TemporaryDirectory(prefix="runs_", dir=args.workdir) as folder:
         sides = ["demo", "featcal"] if args.order == "demo-first" else ["featcal", "demo"]
         if args.paired:
             processes = {side: start(side, args, folder, cpus) for side, cpus in zip(sides, cpu_halves(), strict=True)}
