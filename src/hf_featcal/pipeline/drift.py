@@ -55,7 +55,7 @@ class DriftSample:
         rows, counts = {}, {}
         for task, task_batches in batches.items():
             sizes = [batch_size_of(b, main_input_name) for b in task_batches]
-            order = range(len(sizes))
+            order = list(range(len(sizes)))
             if limit is not None and limit < sum(sizes):
                 order = torch.randperm(len(sizes), generator=torch.Generator().manual_seed(seed)).tolist()
             chosen, used = [], 0
