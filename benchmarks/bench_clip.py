@@ -196,12 +196,17 @@ def flop_count(
         + 3 * chol(d) + chol(ff)  # singularity checks
         + 2 * d * d * (3 * d + d + ff) + 2 * ff * ff * d  # objective decreases
     )
+    # the drift report's examples per task (`drift_samples_per_task`; libraries from before it: all), and
+    # the model's last block propagates only the batches of that sample (before: every batch)
+    limit = getattr(FeatCalConfig(), "drift_samples_per_task", samples)
+    drift_share = 1.0 if limit is None else min(samples, limit) / samples
+    last_propagation = drift_share if hasattr(FeatCalConfig(), "drift_samples_per_task") else 1.0
     return {
         "block forwards": layers * (merged_until_fc2 + block_forward),  # merged (cut short) + expert
         "statistics": stats + fold,
         "solving": layers * per_block,
-        "propagating": layers * block_forward,
-        "drift (merged-as-given stream)": (layers - 1) * block_forward,  # block 0: same as the student
+        "propagating": (layers - 1 + last_propagation) * block_forward,
+        "drift (merged-as-given stream)": (layers - 1) * block_forward * drift_share,  # block 0: as the student
     }
 
 

@@ -25,6 +25,7 @@ def main(output: str, family: str = "clip") -> None:
     base, experts, merged, data = as_float64(base, experts, merged, data)
     calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(compute_dtype="float64"),
                                    show_progress=False)
+    local_batches = {task: len(batches) for task, batches in calibrator.batches.items()}  # (emptied by calibrate)
     calibrator.calibrate()
     calibrator.save_model(output)  # writes on the main process only
     # the rank files go beside the finished save (into a folder holding anything but an earlier save, a
@@ -33,7 +34,7 @@ def main(output: str, family: str = "clip") -> None:
     rank = calibrator.state.process_index
     os.makedirs(output, exist_ok=True)  # save_model creates it on the main process only
     state = {k: v.clone() for k, v in merged.state_dict().items()}
-    state["local_batches"] = {task: len(batches) for task, batches in calibrator.batches.items()}
+    state["local_batches"] = local_batches
     state["num_processes"] = calibrator.state.num_processes
     torch.save(state, os.path.join(output, f"rank{rank}.pt"))
     # a clean end of a multi-process script: no rank exits while gloo's threads still serve the others

@@ -44,7 +44,7 @@ from .pipeline.checks import (
     check_tasks,
 )
 from .pipeline.context import FeatCalError, FeatCalWarning, RunContext
-from .pipeline.drift import DriftLog, advance_given, record_drift
+from .pipeline.drift import DriftLog, DriftSample, advance_given, record_drift, shared_with_student
 from .pipeline.enter import enter_stack
 from .pipeline.plan import BlockPlan, Plan, block_parameter_names, plan_blocks, select_modules
 from .pipeline.propagate import propagate
@@ -154,6 +154,7 @@ class FeatCalCalibrator:
         check_forward_dtype(config, [("model", model), *in_memory])
 
         # Data: batches per task, non-empty, accepted by the merged model's input path.
+        #: task → this process's calibration batches (emptied once the streams have entered the last stack)
         self.batches: dict[str, list[Batch]] = {}
         text_max_length = text_length_limit(
             config.max_length, self.layer_map.tower_config(self.model_config), processing_class
@@ -196,6 +197,9 @@ class FeatCalCalibrator:
             [(f"{task}.{i}.{key}", value) for task, batches in self.batches.items()
              for i, batch in enumerate(batches) for key, value in sorted(batch.items()) if isinstance(value, Tensor)]
         )
+        #: the examples the drift report measures (chosen from every process's batches, before they are shared out)
+        self.drift_sample = DriftSample.choose(self.batches, config.drift_samples_per_task, config.seed,
+                                               self.layer_map.main_input_name, rank, world)
         if world > 1:
             self.batches = {task: batches[rank::world] for task, batches in self.batches.items()}
 
@@ -207,6 +211,7 @@ class FeatCalCalibrator:
         self.processing_class = processing_class
         self._report: DriftReport | None = None
         self._calibrated = False
+        self._batches_released = False  # by the streams' entry into the last stack
 
     # ================================================================== shared run state
     @property
@@ -274,6 +279,11 @@ class FeatCalCalibrator:
         """Run FeatCal and return the calibrated model (the merged model, updated in place)."""
         if self._calibrated:
             raise RuntimeError("calibrate() was already run on this calibrator; build a new one to calibrate again.")
+        if self._batches_released:
+            raise RuntimeError(
+                "calibrate() was stopped on this calibrator after its calibration batches were released; build a new "
+                "FeatCalCalibrator to calibrate again (with the same `checkpoint_dir` it resumes)."
+            )
         self._check_config_unchanged()
         names = self._parameter_names()
         with (
@@ -468,10 +478,15 @@ class FeatCalCalibrator:
                 if done <= flat:  # streams enter this stack (a resumed run may bring the previous stack's)
                     progress.set_postfix_str(f"entering {stack.name}")
                     with ctx.timed("entering stacks"):
+                        # (the last stack's entry releases the calibration batches: a calibrator runs once)
                         streams = enter_stack(
-                            ctx, si, streams, self.batches, self.experts, drift is not None,
-                            entered if si == 0 else None,
+                            ctx, si, streams, self.batches, self.experts,
+                            None if drift is None else self.drift_sample, entered if si == 0 else None,
+                            release=si == len(stacks) - 1,
                         )
+                        entered = None  # `streams` holds it now: each block lets its entering batches go
+                    if si == len(stacks) - 1:
+                        self._batches_released = True
                 for bi, block in enumerate(stack.blocks):
                     flat += 1
                     if flat <= done:
@@ -480,7 +495,8 @@ class FeatCalCalibrator:
                     def note(message: str, at: str = f"({flat}/{total})") -> None:
                         progress.set_postfix_str(f"{at} {message}")
 
-                    streams = self._calibrate_block(self._plans[(si, bi)], block, streams, drift, note)
+                    final = flat == total  # the model's last block: its student stream feeds nothing but the report
+                    streams = self._calibrate_block(self._plans[(si, bi)], block, streams, drift, note, final)
                     if checkpoint is not None:
                         note("checkpointing")
                         with ctx.timed("checkpointing"):
@@ -488,26 +504,43 @@ class FeatCalCalibrator:
                     progress.update(1)
         finally:
             progress.close()
-        return None if drift is None else DriftReport(drift.tasks)
+        if drift is None:
+            return None
+        return DriftReport(drift.tasks, sample={
+            "examples_per_task": dict(self.drift_sample.examples_per_task),
+            "calibration_examples_per_task": dict(self.samples_per_task),
+            "drift_samples_per_task": self.config.drift_samples_per_task, "seed": self.config.seed,
+        })
 
     def _calibrate_block(
-        self, plan: BlockPlan, block: nn.Module, streams: Streams, drift: DriftLog | None, note: Callable[[str], None]
+        self, plan: BlockPlan, block: nn.Module, streams: Streams, drift: DriftLog | None, note: Callable[[str], None],
+        final: bool = False,
     ) -> Streams:
         """One block: capture and accumulate, solve and write, propagate, drift; the streams leaving it.
 
         Block granularity solves the whole plan from one pass. Module granularity solves it in steps
         (`pipeline/steps.py`): the first pass gives the first step's statistics and the expert stream
-        leaving the block; each later step gets a new, statistics-only pass through the partly written block."""
+        leaving the block; each later step gets a new, statistics-only pass through the partly written block.
+
+        Each stream entering the block is dropped task by task as the same task's leaving batches are
+        made (`capture_block`'s `release`, `propagate`), so `streams` is used up. After the `final`
+        block (the model's last) only the drift report reads the streams: the student stream is
+        propagated for the drift sample's batches alone, and the streams leaving it hold those batches
+        only (none without the report)."""
         ctx = self.context
+        sample = self.drift_sample
         steps = [plan]
         if plan.calibrating and self.config.granularity == "module":
             with ctx.timed("module order"):
                 steps = module_steps(plan, forward_order(ctx, plan, block, streams))
-        captured = capture_block(ctx, steps[0], block, streams, self.experts, _step_note(note, steps, 0))
+        # a later step's statistics-only pass reads the entering expert stream again
+        captured = capture_block(ctx, steps[0], block, streams, self.experts, _step_note(note, steps, 0),
+                                 release=len(steps) == 1)
         given = None
         if drift is not None and plan.calibrating:  # through the block as given, before it is written
+            assert streams.given is not None  # entered with the drift report
             with ctx.timed("drift (merged-as-given stream)"):
-                given = advance_given(ctx, block, plan.block_index, streams)
+                given = advance_given(ctx, block, plan.block_index, streams.given, sample)
         if plan.calibrating:
             statistics = captured.statistics
             for index, step in enumerate(steps):
@@ -520,15 +553,24 @@ class FeatCalCalibrator:
                     self._solve_and_write(step, block, statistics)
         note("propagating")
         assert streams.student is not None  # every stack is entered with a student stream
+        # (taken before `propagate` moves the student stream on)
+        shared = None if drift is None or given is not None else shared_with_student(streams, sample)
+        entering, expert = streams.student, captured.expert
+        if final:
+            kept = {task: [] if drift is None else [b for b, _ in sample.rows[task]] for task in entering}
+            entering = {task: [entering[task][b] for b in kept[task]] for task in kept}
+            expert = {task: [expert[task][b] for b in kept[task]] for task in kept}
+            sample = sample.positional(entering)  # the streams leaving hold the sample's batches, in order
         with ctx.timed("propagating"):
-            student = propagate(ctx, block, plan, streams.student)
+            student = propagate(ctx, block, plan, entering)
         if drift is not None and given is None:  # an unchanged block: the batches shared with the student stay shared
+            assert streams.given is not None  # entered with the drift report
             with ctx.timed("drift (merged-as-given stream)"):
-                given = advance_given(ctx, block, plan.block_index, streams, student)
-        leaving = Streams(student, captured.expert, given)
+                given = advance_given(ctx, block, plan.block_index, streams.given, sample, shared, student)
+        leaving = Streams(student, expert, given)
         if drift is not None:
             with ctx.timed("drift (merged-as-given stream)"):
-                record_drift(ctx, drift, leaving, plan.pooled_token_index)
+                record_drift(ctx, drift, leaving, sample, plan.pooled_token_index)
         return leaving
 
     def _solve_and_write(self, plan: BlockPlan, block: nn.Module, statistics: BlockStatistics) -> None:
@@ -547,7 +589,7 @@ class FeatCalCalibrator:
         now = self.config.to_dict()
         if now == self._planned_config:
             return
-        for name in ("num_samples_per_task", "batch_size", "seed"):
+        for name in ("num_samples_per_task", "batch_size", "seed", "drift_samples_per_task"):
             if now[name] != self._planned_config[name]:
                 raise ValueError(
                     f"FeatCalConfig.{name} changed after the calibrator was built ({self._planned_config[name]!r} → "

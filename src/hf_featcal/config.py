@@ -103,7 +103,16 @@ class FeatCalConfig:
         default=True,
         metadata={
             "help": "Measure the per-block feature drift before and after calibration (one extra merged forward per "
-                    "block)."
+                    "block on the examples `drift_samples_per_task` chooses)."
+        },
+    )
+    drift_samples_per_task: int | None = field(
+        default=32,
+        metadata={
+            "help": "Calibration examples per task the drift report measures (None: all of them). A diagnostic "
+            "needs few: the merged-as-given stream runs on these examples only, chosen the same way every run "
+            "(whole batches in an order drawn with `seed`, the last one cut to its first examples). Does not change "
+            "the calibrated weights."
         },
     )
     stream_placement: str = field(
@@ -203,15 +212,10 @@ class FeatCalConfig:
                 raise ValueError(f"FeatCalConfig.{name} must be in [0, 1], got {getattr(self, name)!r}.")
         if real("epsilon") <= 0:
             raise ValueError(f"FeatCalConfig.epsilon must be > 0, got {self.epsilon!r}.")
-        if self.num_samples_per_task is not None and (
-            isinstance(self.num_samples_per_task, bool)
-            or not isinstance(self.num_samples_per_task, int)
-            or self.num_samples_per_task < 1
-        ):
-            raise ValueError(
-                f"FeatCalConfig.num_samples_per_task must be a positive integer or None, got "
-                f"{self.num_samples_per_task!r}."
-            )
+        for name in ("num_samples_per_task", "drift_samples_per_task"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"FeatCalConfig.{name} must be a positive integer or None, got {value!r}.")
         if self.max_length is not None and (
             isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 1
         ):

@@ -28,9 +28,15 @@ class DriftReport:
 
     The mean drift can fall while one task's head reads a worse feature (the calibration is a joint
     compromise of all tasks): `rising_tasks()` names the tasks whose last `head_after` is above their
-    `head_before`; `calibrate()` warns about them and the summary marks them."""
+    `head_before`; `calibrate()` warns about them and the summary marks them.
+
+    `sample` says which examples were measured (None where not recorded): `examples_per_task` (task →
+    how many), `calibration_examples_per_task` (task → how many it was calibrated on),
+    `drift_samples_per_task` (the bound asked for; None: all) and `seed` (how they were chosen:
+    `FeatCalConfig.drift_samples_per_task`)."""
 
     tasks: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    sample: dict[str, Any] | None = None
 
     def rising_tasks(self) -> list[str]:
         """Tasks whose head measure at the last block rose with calibration (`head_after[-1] >
@@ -44,17 +50,35 @@ class DriftReport:
         ]
 
     def to_dict(self) -> dict[str, Any]:
-        """`{"tasks": {task: {"before": [...], "after": [...]}}}` with plain Python floats."""
-        return {
+        """`{"tasks": {task: {"before": [...], "after": [...]}}, "sample": {...}}` with plain Python floats
+        (no "sample" where none is recorded)."""
+        out: dict[str, Any] = {
             "tasks": {
                 task: {stage: [float(v) for v in values] for stage, values in stages.items()}
                 for task, stages in self.tasks.items()
             }
         }
+        if self.sample is not None:
+            out["sample"] = self.sample
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DriftReport:
-        return cls({task: {k: list(v) for k, v in stages.items()} for task, stages in data["tasks"].items()})
+        return cls({task: {k: list(v) for k, v in stages.items()} for task, stages in data["tasks"].items()},
+                   data.get("sample"))
+
+    def sample_sentence(self) -> str | None:
+        """Which examples were measured, in words (None where not recorded)."""
+        if self.sample is None:
+            return None
+        counts = self.sample["examples_per_task"]
+        given = self.sample.get("calibration_examples_per_task", counts)
+        if all(counts[task] >= given.get(task, 0) for task in counts):
+            return "Measured on every calibration example."
+        measured = ", ".join(f"{task}: {counts[task]} of {given[task]}" for task in counts)
+        return (f"Measured on a sample of the calibration examples ({measured}; `drift_samples_per_task="
+                f"{self.sample.get('drift_samples_per_task')}`: whole batches in an order drawn with seed "
+                f"{self.sample.get('seed')}, the last one cut to fit).")
 
     def save(self, save_directory: str | os.PathLike) -> str:
         """Write the report as JSON into `save_directory`; returns the file path."""
@@ -97,6 +121,9 @@ class DriftReport:
                 f"| {markdown_cell(task)} | {before[-1]:.4g} | {after[-1]:.4g} | "
                 f"{sum(before) / len(before):.4g} | {sum(after) / len(after):.4g} | {head} |"
             )
+        sentence = self.sample_sentence()
+        if sentence is not None:
+            lines.append(f"\n{sentence}")
         if rising:
             lines.append(
                 f"\nWhat the head reads moved away from the expert for {sorted(rising)}: check these tasks' "

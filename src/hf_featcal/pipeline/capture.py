@@ -34,6 +34,7 @@ def capture_block(
     experts: Mapping[str, ModelSource],
     note: Callable[[str], None] = lambda _: None,
     leaving: bool = True,
+    release: bool = False,
 ) -> CapturedBlock:
     """One pass of every task's streams through the block (the merged `block` on the student stream,
     the task expert's on the expert stream), accumulating statistics per task; `note` receives
@@ -41,7 +42,11 @@ def capture_block(
 
     With `leaving=False` (a later step of module granularity, `pipeline/steps.py`) only the
     statistics are wanted: both forwards stop once the plan's inputs are captured, and the expert
-    stream leaving the block is not computed."""
+    stream leaving the block is not computed.
+
+    With `release` (no later pass reads the expert stream entering the block), each task's entering
+    expert batches are dropped from `streams.expert` once that task's pass is over: the stream is then
+    held twice for one task at a time, not for all of them."""
     lm, bi = ctx.layer_map, plan.block_index
     calibrating = plan.calibrating
     statistics = new_statistics(ctx, plan, block) if calibrating else BlockStatistics()
@@ -93,6 +98,8 @@ def capture_block(
                         sums.add(xs, xe, state, ye)
         for store in (xs, xe, ye):  # the last batch's captured tensors, consumed
             store.clear()
+        if release:
+            del streams.expert[task]
         if calibrating:
             with ctx.timed("statistics"):
                 sums.finish()

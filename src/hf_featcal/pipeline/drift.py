@@ -1,13 +1,20 @@
 """Stage *drift*: the merged-as-given stream through each block, and per task and block the mean
-distance of the merged streams from the expert's, and the relative distance of what the task's head reads."""
+distance of the merged streams from the expert's, and the relative distance of what the task's head reads.
+
+The report is a diagnostic: it measures a bounded sample of each task's calibration examples
+(`FeatCalConfig.drift_samples_per_task`, `DriftSample`), and the merged-as-given stream exists for
+those examples only. The student and expert streams are the calibration's own; the report reads
+the sample's rows of them."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from ..data import Batch, batch_size_of, cut_batch
 from .accumulate import pooled_weighting
 from .context import RunContext
 from .streams import StreamBatch, Streams, TaskStreams
@@ -26,6 +33,72 @@ class DriftLog:
     @classmethod
     def empty(cls, tasks: list[str]) -> DriftLog:
         return cls({task: {stage: [] for stage in DRIFT_STAGES} for task in tasks})
+
+
+@dataclass(frozen=True)
+class DriftSample:
+    """The examples the drift report measures: per task, (index of a batch of this process, how many of
+    its first examples), in batch order, and how many examples that is per task over all processes."""
+
+    rows: dict[str, list[tuple[int, int]]]
+    examples_per_task: dict[str, int]
+
+    @classmethod
+    def choose(
+        cls, batches: Mapping[str, list[Batch]], limit: int | None, seed: int, main_input_name: str,
+        rank: int = 0, world: int = 1,
+    ) -> DriftSample:
+        """At most `limit` examples of each task's `batches` (every process's, before they are shared
+        out; None: all): whole batches in an order drawn with `seed` (the same for every task), the last
+        one cut to its first examples. Batch `g` goes to process `g % world` as its batch `g // world`,
+        as the calibrator shares them out, so the sample does not depend on the number of processes."""
+        rows, counts = {}, {}
+        for task, task_batches in batches.items():
+            sizes = [batch_size_of(b, main_input_name) for b in task_batches]
+            order = list(range(len(sizes)))
+            if limit is not None and limit < sum(sizes):
+                order = torch.randperm(len(sizes), generator=torch.Generator().manual_seed(seed)).tolist()
+            chosen, used = [], 0
+            for g in order:
+                if limit is not None and used >= limit:
+                    break
+                take = sizes[g] if limit is None else min(sizes[g], limit - used)
+                chosen.append((g, take))
+                used += take
+            rows[task] = [(g // world, take) for g, take in sorted(chosen) if g % world == rank]
+            counts[task] = used
+        return cls(rows, counts)
+
+    def batches(self, task: str, batches: list[Batch], main_input_name: str) -> list[Batch]:
+        """The sample's calibration batches of one task (this process's `batches`), cut where it takes
+        only their first examples."""
+        out = []
+        for b, take in self.rows[task]:
+            size = batch_size_of(batches[b], main_input_name)
+            out.append(batches[b] if take == size else cut_batch(batches[b], size, take))
+        return out
+
+    def of(self, task: str, stream: list[StreamBatch]) -> list[StreamBatch]:
+        """The sample's rows of one task's stream (indexed by batch): whole batches as they are; a cut
+        one as its first rows' hidden states and token weights, what `stream_drifts` reads."""
+        out = []
+        for b, take in self.rows[task]:
+            state = stream[b]
+            if take == state.hidden.shape[0]:
+                out.append(state)
+            else:
+                assert state.weights is not None  # every stream batch carries its token weights
+                out.append(StreamBatch(state.hidden[:take], weights=state.weights[:take]))
+        return out
+
+    def whole(self, task: str, stream: list[StreamBatch]) -> list[bool]:
+        """Per sampled batch, whether the sample takes all of it (its rows are the stream's batch itself)."""
+        return [take == stream[b].hidden.shape[0] for b, take in self.rows[task]]
+
+    def positional(self, streams: Mapping[str, list[StreamBatch]]) -> DriftSample:
+        """The same sample for streams that hold only the sampled batches, in sample order."""
+        rows = {task: [(j, take) for j, (_, take) in enumerate(self.rows[task])] for task in streams}
+        return DriftSample(rows, self.examples_per_task)
 
 
 def stream_drifts(
@@ -72,32 +145,51 @@ def stream_drifts(
     return drifts, heads
 
 
-def record_drift(ctx: RunContext, drift: DriftLog, streams: Streams, pooled_token_index: int | None = None) -> None:
-    """Append each task's drift at the block's output (`streams`: the streams leaving the block;
-    `pooled_token_index`: the token a head reads after this block, if it is a pooled stack's last)."""
+def record_drift(
+    ctx: RunContext, drift: DriftLog, streams: Streams, sample: DriftSample, pooled_token_index: int | None = None
+) -> None:
+    """Append each task's drift at the block's output (`streams`: the streams leaving the block, the
+    merged-as-given one holding the `sample`'s examples; `pooled_token_index`: the token a head reads
+    after this block, if it is a pooled stack's last)."""
     assert streams.given is not None and streams.student is not None and streams.expert is not None  # with drift
     for task, entry in drift.tasks.items():
         (before, after), (head_before, head_after) = stream_drifts(
-            ctx, [streams.given[task], streams.student[task]], streams.expert[task], pooled_token_index
+            ctx, [streams.given[task], sample.of(task, streams.student[task])], sample.of(task, streams.expert[task]),
+            pooled_token_index,
         )
         for stage, value in zip(DRIFT_STAGES, (before, after, head_before, head_after), strict=True):
             entry.setdefault(stage, []).append(value)
 
 
-def advance_given(
-    ctx: RunContext, block: nn.Module, block_index: int, streams: Streams, student: TaskStreams | None = None
-) -> TaskStreams:
-    """The merged-as-given stream leaving `block` as given (run before its solutions are written). Its
-    batches are the student's until a block is calibrated: with `student`, the student batches leaving
-    an unchanged block, those stay shared; every other batch runs through the block, hooks off."""
-    given = {}
+def shared_with_student(streams: Streams, sample: DriftSample) -> dict[str, list[bool]]:
+    """Per task and sampled batch, whether the merged-as-given batch entering a block *is* the student's
+    (as it is until a block is calibrated): such a batch leaves an unchanged block as the student's does."""
     assert streams.given is not None and streams.student is not None  # the streams entering the block, with drift
+    return {
+        task: [state is streams.student[task][b] for state, (b, _) in zip(states, sample.rows[task], strict=True)]
+        for task, states in streams.given.items()
+    }
+
+
+def advance_given(
+    ctx: RunContext,
+    block: nn.Module,
+    block_index: int,
+    given: TaskStreams,
+    sample: DriftSample,
+    shared: Mapping[str, list[bool]] | None = None,
+    student: TaskStreams | None = None,
+) -> TaskStreams:
+    """The merged-as-given stream (`given`, the `sample`'s batches) leaving `block` as given (run before
+    its solutions are written). With `shared` (`shared_with_student`, taken before the student stream
+    moved on) and `student`, the student stream leaving an unchanged block: a batch that was the
+    student's stays the student's; every other batch runs through the block, hooks off."""
+    out = {}
     with ctx.precision():
-        for task, states in streams.given.items():
-            entering = streams.student[task]
-            given[task] = [
-                student[task][b] if student is not None and state is entering[b]
+        for task, states in given.items():
+            out[task] = [
+                student[task][b] if student is not None and shared is not None and shared[task][j]
                 else ctx.run_block(block, block_index, state)
-                for b, state in enumerate(states)
+                for j, (state, (b, _)) in enumerate(zip(states, sample.rows[task], strict=True))
             ]
-    return given
+    return out

@@ -8,9 +8,10 @@ from collections.abc import Mapping
 
 from accelerate.utils import send_to_device
 
-from ..data import Batch
+from ..data import Batch, batch_size_of
 from ..experts import ModelSource, module_device
 from .context import RunContext
+from .drift import DriftSample
 from .streams import StreamBatch, Streams, TaskStreams
 
 
@@ -18,23 +19,41 @@ def enter_stack(
     ctx: RunContext,
     stack_index: int,
     streams: Streams,
-    batches: Mapping[str, list[Batch]],
+    batches: dict[str, list[Batch]],
     experts: Mapping[str, ModelSource],
-    drift: bool,
+    drift: DriftSample | None,
     student: TaskStreams | None = None,
+    release: bool = False,
 ) -> Streams:
     """Every stream entering stack `stack_index` (`streams`: the same streams leaving the previous
     stack; `student`: the student stream when it has entered already, as the first stack's has where
-    `check_batches_enter_model` ran the merged model's input path on the batches)."""
-    tasks = list(experts)
-    if student is None:
-        student = {t: enter(ctx, None, stack_index, streams.student, batches[t], t) for t in tasks}
-    expert = {t: enter(ctx, experts[t], stack_index, streams.expert, batches[t], t) for t in tasks}
-    given = None
-    if drift:
-        given = {t: (student[t] if stack_index == 0 else enter(ctx, None, stack_index, streams.given, batches[t], t))
-                 for t in tasks}
-    return Streams(student, expert, given)
+    `check_batches_enter_model` ran the merged model's input path on the batches). With the drift
+    report, the merged-as-given stream holds `drift`'s examples: entering the first stack, a batch
+    the sample takes whole *is* the student's, a cut one enters on its own.
+
+    With `release` (the last stack: nothing reads the calibration batches again), each task's
+    batches are replaced by an empty list in `batches` once its streams have entered, so that the
+    inputs (images: 0.6 MB each at 224²) and the streams are not held together for every task."""
+    main_input = ctx.layer_map.main_input_name
+    entered = Streams({}, {}, None if drift is None else {})
+    for t in experts:
+        assert entered.student is not None and entered.expert is not None  # built above
+        entered.student[t] = (enter(ctx, None, stack_index, streams.student, batches[t], t) if student is None
+                              else student[t])
+        entered.expert[t] = enter(ctx, experts[t], stack_index, streams.expert, batches[t], t)
+        if drift is not None and entered.given is not None:
+            sampled = drift.batches(t, batches[t], main_input)
+            if stack_index:
+                entered.given[t] = enter(ctx, None, stack_index, streams.given, sampled, t)
+            else:
+                entered.given[t] = [
+                    entered.student[t][b] if take == batch_size_of(batches[t][b], main_input)
+                    else enter(ctx, None, stack_index, None, [batch], t)[0]
+                    for (b, take), batch in zip(drift.rows[t], sampled, strict=True)
+                ]
+        if release:
+            batches[t] = []
+    return entered
 
 
 def enter(

@@ -13,12 +13,13 @@ from .streams import TaskStreams
 
 def propagate(ctx: RunContext, block: nn.Module, plan: BlockPlan, student: TaskStreams) -> TaskStreams:
     """Every task's student batches through `block` (calibrated by now, or with nothing solved in it),
-    parked for the next block."""
+    parked for the next block. Each task's entering batches are taken out of `student` as its new ones
+    are made, so the stream is held twice for one task at a time (`student` is left empty)."""
     # a block with nothing solved runs as capture runs the expert's, in the layer map's capture
     # context: the student and expert streams of an unchanged block are computed alike
     alike = contextlib.nullcontext() if plan.calibrating else ctx.layer_map.capture_context(block)
+    leaving = {}
     with ctx.precision(), alike:
-        return {
-            task: [ctx.run_block(block, plan.block_index, state) for state in states]
-            for task, states in student.items()
-        }
+        for task in list(student):
+            leaving[task] = [ctx.run_block(block, plan.block_index, state) for state in student.pop(task)]
+    return leaving
