@@ -207,10 +207,6 @@ def test_the_family_branch_check_finds_a_planted_branch(tmp_path):
     assert _family_branches(str(planted), set(family_names())) == [f"{planted}:2", f"{planted}:3"]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "transformers 5 saves ViT under its legacy key names (encoder.layer.N.attention.attention.query) while the "
-    "model's own are layers.N.attention.q_proj; the lazy checkpoint reader (experts.CheckpointSource) does not "
-    "map them, so merge refuses a ViT expert folder"))
 def test_vit_merges_and_calibrates_from_the_command_line(tmp_path, capsys):
     """`model_family` vit: `merge` keeps the base's image processor, `calibrate` processes the images with it
     and saves the weights the Python API computes on the same images."""
@@ -218,7 +214,6 @@ def test_vit_merges_and_calibrates_from_the_command_line(tmp_path, capsys):
     import numpy as np
     import torch
     from PIL import Image
-    from safetensors.torch import load_file
     from transformers import ViTImageProcessor
 
     from hf_featcal import FeatCalCalibrator, FeatCalConfig
@@ -256,6 +251,6 @@ def test_vit_merges_and_calibrates_from_the_command_line(tmp_path, capsys):
     reference = FeatCalCalibrator(ViTModel.from_pretrained(tmp_path / "merged"), str(tmp_path / "base"), experts,
                                   calibration, FeatCalConfig(batch_size=4, num_samples_per_task=None),
                                   processing_class=processor, show_progress=False).calibrate()
-    saved = load_file(str(tmp_path / "out" / "model.safetensors"))
+    saved = ViTModel.from_pretrained(tmp_path / "out").state_dict()  # a save stores ViT under its legacy names
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(saved[key], value, rtol=0, atol=0, msg=key)

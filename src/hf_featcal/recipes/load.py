@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..architectures import model_type_of
-from ..families import detect_family, get_family, no_family_reason
+from ..families import FamilyUsageError, detect_family, get_family, no_family_reason
 from .spec import DatasetSpec, EvaluationSpec
 
 __all__ = [
@@ -69,12 +69,13 @@ def model_family_of(model_or_config: Any) -> str | None:
 
 
 def check_family(model: Any, family: str, argument: str) -> None:
-    """Raise a ValueError when `model` is not of `family`."""
+    """Raise a `FamilyUsageError` (a ValueError; the CLI's usage error, exit status 2) when `model` is not
+    of `family`: the recipe or option names a family its model is not of."""
     found = model_family_of(model)
     if found != family:
         model_type = model_type_of(model)
         why = f"it is a {found!r} model" if found is not None else no_family_reason(model)
-        raise ValueError(f"{argument} has model_type {model_type!r}, which is not a {family!r} model: {why}")
+        raise FamilyUsageError(f"{argument} has model_type {model_type!r}, which is not a {family!r} model: {why}")
 
 
 def evaluate_model(
