@@ -24,7 +24,7 @@ import torch
 from accelerate.utils import send_to_device
 from torch import Tensor, nn
 
-from ..architectures import POSITIONS, TOKEN, RepresentationPoint, get_layer_map, layer_map_or_none
+from ..architectures import POSITIONS, TOKEN, RepresentationPoint, get_layer_map, layer_map_or_none, model_type_of
 from ..experts import module_device
 from ..hooks import eval_mode
 from ..pipeline.streams import StopForward
@@ -40,7 +40,7 @@ def representation_point(model: nn.Module) -> RepresentationPoint:
     layer_map = layer_map_or_none(model)
     point = layer_map.representation_point(model) if layer_map is not None else None
     if point is None:
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        model_type = model_type_of(model)
         raise ValueError(
             f"`model` ({type(model).__name__}, model_type={model_type!r}) has no known representation point: "
             "post-merging representation corrections support CLIP, open_clip, BERT/RoBERTa, ViT, T5 and "
