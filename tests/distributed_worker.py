@@ -25,7 +25,7 @@ def main(output: str, family: str = "clip") -> None:
     base, experts, merged, data = as_float64(base, experts, merged, data)
     calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(compute_dtype="float64"),
                                    show_progress=False)
-    local_batches = {task: len(batches) for task, batches in calibrator.batches.items()}  # (emptied by calibrate)
+    local_batches = {task: len(sizes) for task, sizes in calibrator.batch_sizes.items()}
     calibrator.calibrate()
     calibrator.save_model(output)  # writes on the main process only
     # the rank files go beside the finished save (into a folder holding anything but an earlier save, a

@@ -72,6 +72,12 @@ class Streams:
     expert: TaskStreams | None = None
     given: TaskStreams | None = None
 
+    def add(self, other: Streams) -> None:
+        """Take `other`'s tasks into these streams (`given`: where both have one)."""
+        for mine, theirs in ((self.student, other.student), (self.expert, other.expert), (self.given, other.given)):
+            if mine is not None and theirs is not None:
+                mine.update(theirs)
+
 
 class StopForward(Exception):
     """Raised by a capture hook to end a forward pass once the wanted inputs are stored."""
