@@ -1,8 +1,12 @@
 """Run by `torchrun --nproc_per_node N` from test_distributed.py: calibrate the shared tiny CLIP (or
-open_clip) setting with the same user code as on one process; the main process saves the result."""
+open_clip) setting with the same user code as on one process; the main process saves the result. Given
+task weights (JSON, a third argument), each process then calibrates another copy of the merge with them
+and keeps its result in `rank<r>.weighted.pt` (one launch for both runs)."""
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import sys
 
@@ -13,7 +17,7 @@ from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from testing_utils import as_float64, build_clip_setting
 
 
-def main(output: str, family: str = "clip") -> None:
+def main(output: str, family: str = "clip", task_weights: str | None = None) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     if family == "open_clip":
@@ -23,6 +27,7 @@ def main(output: str, family: str = "clip") -> None:
     else:
         base, experts, merged, data = build_clip_setting(torch.Generator().manual_seed(0), (4, 3, 5, 2, 4))
     base, experts, merged, data = as_float64(base, experts, merged, data)
+    given = copy.deepcopy(merged)
     calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(compute_dtype="float64"),
                                    show_progress=False)
     local_batches = {task: len(sizes) for task, sizes in calibrator.batch_sizes.items()}
@@ -37,6 +42,10 @@ def main(output: str, family: str = "clip") -> None:
     state["local_batches"] = local_batches
     state["num_processes"] = calibrator.state.num_processes
     torch.save(state, os.path.join(output, f"rank{rank}.pt"))
+    if task_weights is not None:
+        config = FeatCalConfig(compute_dtype="float64", task_weights=json.loads(task_weights))
+        FeatCalCalibrator(given, base, experts, data, config, show_progress=False).calibrate()
+        torch.save(given.state_dict(), os.path.join(output, f"rank{rank}.weighted.pt"))
     # a clean end of a multi-process script: no rank exits while gloo's threads still serve the others
     calibrator.state.wait_for_everyone()
     calibrator.state.destroy_process_group()

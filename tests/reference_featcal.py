@@ -35,15 +35,20 @@ def _module_inputs(block, hidden):
     return store, out
 
 
-def reference_featcal(merged, base, experts, data, *, lam=0.05, rho=2.2, alpha=0.25, last_weight=0.01, eps=1e-8):
+def reference_featcal(merged, base, experts, data, *, lam=0.05, rho=2.2, alpha=0.25, last_weight=0.01, eps=1e-8,
+                      task_weights=None):
     """Return the calibrated merged model (float64 copy) and its per-block drift before/after.
 
-    `data` maps task → list of pixel_values tensors (all used).
+    `data` maps task → list of pixel_values tensors (all used). `task_weights`: task → w_i (1 if not
+    named); every term of task i is multiplied by ω_i = w_i·T / Σ_j w_j (mean 1), T in the norms' 2×2
+    system becoming Σ ω_i.
     """
     merged = copy.deepcopy(merged).double().eval()
     base = None if base is None else copy.deepcopy(base).double().eval()
     experts = {t: copy.deepcopy(e).double().eval() for t, e in experts.items()}
     tasks = list(experts)
+    raw = {t: float((task_weights or {}).get(t, 1.0)) for t in tasks}
+    omega = {t: raw[t] * len(tasks) / sum(raw.values()) for t in tasks}
     pixels = {t: torch.cat(data[t]).double() for t in tasks}
     m_tower = _tower(merged)
     with torch.no_grad():
@@ -89,7 +94,7 @@ def reference_featcal(merged, base, experts, data, *, lam=0.05, rho=2.2, alpha=0
                         wn = w / w.sum()
                         c = (x_s * wn[:, None]).T @ x_s
                         x = (x_s * wn[:, None]).T @ x_t
-                        s = 1.0 / max(torch.linalg.norm(c).item(), eps)
+                        s = omega[t] / max(torch.linalg.norm(c).item(), eps)
                         e_mod = _tower(experts[t]).encoder.layers[idx].get_submodule(name)
                         lhs += s * c
                         rhs += s * x @ e_mod.weight.T
@@ -115,12 +120,13 @@ def reference_featcal(merged, base, experts, data, *, lam=0.05, rho=2.2, alpha=0
                         m_i = wn @ z
                         e_i = wn @ z.square()
                         e_mod = _tower(experts[t]).encoder.layers[idx].get_submodule(name)
-                        a[:, 0, 0] += e_i
-                        a[:, 0, 1] += m_i
-                        a[:, 1, 0] += m_i
-                        a[:, 1, 1] += 1.0
-                        r[:, 0] += e_i * e_mod.weight + m_i * e_mod.bias
-                        r[:, 1] += m_i * e_mod.weight + e_mod.bias
+                        o = omega[t]
+                        a[:, 0, 0] += o * e_i
+                        a[:, 0, 1] += o * m_i
+                        a[:, 1, 0] += o * m_i
+                        a[:, 1, 1] += o
+                        r[:, 0] += o * (e_i * e_mod.weight + m_i * e_mod.bias)
+                        r[:, 1] += o * (m_i * e_mod.weight + e_mod.bias)
                     a[:, 0, 0] += lam
                     a[:, 1, 1] += lam
                     r[:, 0] += lam * anchor_of("weight")

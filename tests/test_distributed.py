@@ -5,6 +5,7 @@ processes, add the same terms in another order."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -26,11 +27,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run_two_processes(out, family: str) -> None:
+def _run_two_processes(out, family: str, *extra: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), WORKER, str(out), family]
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), WORKER, str(out), family, *extra]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -51,17 +52,26 @@ def _assert_same_model(states: list[dict], ref: dict) -> None:
 
 
 def test_two_processes_match_one(tmp_path):
+    """Also with task weights: they multiply each task's sums after the cross-process reduction, so
+    two processes give the single-process weighted model (which is not the unweighted one)."""
+    weights = {"cars": 3.0}
     out = tmp_path / "dist"
-    _run_two_processes(out, "clip")
+    _run_two_processes(out, "clip", json.dumps(weights))
 
     torch.manual_seed(0)
     base, experts, merged, data = as_float64(*build_clip_setting(torch.Generator().manual_seed(0), (4, 3, 5, 2, 4)))
+    weighted = copy.deepcopy(merged)
+    FeatCalCalibrator(weighted, base, experts, data, FeatCalConfig(compute_dtype="float64", task_weights=weights),
+                      show_progress=False).calibrate()
+    weighted_states = [torch.load(out / f"rank{r}.weighted.pt") for r in (0, 1)]
+    _assert_same_model(weighted_states, weighted.state_dict())
     single = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(compute_dtype="float64"), show_progress=False)
     single.calibrate()
     ref = merged.state_dict()
     states = _rank_states(out)
     _assert_same_model(states, ref)
     assert any(not torch.equal(states[0][k], base.state_dict()[k]) for k in ref)
+    assert any(not torch.equal(weighted_states[0][k], ref[k]) for k in ref)
 
     report = json.loads((out / "featcal_drift_report.json").read_text())
     for task, stages in single.report.to_dict()["tasks"].items():

@@ -131,6 +131,7 @@ class FeatCalCalibrator:
 
         tasks = check_tasks(experts, calibration_data)
         assert experts is not None and calibration_data is not None  # check_tasks refuses a missing mapping
+        self.context.task_weights = config.normalised_task_weights(tasks)  # unknown names refused here
         gemm_library()  # a bad HF_FEATCAL_CPU_GEMM is refused here, before anything is loaded
         self.tasks = tasks
         self._calibration_data = {task: calibration_data[task] for task in tasks}  # for `input_folders`
@@ -638,6 +639,7 @@ class FeatCalCalibrator:
                     f"{now[name]!r}); it shapes the calibration batches: build a new FeatCalCalibrator."
                 )
         self.context.compute_dtype = getattr(torch, self.config.compute_dtype)
+        self.context.task_weights = self.config.normalised_task_weights(self.tasks)
         self._plans = plan_blocks(self.layer_map, select_modules(self.layer_map, self.context.tower, self.config))
         self._planned_config = copy.deepcopy(now)
 

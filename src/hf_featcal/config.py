@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,16 @@ class FeatCalConfig:
     calibrate_bias: bool = field(default=True, metadata={"help": "Solve Linear biases (else keep the merged ones)."})
     calibrate_norms: bool = field(
         default=True, metadata={"help": "Solve normalisation layers' affine parameters (else keep the merged ones)."}
+    )
+    task_weights: dict[str, float] | None = field(
+        default=None,
+        metadata={
+            "help": "Task → weight of that task's terms in the joint objective of every Linear and norm (the task's "
+            "statistics are multiplied by it), e.g. {'language': 2.0} when calibration hurts that task: up-weight it. "
+            "Each weight is finite and ≥ 0 (0 drops the task's terms; its data still flows), a task not named weighs "
+            "1, and the weights are rescaled to mean 1 over the experts' tasks (ω_i = w_i·T / Σ_j w_j), so the data "
+            "terms keep their total weight T and λ its meaning. None (or all weights equal): the paper's method."
+        },
     )
     seed: int = field(
         default=42,
@@ -192,6 +203,10 @@ class FeatCalConfig:
             value = self.__dict__[name]
             if isinstance(value, tuple) or (name == "layers_to_transform" and isinstance(value, range)):
                 object.__setattr__(self, name, list(value))
+        weights = self.__dict__["task_weights"]
+        if isinstance(weights, Mapping) and all(_is_real(w) for w in weights.values()):
+            # a copy with float values: 2 and 2.0 are one setting (one JSON text, one checkpoint fingerprint)
+            object.__setattr__(self, "task_weights", {task: float(w) for task, w in weights.items()})
 
     def validate(self) -> None:
         """Check every field again (raises ValueError naming the field), e.g. after a list was edited in place."""
@@ -225,6 +240,7 @@ class FeatCalConfig:
         for name in ("calibrate_bias", "calibrate_norms", "report_drift", "reuse_freed_cpu_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"FeatCalConfig.{name} must be a bool, got {getattr(self, name)!r}.")
+        self._validate_task_weights()
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             # `Dataset.shuffle` refuses a negative seed, but only once it shuffles
             raise ValueError(f"FeatCalConfig.seed must be a non-negative integer, got {self.seed!r}.")
@@ -271,6 +287,39 @@ class FeatCalConfig:
             )
         if self.granularity not in ("block", "module"):
             raise ValueError(f"FeatCalConfig.granularity must be 'block' or 'module', got {self.granularity!r}.")
+
+    def _validate_task_weights(self) -> None:
+        weights = self.task_weights
+        if weights is None:
+            return
+        if not isinstance(weights, dict) or not all(isinstance(task, str) and task for task in weights):
+            raise ValueError(
+                f"FeatCalConfig.task_weights must be None or a mapping task name → weight, got {weights!r}."
+            )
+        for task, weight in weights.items():
+            if not _is_real(weight) or not math.isfinite(weight) or weight < 0:
+                raise ValueError(
+                    f"FeatCalConfig.task_weights[{task!r}] must be a finite real number ≥ 0, got {weight!r}."
+                )
+
+    def normalised_task_weights(self, tasks: Sequence[str]) -> dict[str, float]:
+        """Each task's weight ω_i in the joint objective: `task_weights` (1 for a task not named) rescaled
+        to mean 1 over `tasks`, ω_i = w_i·T / Σ_j w_j. Every weight is exactly 1.0 when `task_weights` is
+        None or gives every task one value. Raises ValueError naming the field for a task not in `tasks`
+        or weights that are all 0."""
+        given = self.task_weights or {}
+        unknown = sorted(set(given) - set(tasks))
+        if unknown:
+            raise ValueError(
+                f"FeatCalConfig.task_weights names {unknown}, which are not tasks of this run; tasks: {list(tasks)}."
+            )
+        raw = {task: given.get(task, 1.0) for task in tasks}
+        total = math.fsum(raw.values())
+        if total <= 0:
+            raise ValueError(
+                f"FeatCalConfig.task_weights gives every task weight 0 ({given}): at least one task must weigh > 0."
+            )
+        return {task: weight * len(raw) / total for task, weight in raw.items()}
 
     # ------------------------------------------------------------------ selection
     def module_selected(self, name: str, *aliases: str) -> bool:
@@ -325,6 +374,10 @@ class FeatCalConfig:
         if unknown:
             raise ValueError(f"{path}: unknown FeatCalConfig fields {unknown}.")
         return cls(**data)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def matches_module_pattern(patterns: list[str] | str, name: str) -> bool:

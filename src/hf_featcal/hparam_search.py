@@ -36,6 +36,11 @@ disjoint parts:
 
 Calibration is deterministic for a fixed config (`seed` fixes the order of `Dataset` inputs),
 so calibrating again with `result.best_config` reproduces `result.best_score`.
+
+When every task matters, let `validation_fn` return one score per task (a mapping task → score) and
+pick with `criterion="no_harm"`: each setting is ranked by its worst change against the merged model
+as given, min over tasks of (score − merged score), and "no calibration" (the merged model itself) is
+a candidate too, which wins when every calibrated setting lowers some task (docs/tuning.md).
 """
 
 from __future__ import annotations
@@ -58,7 +63,14 @@ from .config import FeatCalConfig
 from .data import prepare_batches, text_length_limit
 from .experts import make_source
 
-__all__ = ["DEFAULT_GRID", "TuningResult", "train_holdout_split", "tune_featcal"]
+__all__ = ["CRITERIA", "DEFAULT_GRID", "TuningResult", "no_harm_score", "train_holdout_split", "tune_featcal"]
+
+#: How `tune_featcal` ranks settings: "score" (`validation_fn` returns one number), "mean" (it returns
+#: task → score; their mean) and "no_harm" (task → score; the worst change against the merged model's
+#: own scores, `no_harm_score`, with "no calibration" a candidate).
+CRITERIA = ("score", "mean", "no_harm")
+#: the keys of a `TuningResult.table` row that are not grid values
+_ROW_KEYS = ("score", "seconds", "task_scores")
 
 #: The default search grid (12 points) around the authors' demo values.
 DEFAULT_GRID: dict[str, list[float]] = {
@@ -73,16 +85,22 @@ class TuningResult:
     """The outcome of `tune_featcal`.
 
     Attributes:
-        best_config: the `FeatCalConfig` of the best grid point (the base config with its values).
-        best_params: the grid values of the best point, e.g. `{"lambda_ratio": 0.05, ...}`.
-        best_score: its validation score.
-        table: one row per grid point, in grid order: the grid values plus `"score"` and
-            `"seconds"` (calibration + validation time).
-        best_model: the calibrated copy of the best point (None with `keep_best_model=False`).
-        greater_is_better: whether higher scores won.
+        best_config: the `FeatCalConfig` of the best grid point (the base config with its values);
+            None when "no calibration" won (criterion "no_harm"): use the merged model as it is.
+        best_params: the grid values of the best point, e.g. `{"lambda_ratio": 0.05, ...}` (`{}`
+            for "no calibration").
+        best_score: its value of the criterion (criterion "score": the validation score).
+        table: one row per candidate, in grid order: the grid values plus `"score"` (the criterion's
+            value) and `"seconds"` (calibration + validation time); with per-task scores also
+            `"task_scores"` (task → score). Criterion "no_harm" puts the "no calibration" row first
+            (no grid values, score 0: the merged model's own scores).
+        best_model: the calibrated copy of the best point (None with `keep_best_model=False`); the
+            merged model itself when "no calibration" won.
+        greater_is_better: whether higher values of `best_score` won (always True for "no_harm",
+            whose changes are counted as gains).
     """
 
-    best_config: FeatCalConfig
+    best_config: FeatCalConfig | None
     best_params: dict[str, Any]
     best_score: float
     table: list[dict[str, Any]]
@@ -93,11 +111,18 @@ class TuningResult:
         """The table as markdown; the best row is marked with `*`."""
         if not self.table:
             return "No grid point was evaluated."
-        names = [k for k in self.table[0] if k not in ("score", "seconds")]
-        lines = ["| " + " | ".join([*names, "score", "seconds", "best"]) + " |", "|" + "---:|" * (len(names) + 3)]
+        names = list(dict.fromkeys(k for row in self.table for k in row if k not in _ROW_KEYS))
+        tasks = list(dict.fromkeys(t for row in self.table for t in row.get("task_scores", {})))
+        header = [*names, *tasks, "score", "seconds", "best"]
+        lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
         for row in self.table:
-            best = "*" if {k: row[k] for k in names} == self.best_params else ""
-            cells = [str(row[k]) for k in names] + [f"{row['score']:.{digits}g}", f"{row['seconds']:.1f}", best]
+            params = {k: v for k, v in row.items() if k not in _ROW_KEYS}
+            best = "*" if params == self.best_params else ""
+            cells = [str(row[k]) if k in row else "" for k in names] if params else \
+                ["no calibration"] + [""] * (len(names) - 1)
+            scores = row.get("task_scores", {})
+            cells += [f"{scores[t]:.{digits}g}" if t in scores else "" for t in tasks]
+            cells += [f"{row['score']:.{digits}g}", f"{row['seconds']:.1f}", best]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
@@ -133,16 +158,17 @@ def tune_featcal(
     base_model: Any,
     experts: Mapping[str, Any],
     calibration_data: Mapping[str, Any],
-    validation_fn: Callable[[nn.Module], float],
+    validation_fn: Callable[[nn.Module], Any],
     grid: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Any]] | None = None,
     *,
     base_config: FeatCalConfig | None = None,
     greater_is_better: bool = True,
+    criterion: str = "score",
     keep_best_model: bool = True,
     calibrator_kwargs: Mapping[str, Any] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> TuningResult:
-    """Grid-search FeatCal settings (λ, ρ, α by default) with a validation score on held-out train data.
+    """Grid-search FeatCal settings (λ, ρ, α by default) with a validation score on held-out data.
 
     For every grid point: deep-copy `merged_model`, calibrate the copy with
     `dataclasses.replace(base_config, **point)`, score it with `validation_fn(copy)`. The best
@@ -156,14 +182,20 @@ def tune_featcal(
         experts: task → expert (model, local path or hub id).
         calibration_data: task → calibration data (`Dataset` or batches), as for `FeatCalCalibrator`.
             Must not overlap the examples `validation_fn` scores on.
-        validation_fn: `model -> float`; e.g. mean accuracy over tasks on a held-out slice of each
-            task's **train** split (never the test split). Higher is better unless
-            `greater_is_better=False`. A NaN score ranks last.
+        validation_fn: `model -> float` (criterion "score"), e.g. mean accuracy over tasks, or
+            `model -> {task: float}` (criteria "mean" and "no_harm"), on held-out data the experts
+            never trained on (never the test split). Higher is better unless `greater_is_better=False`.
+            A NaN score ranks last.
         grid: a mapping FeatCalConfig field → list of values (Cartesian product, e.g.
             `{"lambda_ratio": [0.02, 0.05], "anchor_rho": [1.0, 2.2]}`) or an explicit list of
             points (dicts). Default: `DEFAULT_GRID` (12 points over λ, ρ, α).
         base_config: the settings every point starts from (default `FeatCalConfig()`).
-        greater_is_better: maximise (True) or minimise (False) the score.
+        greater_is_better: maximise (True) or minimise (False) the scores `validation_fn` returns.
+        criterion: how settings are ranked (`CRITERIA`): "score" (the number `validation_fn`
+            returns), "mean" (the mean of its per-task scores) or "no_harm": `validation_fn` scores
+            the merged model as given once, each setting is ranked by `no_harm_score` (its worst
+            change over the tasks; ties by the mean change), and "no calibration" is a candidate
+            (the table's first row, value 0), which wins unless a setting lowers no task.
         keep_best_model: keep the calibrated copy of the best point as `result.best_model`
             (memory: at most two extra copies of the model exist at a time).
         calibrator_kwargs: further `FeatCalCalibrator` arguments (`processing_class`,
@@ -174,11 +206,13 @@ def tune_featcal(
         A `TuningResult`.
 
     Raises:
-        ValueError: on an invalid grid (unknown field, invalid value — named with its point) or a
-            `validation_fn` that does not return a real number.
+        ValueError: on an invalid grid (unknown field, invalid value — named with its point), an
+            unknown `criterion`, or a `validation_fn` that does not return what the criterion reads.
     """
     if not callable(validation_fn):
         raise TypeError(f"`validation_fn` must be callable (model -> float), got {type(validation_fn).__name__}.")
+    if criterion not in CRITERIA:
+        raise ValueError(f"`criterion` must be one of {list(CRITERIA)}, got {criterion!r}.")
     if base_config is None:
         base_config = FeatCalConfig()
     if not isinstance(base_config, FeatCalConfig):
@@ -217,38 +251,119 @@ def tune_featcal(
         return prepared[key]
 
     table: list[dict[str, Any]] = []
-    best_index: int | None = None
-    best_score = math.nan
+    best_index: int | None = None  # into `table`
+    best_key: tuple[float, ...] = (math.nan,)
     best_model: nn.Module | None = None
+    reference: dict[str, float] | None = None  # the merged model's own scores ("no_harm")
+    if criterion == "no_harm":
+        start = time.perf_counter()
+        reference = _task_scores(validation_fn(merged_model), None, criterion)
+        table.append({"score": 0.0, "seconds": time.perf_counter() - start, "task_scores": reference})
+        best_index, best_key = 0, (0.0, 0.0)
+        best_model = merged_model if keep_best_model else None
+        if log is not None:
+            log(f"[no calibration] task scores {_show(reference)}: score 0 (the reference)")
     for index, (point, config) in enumerate(zip(points, configs, strict=True)):
         start = time.perf_counter()
         candidate = copy.deepcopy(merged_model)
         calibrated = FeatCalCalibrator(candidate, base_source, expert_sources, batches_for(config), config,
                                        **kwargs).calibrate()
-        score = validation_fn(calibrated)
-        if isinstance(score, bool) or not isinstance(score, Real):
-            try:
-                score = float(score)  # e.g. a 0-dim tensor or numpy scalar
-            except (TypeError, ValueError):
-                raise ValueError(f"`validation_fn` must return a real number, got {type(score).__name__}.") from None
-        score = float(score)
+        score, key, scores = _rank(validation_fn(calibrated), criterion, reference, table, greater_is_better)
         seconds = time.perf_counter() - start
-        table.append({**point, "score": score, "seconds": seconds})
+        table.append({**point, **({} if scores is None else {"task_scores": scores}), "score": score,
+                      "seconds": seconds})
         if log is not None:
-            log(f"[{index + 1}/{len(points)}] {point}: score {score:.6g} ({seconds:.1f} s)")
-        if _better(score, best_score, greater_is_better) or best_index is None:
-            best_index, best_score = index, score
+            extra = "" if scores is None else f" task scores {_show(scores)},"
+            log(f"[{index + 1}/{len(points)}] {point}:{extra} score {score:.6g} ({seconds:.1f} s)")
+        if best_index is None or _ranks_higher(key, best_key):
+            best_index, best_key = len(table) - 1, key
             best_model = calibrated if keep_best_model else None
         del candidate, calibrated
     assert best_index is not None
+    uncalibrated = reference is not None and best_index == 0
+    point_index = best_index - (1 if reference is not None else 0)
     return TuningResult(
-        best_config=configs[best_index],
-        best_params=dict(points[best_index]),
-        best_score=best_score,
+        best_config=None if uncalibrated else configs[point_index],
+        best_params={} if uncalibrated else dict(points[point_index]),
+        best_score=table[best_index]["score"],
         table=table,
         best_model=best_model,
-        greater_is_better=greater_is_better,
+        greater_is_better=greater_is_better or criterion == "no_harm",
     )
+
+
+def _rank(
+    returned: Any, criterion: str, reference: dict[str, float] | None, table: list[dict[str, Any]],
+    greater_is_better: bool,
+) -> tuple[float, tuple[float, ...], dict[str, float] | None]:
+    """One candidate's value of the criterion, the key it is ranked by (higher wins: (value,) or, for
+    "no_harm", (value, mean gain)) and its per-task scores (None for criterion "score")."""
+    if criterion == "score":
+        score = _real(returned, "`validation_fn`")
+        return score, (score if greater_is_better or math.isnan(score) else -score,), None
+    scores = _task_scores(returned, reference if reference is not None else _first_scores(table), criterion)
+    if reference is not None:  # "no_harm": gains are higher-is-better whatever the scores' direction
+        score = no_harm_score(scores, reference, greater_is_better)
+        return score, (score, _mean_gain(scores, reference, greater_is_better)), scores
+    score = math.fsum(scores.values()) / len(scores)
+    return score, (score if greater_is_better or math.isnan(score) else -score,), scores
+
+
+def no_harm_score(scores: Mapping[str, float], reference: Mapping[str, float], greater_is_better: bool = True) -> float:
+    """The "no_harm" criterion: min over tasks of (score − reference score), the reference being the
+    merged model's own; with `greater_is_better=False` (losses) min over tasks of (reference − score).
+    Negative: some task lost that much; ≥ 0: no task lost. NaN when any score is NaN."""
+    gains = _gains(scores, reference, greater_is_better)
+    return math.nan if any(math.isnan(g) for g in gains) else min(gains)
+
+
+def _gains(scores: Mapping[str, float], reference: Mapping[str, float], greater_is_better: bool) -> list[float]:
+    sign = 1.0 if greater_is_better else -1.0
+    return [sign * (scores[task] - reference[task]) for task in reference]
+
+
+def _mean_gain(scores: Mapping[str, float], reference: Mapping[str, float], greater_is_better: bool) -> float:
+    gains = _gains(scores, reference, greater_is_better)
+    return math.fsum(gains) / len(gains)
+
+
+def _ranks_higher(key: tuple[float, ...], best: tuple[float, ...]) -> bool:
+    """Whether `key` beats `best`, compared in order (NaN never beats anything; anything beats NaN)."""
+    for value, other in zip(key, best, strict=True):
+        if value == other:
+            continue
+        return _better(value, other, True)
+    return False
+
+
+def _first_scores(table: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The per-task scores of the table's first row (None before the first): later rows must name the same tasks."""
+    return table[0]["task_scores"] if table else None
+
+
+def _real(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        try:
+            return float(value)  # e.g. a 0-dim tensor or numpy scalar
+        except (TypeError, ValueError):
+            raise ValueError(f"{what} must return a real number, got {type(value).__name__}.") from None
+    return float(value)
+
+
+def _task_scores(value: Any, expected: Mapping[str, float] | None, criterion: str) -> dict[str, float]:
+    """`validation_fn`'s per-task scores as floats; with `expected`, the same tasks as there."""
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError(f"with criterion={criterion!r}, `validation_fn` must return a non-empty mapping task → "
+                         f"score, got {type(value).__name__}.")
+    scores = {task: _real(score, f"`validation_fn`[{task!r}]") for task, score in value.items()}
+    if expected is not None and set(scores) != set(expected):
+        raise ValueError(f"`validation_fn` returned scores for tasks {sorted(scores)}, but for {sorted(expected)} "
+                         "before: every call must score the same tasks.")
+    return scores
+
+
+def _show(scores: Mapping[str, float]) -> str:
+    return "{" + ", ".join(f"{task}: {score:.4g}" for task, score in scores.items()) + "}"
 
 
 def _better(score: float, best: float, greater_is_better: bool) -> bool:

@@ -222,7 +222,7 @@ def solve_layer_norm(
     mean_sum: Tensor,
     gamma_target_sum: Tensor,
     beta_target_sum: Tensor,
-    num_tasks: int,
+    num_tasks: float,
     anchor_gamma: Tensor,
     anchor_beta: Tensor,
     lambda_ratio: float,
@@ -230,8 +230,9 @@ def solve_layer_norm(
 ) -> tuple[Tensor, Tensor]:
     """LayerNorm affine (γ, β) per channel from the 2×2 system of the method.
 
-    Inputs are task sums of e_i = E_w[z²], m_i = E_w[z], Σ(e_i γ_i + m_i β_i) and Σ(m_i γ_i + β_i).
-    The determinant is clamped to at least ε.
+    Inputs are task sums of e_i = E_w[z²], m_i = E_w[z], Σ(e_i γ_i + m_i β_i) and Σ(m_i γ_i + β_i);
+    `num_tasks` is T (with task weights ω_i, every sum weighted and T = Σ ω_i). The determinant is
+    clamped to at least ε.
     """
     a11 = second_moment_sum + lambda_ratio
     a12 = mean_sum

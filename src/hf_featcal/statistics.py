@@ -287,9 +287,12 @@ class LinearGroupStatistics:
             self._rhs_task[name] = rhs
 
     def finish_task(  # noqa: C901 - the fold's optional parts (bias, norms, direct RHS) are each one branch
-        self, targets: dict[str, LinearTargets], reduce: SumReducer = _identity_reducer
+        self, targets: dict[str, LinearTargets], reduce: SumReducer = _identity_reducer, task_weight: float = 1.0
     ) -> None:
-        """Fold the current task into the task sums, using the task's expert parameters."""
+        """Fold the current task into the task sums, using the task's expert parameters. `task_weight` ω_i
+        (`FeatCalConfig.normalised_task_weights`) multiplies the task's every term: its scale s_i
+        becomes ω_i·s_i in Σ s_i C_i, Σ s_i X_i W_iᵀ, Σ s_i and the bias sums (applied after `reduce`,
+        so every process folds the same weighted sums)."""
         alpha = self.teacher_alpha if self._alpha is None else self._alpha
         count = torch.tensor(float(self._count), dtype=self.dtype, device=self.device)
         mirror_diagonal_blocks_(self._gram)  # (syrk left their lower halves out)
@@ -313,6 +316,9 @@ class LinearGroupStatistics:
         # `gram` holds the block upper triangle of the raw sum total·C_i: the means are never formed,
         # each sum enters the task sums scaled by s_i / total in the pass that adds it
         s_i = task_scale(upper_gram_norm(gram) / total, self.epsilon)
+        self.task_scales.append(s_i)
+        if task_weight != 1.0:  # (a weight of 1 leaves the arithmetic exactly as without weights)
+            s_i *= task_weight
         scale = s_i / total
         mu_s, mu_e = sx_s / total, sx_e / total
         mu_t = torch.lerp(mu_s, mu_e, alpha)
@@ -325,7 +331,6 @@ class LinearGroupStatistics:
                 if alpha != 0.0:
                     cross.lerp_(moments[0], alpha)
                 cross.mul_(scale)
-        self.task_scales.append(s_i)
         self.weighted_tokens += int(count)
         self.effective_tokens += total
         if self._gram_sum_upper is None:
@@ -378,6 +383,8 @@ class NormStatistics:
     gamma_target_sum: Tensor | None = field(init=False, default=None)
     beta_target_sum: Tensor | None = field(init=False, default=None)
     num_tasks: int = field(init=False, default=0)
+    #: Σ ω_i over the finished tasks, the T of the method's 2×2 system (the number of tasks when unweighted)
+    task_weight_sum: float = field(init=False, default=0.0)
     weighted_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -411,18 +418,23 @@ class NormStatistics:
             self._sz += (w * z).sum(0)
             self._sz2 += (w * z.square()).sum(0)
 
-    def finish_task(self, gamma: Tensor, beta: Tensor | None, reduce: SumReducer = _identity_reducer) -> None:
-        """Fold the current task, given the task expert's (γ_i, β_i)."""
+    def finish_task(
+        self, gamma: Tensor, beta: Tensor | None, reduce: SumReducer = _identity_reducer, task_weight: float = 1.0
+    ) -> None:
+        """Fold the current task, given the task expert's (γ_i, β_i). `task_weight` ω_i multiplies the
+        task's terms: e_i, m_i, both right-hand sides and its count in T (applied after `reduce`)."""
         count = torch.tensor(float(self._count), dtype=self.dtype, device=self.device)
         w, sz, sz2, count = reduce([self._w, self._sz, self._sz2, count])
         total = float(w)
         if total <= 0:
             raise ValueError(f"module {self.name}: the task has no token with non-zero weight")
         m_i, e_i = sz / total, sz2 / total
+        if task_weight != 1.0:  # every term of the task is linear in (e_i, m_i) but β_i's, weighted below
+            m_i, e_i = m_i * task_weight, e_i * task_weight
         g_i = gamma.to(device=self.device, dtype=self.dtype)
         b_i = None if beta is None else beta.to(device=self.device, dtype=self.dtype)
         gamma_target = e_i * g_i if b_i is None else e_i * g_i + m_i * b_i
-        beta_target = None if b_i is None else m_i * g_i + b_i
+        beta_target = None if b_i is None else m_i * g_i + b_i * task_weight
 
         def add(acc: Tensor | None, value: Tensor | None) -> Tensor | None:
             if value is None:
@@ -434,5 +446,6 @@ class NormStatistics:
         self.gamma_target_sum = add(self.gamma_target_sum, gamma_target)
         self.beta_target_sum = add(self.beta_target_sum, beta_target)
         self.num_tasks += 1
+        self.task_weight_sum += task_weight
         self.weighted_tokens += int(count)
         self._reset_task()

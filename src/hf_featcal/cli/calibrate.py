@@ -109,6 +109,10 @@ def _add_featcal_options(parser: argparse.ArgumentParser) -> None:
         kind = _OPTION_TYPES.get(name) or _ANNOTATION_TYPES[str(field.type)]
         group.add_argument("--" + name.replace("_", "-"), type=kind, metavar=metavar,
                            help=help_text(f"{field.metadata['help']} (default {field.default!r})"))
+    group.add_argument("--task-weight", "--task-weights", dest="task_weights", type=task_value, action="append",
+                       default=[], metavar="TASK=WEIGHT",
+                       help="weight of TASK in the joint objective (FeatCalConfig.task_weights; repeat per task; "
+                            "tasks not given weigh 1): a task calibration hurts can be up-weighted, e.g. language=2")
 
 
 def _featcal_config(args: argparse.Namespace) -> Any:
@@ -135,10 +139,24 @@ def _featcal_config(args: argparse.Namespace) -> Any:
         value = getattr(args, name, None)
         if value is not None:
             values[name] = value
+    if args.task_weights:
+        given = values.get("task_weights")  # the file's weights, each overridden by a flag of the same task
+        values["task_weights"] = {**(given if isinstance(given, dict) else {}), **_task_weights(args.task_weights)}
     try:
         return parse_featcal(None, values, "featcal")
     except RecipeError as err:
         raise CLIError(f"{err} (from --featcal-config or the FeatCal options)") from None
+
+
+def _task_weights(pairs: list[tuple[str, str]]) -> dict[str, float]:
+    """--task-weight TASK=WEIGHT pairs as numbers (the config checks their range)."""
+    weights = {}
+    for task, text in task_pairs(pairs, "--task-weight").items():
+        try:
+            weights[task] = float(text)
+        except ValueError:
+            raise CLIError(f"--task-weight {task}={text}: the weight must be a number") from None
+    return weights
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,6 +180,10 @@ def run(args: argparse.Namespace) -> int:
     if missing and "dataset" not in default:
         raise CLIError(f"--data: no calibration dataset for {missing}; give --data TASK=DATASET or --data-default")
     config = _featcal_config(args)
+    for task in config.task_weights or {}:
+        if task not in experts:
+            raise CLIError(f"task weight {task!r} (--task-weight or --featcal-config): no --expert named {task!r} "
+                           f"(experts: {list(experts)})")
     check_device(args.device)
     check_push(args.push_to_hub, args.private)
     check_output_dir(args.output_dir, inputs=_calibrate_inputs(args, model_source, base_source, experts, data),

@@ -143,17 +143,21 @@ class TaskPass:
     expert_block: nn.Module
     targets: dict[str, LinearTargets]
     from_outputs: dict[tuple[str, bool, str], tuple[str, ...]]
+    #: the task's weight ω_i in the joint objective (`RunContext.task_weights`)
+    weight: float = 1.0
 
     @classmethod
     def begin(
         cls, ctx: RunContext, plan: BlockPlan, statistics: BlockStatistics, expert_block: nn.Module,
-        student: list[StreamBatch] | None,
+        student: list[StreamBatch] | None, task: str | None = None,
     ) -> TaskPass:
         """`student`: the task's student stream, where the expert modules' outputs may be captured
-        (None: a statistics-only pass, whose expert forward stops before them)."""
+        (None: a statistics-only pass, whose expert forward stops before them); `task`: whose pass it
+        is (its weight; None: weight 1)."""
         targets = expert_targets(plan, statistics, expert_block)
         from_outputs = {} if student is None else output_groups(ctx, plan, statistics, expert_block, student)
-        return cls(ctx, plan, statistics, expert_block, targets, from_outputs)
+        weight = 1.0 if task is None else ctx.task_weights.get(task, 1.0)
+        return cls(ctx, plan, statistics, expert_block, targets, from_outputs, weight)
 
     @property
     def output_modules(self) -> set[str]:
@@ -167,14 +171,15 @@ class TaskPass:
 
     def finish(self) -> None:
         """The task's sums folded into the task sums (see `finish_task`)."""
-        finish_task(self.ctx, self.statistics, self.expert_block, self.targets)
+        finish_task(self.ctx, self.statistics, self.expert_block, self.targets, self.weight)
 
 
 def finish_task(ctx: RunContext, statistics: BlockStatistics, expert_block: nn.Module,
-                targets: dict[str, LinearTargets]) -> None:
-    """Fold the task's sums (reduced across processes) into the task sums."""
+                targets: dict[str, LinearTargets], task_weight: float = 1.0) -> None:
+    """Fold the task's sums (reduced across processes) into the task sums, its terms weighted by
+    `task_weight`."""
     for stats in statistics.linear.values():
-        stats.finish_task(targets, ctx.reduce)
+        stats.finish_task(targets, ctx.reduce, task_weight)
     for (name, _), norm in statistics.norms.items():
         module: Any = expert_block.get_submodule(name)  # Any: a norm's weight and bias, by its class
-        norm.finish_task(module.weight.detach(), getattr(module, "bias", None), ctx.reduce)
+        norm.finish_task(module.weight.detach(), getattr(module, "bias", None), ctx.reduce, task_weight)

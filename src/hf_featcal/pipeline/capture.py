@@ -59,7 +59,8 @@ def capture_block(
         with ctx.timed("loading expert blocks"):
             expert_block = source.block(ctx.model, plan.stack_index, bi, ctx.device)
             # (a statistics-only pass stops the expert's forward before the last module's output)
-            sums = TaskPass.begin(ctx, plan, statistics, expert_block, streams.student[task] if leaving else None)
+            sums = TaskPass.begin(ctx, plan, statistics, expert_block, streams.student[task] if leaving else None,
+                                  task)
         new_expert[task] = []
         with (
             ctx.precision(),

@@ -76,6 +76,9 @@ class RunContext:
     timings: dict[str, float] = field(default_factory=dict)
     profile: bool = False
     solve_log: list[dict[str, Any]] = field(default_factory=list)
+    #: task → its weight ω_i in the joint objective (`FeatCalConfig.normalised_task_weights`); a task
+    #: not in it weighs 1
+    task_weights: dict[str, float] = field(default_factory=dict)
     logger: logging.Logger = LOGGER
     _workspaces: dict[tuple, Tensor] = field(default_factory=dict, repr=False)
 

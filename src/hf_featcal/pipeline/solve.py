@@ -102,7 +102,7 @@ def solve_block(
             assert norm.mean_sum is not None and norm.beta_target_sum is not None
             gamma, beta = solve_layer_norm(
                 norm.second_moment_sum, norm.mean_sum, norm.gamma_target_sum, norm.beta_target_sum,
-                norm.num_tasks, anchor_of(name, "weight"), anchor_of(name, "bias"), lam, eps,
+                norm.task_weight_sum, anchor_of(name, "weight"), anchor_of(name, "bias"), lam, eps,
             )
             updates[name] = {"weight": gamma, "bias": beta}
         else:

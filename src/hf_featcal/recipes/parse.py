@@ -250,6 +250,9 @@ def parse_recipe(
     if featcal_section is None:
         featcal_section = {}
     featcal = parse_featcal(v, featcal_section, "featcal")
+    for task in featcal.task_weights or {}:
+        if task not in tasks:
+            raise v.error(f"featcal.task_weights.{task}", f"no expert is named {task!r}; experts: {tasks}")
     explicit_samples = isinstance(featcal_section, Mapping) and "num_samples_per_task" in featcal_section
     default_num = (featcal.num_samples_per_task if explicit_samples
                    else recipe_key("calibration.default.num_examples").default)
