@@ -2,7 +2,7 @@
 
 It checks its arguments, loads the sources and batches, plans the blocks once, and runs the
 forward-order block loop (`_sweep`, `_calibrate_block`): enter streams → capture + accumulate →
-solve → write → propagate → drift → checkpoint. Each stage lives in a file of its own under
+solve → write → (held-out guard) → propagate → drift → checkpoint. Each stage lives in a file of its own under
 `hf_featcal/pipeline/` and shares a `RunContext` (device, dtype, timings, process group, logger);
 nothing architecture-specific lives here.
 """
@@ -44,14 +44,23 @@ from .pipeline.checks import (
     check_tasks,
 )
 from .pipeline.context import FeatCalError, FeatCalWarning, RunContext
-from .pipeline.drift import DriftLog, DriftSample, advance_given, record_drift, shared_with_student
+from .pipeline.drift import (
+    DriftLog,
+    DriftSample,
+    advance_given,
+    advance_heldout_given,
+    record_drift,
+    record_heldout_drift,
+    shared_with_student,
+)
 from .pipeline.enter import enter_stack
+from .pipeline.guard import guard_block, merged_values, split_heldout
 from .pipeline.plan import BlockPlan, Plan, block_parameter_names, plan_blocks, select_modules
 from .pipeline.propagate import propagate
 from .pipeline.solve import solve_block
 from .pipeline.steps import forward_order, module_steps
 from .pipeline.streams import Streams, TaskStreams
-from .pipeline.write import write_block
+from .pipeline.write import BlockUpdates, write_block
 from .report import DriftReport, build_model_card
 from .restore import restore_on_failure
 from .saving import check_writable_folder
@@ -173,6 +182,15 @@ class FeatCalCalibrator:
             )
             check_not_empty(task, batches)
             self.batches[task] = batches
+        #: task → this process's held-out batches (`FeatCalConfig.heldout_fraction`; None: none held out)
+        self.heldout_batches: dict[str, list[Batch]] | None = None
+        if config.heldout_fraction > 0:  # split from every process's batches, before they are shared out
+            self.batches, self.heldout_batches = split_heldout(self.batches, config.heldout_fraction, config.seed,
+                                                               self.layer_map.main_input_name)
+        self.heldout_per_task = None if self.heldout_batches is None else {
+            task: sum(batch_size_of(b, self.layer_map.main_input_name) for b in batches)
+            for task, batches in self.heldout_batches.items()
+        }
         self.samples_per_task = {
             task: sum(batch_size_of(b, self.layer_map.main_input_name) for b in batches)
             for task, batches in self.batches.items()
@@ -196,12 +214,16 @@ class FeatCalCalibrator:
         self._data_digest = None if checkpoint_dir is None else fingerprint(
             [(f"{task}.{i}.{key}", value) for task, batches in self.batches.items()
              for i, batch in enumerate(batches) for key, value in sorted(batch.items()) if isinstance(value, Tensor)]
+            + [(f"heldout.{task}.{i}.{key}", value) for task, batches in (self.heldout_batches or {}).items()
+               for i, batch in enumerate(batches) for key, value in sorted(batch.items()) if isinstance(value, Tensor)]
         )
         #: the examples the drift report measures (chosen from every process's batches, before they are shared out)
         self.drift_sample = DriftSample.choose(self.batches, config.drift_samples_per_task, config.seed,
                                                self.layer_map.main_input_name, rank, world)
         if world > 1:
             self.batches = {task: batches[rank::world] for task, batches in self.batches.items()}
+            if self.heldout_batches is not None:
+                self.heldout_batches = {task: batches[rank::world] for task, batches in self.heldout_batches.items()}
 
         if merge_info is None:  # recorded by hf_featcal.merging on the config, or on a config-less model
             merge_info = (getattr(getattr(model, "config", None), "hf_featcal_merge", None)
@@ -239,7 +261,7 @@ class FeatCalCalibrator:
     @property
     def timings(self) -> dict[str, float]:
         """Seconds spent per stage of the last `calibrate()` (entering stacks, block forwards,
-        statistics, solving, propagating, drift, checkpointing). Set `profile = True` to synchronise
+        statistics, solving, the held-out guard, propagating, drift, checkpointing). Set `profile = True` to synchronise
         the device around each stage so GPU timings are exact."""
         return self.context.timings
 
@@ -258,12 +280,20 @@ class FeatCalCalibrator:
     @property
     def solve_log(self) -> list[dict[str, Any]]:
         """One entry per solved Linear: block, module, solve method, damping and the exact decrease
-        of its weight objective J(merged weight) − J(calibrated weight)."""
+        of its weight objective J(merged weight) − J(calibrated weight); with a held-out guard also
+        `guard_gamma`, the blend its block was given (`guard_log`)."""
         return self.context.solve_log
 
     @solve_log.setter
     def solve_log(self, value: list[dict[str, Any]]) -> None:
         self.context.solve_log = value
+
+    @property
+    def guard_log(self) -> list[dict[str, Any]]:
+        """With a held-out guard (`FeatCalConfig.guard`), one entry per calibrated block: `block`, the
+        chosen `gamma`, the grid `gammas` and `heldout_head_drift` (task → the held-out relative drift
+        under the head's token weights at each γ of the grid, summed over processes)."""
+        return self.context.guard_log
 
     @property
     def _compute_dtype(self) -> torch.dtype:
@@ -456,7 +486,7 @@ class FeatCalCalibrator:
         ctx = self.context
         stacks = self.layer_map.stacks(ctx.tower)
         total = sum(len(s.blocks) for s in stacks)
-        drift = DriftLog.empty(self.tasks) if self.config.report_drift else None
+        drift = DriftLog.empty(self.tasks, self.heldout_batches is not None) if self.config.report_drift else None
         streams, done = Streams(), 0
         entered = self._take_entered()
         checkpoint = None if self.checkpoint_dir is None else open_checkpoint(
@@ -482,7 +512,7 @@ class FeatCalCalibrator:
                         streams = enter_stack(
                             ctx, si, streams, self.batches, self.experts,
                             None if drift is None else self.drift_sample, entered if si == 0 else None,
-                            release=si == len(stacks) - 1,
+                            release=si == len(stacks) - 1, heldout=self.heldout_batches,
                         )
                         entered = None  # `streams` holds it now: each block lets its entering batches go
                     if si == len(stacks) - 1:
@@ -506,11 +536,16 @@ class FeatCalCalibrator:
             progress.close()
         if drift is None:
             return None
-        return DriftReport(drift.tasks, sample={
+        sample: dict[str, Any] = {
             "examples_per_task": dict(self.drift_sample.examples_per_task),
             "calibration_examples_per_task": dict(self.samples_per_task),
             "drift_samples_per_task": self.config.drift_samples_per_task, "seed": self.config.seed,
-        })
+        }
+        if self.heldout_per_task is not None:
+            sample.update(heldout_examples_per_task=dict(self.heldout_per_task),
+                          heldout_fraction=self.config.heldout_fraction)
+        guard = None if self.config.guard == "none" else {"mode": self.config.guard, "blocks": list(ctx.guard_log)}
+        return DriftReport(drift.tasks, sample=sample, guard=guard)
 
     def _calibrate_block(
         self, plan: BlockPlan, block: nn.Module, streams: Streams, drift: DriftLog | None, note: Callable[[str], None],
@@ -526,7 +561,11 @@ class FeatCalCalibrator:
         made (`capture_block`'s `release`, `propagate`), so `streams` is used up. After the `final`
         block (the model's last) only the drift report reads the streams: the student stream is
         propagated for the drift sample's batches alone, and the streams leaving it hold those batches
-        only (none without the report)."""
+        only (none without the report).
+
+        With held-out examples their streams pass the block beside these (the expert's in the capture
+        pass); with a guard the block's solutions are then blended towards the merged block on them
+        (`pipeline/guard.py`) before the calibration student stream is propagated."""
         ctx = self.context
         sample = self.drift_sample
         steps = [plan]
@@ -535,12 +574,18 @@ class FeatCalCalibrator:
                 steps = module_steps(plan, forward_order(ctx, plan, block, streams))
         # a later step's statistics-only pass reads the entering expert stream again
         captured = capture_block(ctx, steps[0], block, streams, self.experts, _step_note(note, steps, 0),
-                                 release=len(steps) == 1)
-        given = None
+                                 release=len(steps) == 1, heldout_expert=streams.heldout_expert)
+        given = heldout_given = None
         if drift is not None and plan.calibrating:  # through the block as given, before it is written
             assert streams.given is not None  # entered with the drift report
             with ctx.timed("drift (merged-as-given stream)"):
                 given = advance_given(ctx, block, plan.block_index, streams.given, sample)
+                if streams.heldout_given is not None:
+                    heldout_given = advance_heldout_given(ctx, block, plan.block_index, streams.heldout_given)
+        guarding = plan.calibrating and self.config.guard != "none"
+        merged = merged_values(ctx, plan, block) if guarding else {}  # the guard's γ = 0
+        solved: dict[str, set[str]] = {}  # module → the attributes its solutions wrote
+        first_solve = len(ctx.solve_log)
         if plan.calibrating:
             statistics = captured.statistics
             for index, step in enumerate(steps):
@@ -550,7 +595,10 @@ class FeatCalCalibrator:
                     ).statistics
                 _step_note(note, steps, index)("solving")
                 with ctx.timed("solving"):
-                    self._solve_and_write(step, block, statistics)
+                    for name, update in self._solve_and_write(step, block, statistics).items():
+                        solved.setdefault(name, set()).update(update)
+        heldout_student, heldout_given = self._heldout_leaving(plan, block, streams, captured.heldout_expert, merged,
+                                                               solved, first_solve, heldout_given, note)
         note("propagating")
         assert streams.student is not None  # every stack is entered with a student stream
         # (taken before `propagate` moves the student stream on)
@@ -567,19 +615,60 @@ class FeatCalCalibrator:
             assert streams.given is not None  # entered with the drift report
             with ctx.timed("drift (merged-as-given stream)"):
                 given = advance_given(ctx, block, plan.block_index, streams.given, sample, shared, student)
-        leaving = Streams(student, expert, given)
+        leaving = Streams(student, expert, given, heldout_student, captured.heldout_expert, heldout_given)
         if drift is not None:
             with ctx.timed("drift (merged-as-given stream)"):
                 record_drift(ctx, drift, leaving, sample, plan.pooled_token_index)
+                if leaving.heldout_given is not None:
+                    record_heldout_drift(ctx, drift, leaving, plan.pooled_token_index)
         return leaving
 
-    def _solve_and_write(self, plan: BlockPlan, block: nn.Module, statistics: BlockStatistics) -> None:
+    def _heldout_leaving(
+        self, plan: BlockPlan, block: nn.Module, streams: Streams, heldout_expert: TaskStreams | None,
+        merged: BlockUpdates, solved: dict[str, set[str]], first_solve: int, heldout_given: TaskStreams | None,
+        note: Callable[[str], None],
+    ) -> tuple[TaskStreams | None, TaskStreams | None]:
+        """The held-out student and merged-as-given streams leaving a block whose solutions are written
+        (None, None without held-out examples). With a guard and a calibrated block, the guard
+        (`pipeline/guard.py`) blends the block first (`merged`: its values before the solve; `solved`:
+        module → attributes written; the solve log's entries from `first_solve` on are this block's)
+        and its chosen γ's held-out outputs leave; otherwise the held-out student stream is propagated
+        and, through an unchanged block, the merged-as-given one with it (`heldout_given`: that stream
+        leaving a calibrated block, run before its solutions were written)."""
+        ctx = self.context
+        if streams.heldout_student is None:
+            return None, None
+        if plan.calibrating and self.config.guard != "none":
+            note("guard")
+            assert heldout_expert is not None  # the capture pass ran the held-out expert stream
+            with ctx.timed("guard"):
+                entry, leaving = guard_block(ctx, plan, block, merged, solved, streams.heldout_student, heldout_expert)
+            ctx.guard_log.append(entry)
+            for logged in ctx.solve_log[first_solve:]:
+                logged["guard_gamma"] = entry["gamma"]
+            return leaving, heldout_given
+        shared = None
+        if streams.heldout_given is not None and heldout_given is None:  # an unchanged block
+            shared = {task: [g is s for g, s in zip(states, streams.heldout_student[task], strict=True)]
+                      for task, states in streams.heldout_given.items()}
+        with ctx.timed("propagating"):
+            leaving = propagate(ctx, block, plan, streams.heldout_student)
+        if shared is not None:
+            assert streams.heldout_given is not None  # entered with the drift report
+            with ctx.timed("drift (merged-as-given stream)"):
+                heldout_given = advance_heldout_given(ctx, block, plan.block_index, streams.heldout_given, shared,
+                                                      leaving)
+        return leaving, heldout_given
+
+    def _solve_and_write(self, plan: BlockPlan, block: nn.Module, statistics: BlockStatistics) -> BlockUpdates:
+        """Solve one block's (or step's) plan and write its solutions; returns them."""
         ctx = self.context
         base_block = None
         if self.base is not None:
             base_block = self.base.block(ctx.model, plan.stack_index, plan.block_index, ctx.device)
         updates = solve_block(ctx, plan, block, statistics, base_block)
         write_block(self.parameters, block, plan.specs, updates, ctx.where(plan.stack_index, plan.block_index))
+        return updates
 
     # ================================================================== helpers
     def _check_config_unchanged(self) -> None:
@@ -589,7 +678,7 @@ class FeatCalCalibrator:
         now = self.config.to_dict()
         if now == self._planned_config:
             return
-        for name in ("num_samples_per_task", "batch_size", "seed", "drift_samples_per_task"):
+        for name in ("num_samples_per_task", "batch_size", "seed", "drift_samples_per_task", "heldout_fraction"):
             if now[name] != self._planned_config[name]:
                 raise ValueError(
                     f"FeatCalConfig.{name} changed after the calibrator was built ({self._planned_config[name]!r} → "

@@ -76,6 +76,8 @@ class RunContext:
     timings: dict[str, float] = field(default_factory=dict)
     profile: bool = False
     solve_log: list[dict[str, Any]] = field(default_factory=list)
+    #: one entry per guarded block (`pipeline/guard.py`): block, chosen γ, grid, held-out drift per γ
+    guard_log: list[dict[str, Any]] = field(default_factory=list)
     logger: logging.Logger = LOGGER
     _workspaces: dict[tuple, Tensor] = field(default_factory=dict, repr=False)
 

@@ -66,11 +66,18 @@ TaskStreams = dict[str, list[StreamBatch]]
 
 @dataclass
 class Streams:
-    """The streams entering the next block (`given` is None without a drift report)."""
+    """The streams entering the next block (`given` is None without a drift report).
+
+    With held-out examples (`FeatCalConfig.heldout_fraction`) the same three streams flow for them
+    beside the calibration streams: `heldout_student`, `heldout_expert` and, with the drift report,
+    `heldout_given` (None without held-out examples). They never enter the statistics."""
 
     student: TaskStreams | None = None
     expert: TaskStreams | None = None
     given: TaskStreams | None = None
+    heldout_student: TaskStreams | None = None
+    heldout_expert: TaskStreams | None = None
+    heldout_given: TaskStreams | None = None
 
 
 class StopForward(Exception):
