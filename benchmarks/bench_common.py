@@ -262,8 +262,8 @@ def clip_tower_run(argv: list[str] | None = None) -> ClipTowerRun:
 
 
 @contextlib.contextmanager
-def timing_calls(functions: dict[str, tuple[ModuleType, str]]) -> Iterator[dict[str, float]]:
-    """While open, each call of ``module.<name>`` (label → (module, name)) adds its seconds to the yielded
+def timing_calls(functions: dict[str, tuple[ModuleType | type, str]]) -> Iterator[dict[str, float]]:
+    """While open, each call of ``module.<name>`` (label → (module or class, name)) adds its seconds to the yielded
     dict under its label (callers that bound the function under another name are not seen); the
     module's own functions are put back on exit."""
     spent = dict.fromkeys(functions, 0.0)

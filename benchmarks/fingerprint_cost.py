@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when impo
 import hf_featcal.calibrator as calibrator_module
 from bench_common import clip_tower_run, timing_calls
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
+from hf_featcal.checkpointing import DigestBuilder
 
 
 def main() -> None:
@@ -34,9 +35,9 @@ def main() -> None:
         f"{run.args.samples} images per task, {run.args.threads} threads"
     )
 
-    # the calibrator module's own names: the data digest at construction, and the run digest at the start
-    # of `calibrate()` as a whole (reads parameters, hashes expert files); neither call holds the other
-    digests = {"data digest": (calibrator_module, "fingerprint"), "run digest": (calibrator_module, "open_checkpoint")}
+    # the data digest at construction (built task by task as the batches are read), and the run digest at
+    # the start of `calibrate()` as a whole (reads parameters, hashes expert files); neither call holds the other
+    digests = {"data digest": (DigestBuilder, "add_all"), "run digest": (calibrator_module, "open_checkpoint")}
     with tempfile.TemporaryDirectory() as root:
         folders = {}
         for task, expert in run.experts.items():

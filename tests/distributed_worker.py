@@ -27,7 +27,7 @@ def main(output: str, family: str = "clip") -> None:
     config = (FeatCalConfig(compute_dtype="float64", heldout_fraction=0.4, guard="minimax") if family == "clip_guard"
               else FeatCalConfig(compute_dtype="float64"))
     calibrator = FeatCalCalibrator(merged, base, experts, data, config, show_progress=False)
-    local_batches = {task: len(batches) for task, batches in calibrator.batches.items()}  # (emptied by calibrate)
+    local_batches = {task: len(sizes) for task, sizes in calibrator.batch_sizes.items()}
     calibrator.calibrate()
     calibrator.save_model(output)  # writes on the main process only
     # the rank files go beside the finished save (into a folder holding anything but an earlier save, a

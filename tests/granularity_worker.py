@@ -19,7 +19,7 @@ def main(output: str) -> None:
     base, experts, merged, data = as_float64(*build_clip_setting(torch.Generator().manual_seed(0), (4, 3, 5, 2, 4)))
     config = FeatCalConfig(compute_dtype="float64", granularity="module")
     calibrator = FeatCalCalibrator(merged, base, experts, data, config, show_progress=False)
-    local_batches = {task: len(batches) for task, batches in calibrator.batches.items()}  # (emptied by calibrate)
+    local_batches = {task: len(sizes) for task, sizes in calibrator.batch_sizes.items()}
     calibrator.calibrate()
     os.makedirs(output, exist_ok=True)
     state = {k: v.clone() for k, v in merged.state_dict().items()}

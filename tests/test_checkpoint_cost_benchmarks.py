@@ -35,11 +35,11 @@ def _run_benchmark(name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_fingerprint_cost_runs_and_restores_the_timed_functions(monkeypatch, capsys):
-    digest, folder = checkpointing.fingerprint, open_checkpoint
+    digest, folder = checkpointing.DigestBuilder.add_all, open_checkpoint
     out = _run_benchmark("fingerprint_cost", monkeypatch, capsys)
     for label in ("in-memory experts", "experts as folders"):
         assert f"{label}: fingerprint " in out and "run digest" in out
-    assert calibrator_module.fingerprint is digest and calibrator_module.open_checkpoint is folder
+    assert checkpointing.DigestBuilder.add_all is digest and calibrator_module.open_checkpoint is folder
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -77,7 +77,7 @@ def test_calibrator_accepts_datasets(clip_setting, generator):
     config = FeatCalConfig(num_samples_per_task=8, batch_size=3)
     calibrator = FeatCalCalibrator(merged, base, experts, datasets, config, show_progress=False)
     assert calibrator.samples_per_task == {"cars": 8, "dtd": 8}
-    assert [b["pixel_values"].shape[0] for b in calibrator.batches["cars"]] == [3, 3, 2]
+    assert calibrator.batch_sizes["cars"] == [3, 3, 2]
     calibrator.calibrate()
     assert calibrator.report.tasks["cars"]["after"][-1] < calibrator.report.tasks["cars"]["before"][-1]
 
@@ -101,7 +101,10 @@ def test_extra_batch_keys_are_ignored_by_the_model(clip_setting, generator):
     calibrator = FeatCalCalibrator(merged, base, experts, {t: [with_extras(b) for b in bs] for t, bs in data.items()},
                                    config, show_progress=False)
     assert calibrator.samples_per_task == plain_calibrator.samples_per_task == {"cars": 8, "dtd": 8}
-    cut = calibrator.batches["cars"][1]
+    assert calibrator.batch_sizes == {"cars": [5, 3], "dtd": [5, 3]}
+    extras = {t: [with_extras(b) for b in bs] for t, bs in data.items()}
+    cut = prepare_batches("cars", extras["cars"], main_input_name="pixel_values", num_samples=8, batch_size=5,
+                          seed=config.seed)[1]  # as the calibrator prepares them
     assert torch.equal(cut["pixel_values"], data["cars"][1]["pixel_values"][:3]) and cut["labels"].shape == (3,)
     calibrator.calibrate()
     for (name, p), q in zip(merged.named_parameters(), plain.parameters(), strict=True):

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
 
 from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalWarning
-from testing_utils import perturbed, task_arithmetic
+from testing_utils import perturbed, record_prepared_batches, task_arithmetic
 
 VOCAB = 40
 
@@ -50,7 +50,8 @@ def _word_tokenizer() -> PreTrainedTokenizerFast:
 
 
 # ---------------------------------------------------------------------------------------- 1. truncation
-def test_dataset_texts_are_truncated_to_the_models_maximum_or_max_length(generator):
+def test_dataset_texts_are_truncated_to_the_models_maximum_or_max_length(generator, monkeypatch):
+    prepared = record_prepared_batches(monkeypatch)  # (let go once their streams entered)
     base, experts, merged = _setting(generator, max_positions=16)
     tokenizer = _word_tokenizer()
     assert tokenizer.model_max_length > 10**12  # no maximum known to the tokenizer: the model's is used
@@ -65,7 +66,8 @@ def test_dataset_texts_are_truncated_to_the_models_maximum_or_max_length(generat
     for config, processing_class, limit in cases:
         calibrator = FeatCalCalibrator(copy.deepcopy(merged), base, experts, data, config,
                                        processing_class=processing_class, show_progress=False)
-        got = calibrator.batches["a"]
+        got = prepared["a"]
+        assert calibrator.batch_sizes["a"] == [4, 4]
         order = Dataset.from_dict({"text": texts}).shuffle(seed=config.seed)["text"]
         rows = [(ids, mask) for b in got for ids, mask in zip(b["input_ids"], b["attention_mask"], strict=True)]
         assert [b["input_ids"].shape[1] for b in got] == [limit, limit]  # every batch holds a text over the limit

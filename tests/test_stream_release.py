@@ -1,12 +1,15 @@
 """What a run holds at once: a stream is held twice for one task at a time while a block's outputs
-replace its inputs, and the calibration batches are let go once the streams have entered the last stack."""
+replace its inputs, and the calibration batches are let go once the streams have entered the last stack
+(for a one-stack tower: each task's as soon as its streams have entered, while the calibrator is built)."""
 
 from __future__ import annotations
 
 import copy
+import gc
 import weakref
 
 import pytest
+import torch
 
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.pipeline.context import RunContext
@@ -42,7 +45,10 @@ def test_calibration_batches_let_go_and_a_stopped_run_refuses_a_second_try(gener
     base, experts, merged, data = build_clip_setting(generator, BATCH_SIZES)
     given = {task: list(batches) for task, batches in data.items()}
     calibrator = FeatCalCalibrator(copy.deepcopy(merged), base, experts, data, show_progress=False)
-    assert [len(b) for b in calibrator.batches.values()] == [3, 3]
+    # one stack: every task's streams entered it while the calibrator was built, and its batches went
+    assert calibrator.batches == {"cars": [], "dtd": []}
+    assert calibrator.batch_sizes == {"cars": [5, 5, 3], "dtd": [5, 5, 3]}
+    assert all(data[task] == given[task] for task in data)  # the caller's own lists are untouched
 
     def fail(*args, **kwargs):
         raise RuntimeError("fault injected")
@@ -50,9 +56,63 @@ def test_calibration_batches_let_go_and_a_stopped_run_refuses_a_second_try(gener
     monkeypatch.setattr(calibrator, "_solve_and_write", fail)
     with pytest.raises(RuntimeError, match="fault injected"):
         calibrator.calibrate()
-    assert calibrator.batches == {"cars": [], "dtd": []}  # released by the streams' entry into the stack
-    assert all(data[task] == given[task] for task in data)  # the caller's own lists are untouched
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match="build a new FeatCalCalibrator"):
         calibrator.calibrate()
     FeatCalCalibrator(copy.deepcopy(merged), base, experts, data, show_progress=False).calibrate()
+
+
+def test_a_refused_config_change_leaves_the_entered_streams_for_a_second_try(generator):
+    """A `calibrate()` refused before any block ran keeps what entered while the calibrator was built."""
+    base, experts, merged, data = build_clip_setting(generator, BATCH_SIZES)
+    reference = copy.deepcopy(merged)
+    FeatCalCalibrator(reference, base, experts, data, show_progress=False).calibrate()
+    calibrator = FeatCalCalibrator(merged, base, experts, data, show_progress=False)
+    calibrator.config.batch_size = 2
+    with pytest.raises(ValueError, match="batch_size changed"):
+        calibrator.calibrate()
+    calibrator.config.batch_size = FeatCalConfig().batch_size
+    calibrator.calibrate()
+    for (name, p), q in zip(merged.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+class _MadeWhenRead:
+    """A task's batches made as they are read (as a data loader makes them), each image tensor
+    watched through a weak reference."""
+
+    def __init__(self, batches, watched, before_first=None):
+        self.batches, self.watched, self.before_first = batches, watched, before_first
+
+    def __iter__(self):
+        for index, batch in enumerate(self.batches):
+            if index == 0 and self.before_first is not None:
+                self.before_first()
+            made = {key: value.clone() for key, value in batch.items()}
+            self.watched.append(weakref.ref(made["pixel_values"]))
+            yield made
+
+
+def test_no_task_inputs_outlive_its_entry_into_a_one_stack_tower(generator):
+    """The images of one task are let go before the next task's are read: the calibrator never holds
+    every task's inputs at once (at the paper's 8 × 256 images, 1.15 GiB)."""
+    base, experts, merged, data = build_clip_setting(generator, BATCH_SIZES)
+    reference = copy.deepcopy(merged)
+    FeatCalCalibrator(reference, base, experts, data, show_progress=False).calibrate()
+    watched = {task: [] for task in data}
+    alive_when_next_read: list[int] = []
+
+    def count_first_task_images():
+        gc.collect()
+        alive_when_next_read.append(sum(ref() is not None for ref in watched["cars"]))
+
+    streams = {"cars": _MadeWhenRead(data["cars"], watched["cars"]),
+               "dtd": _MadeWhenRead(data["dtd"], watched["dtd"], before_first=count_first_task_images)}
+    calibrator = FeatCalCalibrator(merged, base, experts, streams, show_progress=False)
+    gc.collect()
+    assert alive_when_next_read == [0]  # "cars"'s images were gone before "dtd"'s were read
+    assert len(watched["cars"]) == len(watched["dtd"]) == 3
+    assert all(ref() is None for refs in watched.values() for ref in refs)
+    calibrator.calibrate()
+    for (name, p), q in zip(merged.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q), name  # the same calibration as from batches held by the caller

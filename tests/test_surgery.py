@@ -25,7 +25,14 @@ from hf_featcal.post_merging.surgery import (
 )
 from hf_featcal.post_merging.task_modules import CONFIG_NAME, WEIGHTS_NAME, TaskModules
 from hf_featcal.saving import MANIFEST_NAME, atomic_folder, read_manifest
-from testing_utils import perturbed, pixel_batches, randomise_norms, tiny_clip_config, tiny_vision_config
+from testing_utils import (
+    perturbed,
+    pixel_batches,
+    randomise_norms,
+    record_prepared_batches,
+    tiny_clip_config,
+    tiny_vision_config,
+)
 
 TASKS = ("cars", "dtd")
 
@@ -191,15 +198,15 @@ def test_shared_prob_surgery_needs_no_task():
         per_task(z)
 
 
-def test_calibration_data_is_drawn_as_featcal_draws_it(generator):
+def test_calibration_data_is_drawn_as_featcal_draws_it(generator, monkeypatch):
     from datasets import Dataset
 
     merged, experts, _ = clip_setting()
     rows = {t: Dataset.from_dict({"pixel_values": torch.randn(40, 3, 8, 8, generator=generator).numpy()})
             .with_format("torch") for t in TASKS}
     ours = calibration_batches(merged, rows, num_samples_per_task=24)
-    featcal = FeatCalCalibrator(merged, None, experts, rows, FeatCalConfig(num_samples_per_task=24),
-                                show_progress=False).batches
+    featcal = record_prepared_batches(monkeypatch)
+    FeatCalCalibrator(merged, None, experts, rows, FeatCalConfig(num_samples_per_task=24), show_progress=False)
     for task in TASKS:
         assert [len(b["pixel_values"]) for b in ours[task]] == [16, 8]
         for a, b in zip(ours[task], featcal[task], strict=True):

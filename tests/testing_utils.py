@@ -204,3 +204,19 @@ def hub_stand_in(monkeypatch, *, public: tuple[str, ...] = (), private: tuple[st
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
     monkeypatch.setattr(HfApi, "repo_info", repo_info)
     return calls
+
+
+def record_prepared_batches(monkeypatch) -> dict:
+    """task → the calibration batches `FeatCalCalibrator` prepares (the library's own `prepare_batches`,
+    recorded as it returns them: a one-stack tower's calibrator lets them go once their streams entered)."""
+    import hf_featcal.calibrator as calibrator_module
+
+    prepare = calibrator_module.prepare_batches
+    prepared: dict = {}
+
+    def recording(task, *args, **kwargs):
+        prepared[task] = prepare(task, *args, **kwargs)
+        return prepared[task]
+
+    monkeypatch.setattr(calibrator_module, "prepare_batches", recording)
+    return prepared

@@ -25,7 +25,7 @@ from ._kernels.gemm import gemm_library
 from ._kernels.memory import reuse_freed_memory
 from .architectures import LayerMap, get_layer_map, model_config, model_type_of, supported_model_types
 from .architectures.auto import infer_layer_map
-from .checkpointing import fingerprint
+from .checkpointing import DigestBuilder
 from .config import FeatCalConfig
 from .data import Batch, batch_size_of, prepare_batches, text_length_limit
 from .devices import usable_device
@@ -59,7 +59,7 @@ from .pipeline.plan import BlockPlan, Plan, block_parameter_names, plan_blocks, 
 from .pipeline.propagate import propagate
 from .pipeline.solve import solve_block
 from .pipeline.steps import forward_order, module_steps
-from .pipeline.streams import Streams, TaskStreams
+from .pipeline.streams import StreamBatch, Streams, TaskStreams
 from .pipeline.write import BlockUpdates, write_block
 from .report import DriftReport, build_model_card
 from .restore import restore_on_failure
@@ -165,14 +165,42 @@ class FeatCalCalibrator:
         # Data: batches per task, non-empty, accepted by the merged model's input path.
         #: task → this process's calibration batches (emptied once the streams have entered the last stack)
         self.batches: dict[str, list[Batch]] = {}
+        #: task → the sizes of this process's calibration batches (kept when the batches are let go)
+        self.batch_sizes: dict[str, list[int]] = {}
+        self.samples_per_task: dict[str, int] = {}
+        #: task → this process's held-out batches (`FeatCalConfig.heldout_fraction`; None: none held out),
+        #: emptied as the calibration batches are
+        self.heldout_batches: dict[str, list[Batch]] | None = {} if config.heldout_fraction > 0 else None
+        #: task → held-out examples over all processes (None: none held out)
+        self.heldout_per_task: dict[str, int] | None = {} if config.heldout_fraction > 0 else None
         text_max_length = text_length_limit(
             config.max_length, self.layer_map.tower_config(self.model_config), processing_class
         )
+        rank, world = self.state.process_index, self.state.num_processes
+        main_input = self.layer_map.main_input_name
+        # the check runs the merged model's input path; where `calibrate()` will run it on the same
+        # device, its result is kept as the student stream entering the first stack (each batch runs it once)
+        device = self.context.input_device(self.context.tower)
+        reuse = device == self.context.device
+        # A one-stack tower whose plan does not depend on the batches takes each task's batches into
+        # the streams as they are read: the task's expert and drift streams enter the stack here too and
+        # its inputs (images: 0.6 MB each at 224², four times the stream they become) are let go, so the
+        # inputs of every task are never held at once. Otherwise the batches wait for `calibrate()`.
+        enter_now = (reuse and not self.layer_map.plans_from_batches
+                     and len(self.layer_map.stacks(self.context.tower)) == 1)
+        #: the streams entering the first stack, where they entered while the calibrator was built
+        self._entered_streams: Streams | None = None
+        if enter_now:
+            self._entered_streams = (Streams({}, {}, {}) if self.heldout_batches is None
+                                     else Streams({}, {}, {}, {}, {}, {}))
+        entered: TaskStreams = {}
+        digest = None if checkpoint_dir is None else DigestBuilder()
+        samples: list[DriftSample] = []
         for task in tasks:
             batches = prepare_batches(
                 task,
                 calibration_data[task],
-                main_input_name=self.layer_map.main_input_name,
+                main_input_name=main_input,
                 num_samples=config.num_samples_per_task,
                 batch_size=config.batch_size,
                 seed=config.seed,
@@ -182,48 +210,29 @@ class FeatCalCalibrator:
             )
             check_not_empty(task, batches)
             self.batches[task] = batches
-        #: task → this process's held-out batches (`FeatCalConfig.heldout_fraction`; None: none held out)
-        self.heldout_batches: dict[str, list[Batch]] | None = None
-        if config.heldout_fraction > 0:  # split from every process's batches, before they are shared out
-            self.batches, self.heldout_batches = split_heldout(self.batches, config.heldout_fraction, config.seed,
-                                                               self.layer_map.main_input_name)
-        self.heldout_per_task = None if self.heldout_batches is None else {
-            task: sum(batch_size_of(b, self.layer_map.main_input_name) for b in batches)
-            for task, batches in self.heldout_batches.items()
-        }
-        self.samples_per_task = {
-            task: sum(batch_size_of(b, self.layer_map.main_input_name) for b in batches)
-            for task, batches in self.batches.items()
-        }
-        # the layer map may group statistics by what the batches select (e.g. LLM response tokens)
-        self.context.layer_map = self.layer_map.for_batches(self.batches)
-        rank, world = self.state.process_index, self.state.num_processes
-        # the check runs the merged model's input path; where `calibrate()` will run it on the same
-        # device, its result is kept as the student stream entering the first stack (each batch runs it once)
-        device = self.context.input_device(self.context.tower)
-        reuse = device == self.context.device
-        entered = check_batches_enter_model(self.context, self.batches,
-                                            keep=lambda index: reuse and index % world == rank)
-        self._entered: tuple[torch.device, TaskStreams] | None = (device, entered) if reuse else None
+            if self.heldout_batches is not None:  # split from every process's batches, before they are shared out
+                calibration, heldout = split_heldout({task: batches}, config.heldout_fraction, config.seed, main_input)
+                self.batches[task] = batches = calibration[task]
+                self.heldout_batches[task] = heldout[task]  # shared out with the calibration batches (`_take_in`)
+            self.samples_per_task[task] = sum(batch_size_of(b, main_input) for b in batches)
+            del batches  # (not held while the next task's are read)
+            if enter_now:
+                self._take_in(task, entered, samples, digest, keep=lambda index: index % world == rank)
+        if not enter_now:
+            # the layer map may group statistics by what the batches select (e.g. LLM response tokens)
+            self.context.layer_map = self.layer_map.for_batches(self.batches)
+            for task in tasks:
+                self._take_in(task, entered, samples, digest, keep=lambda index: reuse and index % world == rank)
+        self._entered: tuple[torch.device, TaskStreams] | None = (device, entered) if reuse and not enter_now else None
         self._plans: Plan = plan_blocks(self.layer_map, selection)
         if checkpoint_dir is not None:
             check_writable_folder(checkpoint_dir, "checkpoint_dir")
         self.checkpoint_dir = checkpoint_dir
         # what shaped the batches and plans: a later change of these config fields is refused
         self._planned_config = copy.deepcopy(config.to_dict())
-        self._data_digest = None if checkpoint_dir is None else fingerprint(
-            [(f"{task}.{i}.{key}", value) for task, batches in self.batches.items()
-             for i, batch in enumerate(batches) for key, value in sorted(batch.items()) if isinstance(value, Tensor)]
-            + [(f"heldout.{task}.{i}.{key}", value) for task, batches in (self.heldout_batches or {}).items()
-               for i, batch in enumerate(batches) for key, value in sorted(batch.items()) if isinstance(value, Tensor)]
-        )
+        self._data_digest = None if digest is None else digest.hexdigest()
         #: the examples the drift report measures (chosen from every process's batches, before they are shared out)
-        self.drift_sample = DriftSample.choose(self.batches, config.drift_samples_per_task, config.seed,
-                                               self.layer_map.main_input_name, rank, world)
-        if world > 1:
-            self.batches = {task: batches[rank::world] for task, batches in self.batches.items()}
-            if self.heldout_batches is not None:
-                self.heldout_batches = {task: batches[rank::world] for task, batches in self.heldout_batches.items()}
+        self.drift_sample = DriftSample.union(samples)
 
         if merge_info is None:  # recorded by hf_featcal.merging on the config, or on a config-less model
             merge_info = (getattr(getattr(model, "config", None), "hf_featcal_merge", None)
@@ -233,7 +242,9 @@ class FeatCalCalibrator:
         self.processing_class = processing_class
         self._report: DriftReport | None = None
         self._calibrated = False
-        self._batches_released = False  # by the streams' entry into the last stack
+        # by the streams' entry into the last stack (here already where they entered while it was built)
+        self._batches_released = enter_now
+        self._entered_device = device
 
     # ================================================================== shared run state
     @property
@@ -309,7 +320,7 @@ class FeatCalCalibrator:
         """Run FeatCal and return the calibrated model (the merged model, updated in place)."""
         if self._calibrated:
             raise RuntimeError("calibrate() was already run on this calibrator; build a new one to calibrate again.")
-        if self._batches_released:
+        if self._batches_released and self._entered_streams is None:
             raise RuntimeError(
                 "calibrate() was stopped on this calibrator after its calibration batches were released; build a new "
                 "FeatCalCalibrator to calibrate again (with the same `checkpoint_dir` it resumes)."
@@ -488,7 +499,7 @@ class FeatCalCalibrator:
         total = sum(len(s.blocks) for s in stacks)
         drift = DriftLog.empty(self.tasks, self.heldout_batches is not None) if self.config.report_drift else None
         streams, done = Streams(), 0
-        entered = self._take_entered()
+        entered, early = self._take_entered(), self._take_entered_streams()
         checkpoint = None if self.checkpoint_dir is None else open_checkpoint(
             ctx, self.checkpoint_dir, self.tasks, self._data_digest, self._tower_parameter_names(), self.experts,
             self.base,
@@ -508,13 +519,17 @@ class FeatCalCalibrator:
                 if done <= flat:  # streams enter this stack (a resumed run may bring the previous stack's)
                     progress.set_postfix_str(f"entering {stack.name}")
                     with ctx.timed("entering stacks"):
-                        # (the last stack's entry releases the calibration batches: a calibrator runs once)
-                        streams = enter_stack(
-                            ctx, si, streams, self.batches, self.experts,
-                            None if drift is None else self.drift_sample, entered if si == 0 else None,
-                            release=si == len(stacks) - 1, heldout=self.heldout_batches,
-                        )
-                        entered = None  # `streams` holds it now: each block lets its entering batches go
+                        if si == 0 and early is not None:  # entered while the calibrator was built
+                            streams = early if drift is not None else Streams(
+                                early.student, early.expert, None, early.heldout_student, early.heldout_expert)
+                        else:
+                            # (the last stack's entry releases the calibration batches: a calibrator runs once)
+                            streams = enter_stack(
+                                ctx, si, streams, self.batches, self.experts,
+                                None if drift is None else self.drift_sample, entered if si == 0 else None,
+                                release=si == len(stacks) - 1, heldout=self.heldout_batches,
+                            )
+                        entered = early = None  # `streams` holds them now: each block lets its entering batches go
                     if si == len(stacks) - 1:
                         self._batches_released = True
                 for bi, block in enumerate(stack.blocks):
@@ -671,6 +686,42 @@ class FeatCalCalibrator:
         return updates
 
     # ================================================================== helpers
+    def _take_in(self, task: str, entered: TaskStreams, samples: list[DriftSample], digest: DigestBuilder | None,
+                 keep: Callable[[int], bool]) -> None:
+        """One task's batches, read: checked through the merged model's input path (the student stream
+        of the batches `keep` accepts goes into `entered`), hashed for a checkpoint, their drift sample
+        drawn (from every process's batches), then shared out among the processes. Where the streams
+        enter the first stack now (`_entered_streams`), the task's expert and drift streams enter it too
+        and its batches are let go."""
+        config, main_input = self.config, self.layer_map.main_input_name
+        rank, world = self.state.process_index, self.state.num_processes
+        batches = self.batches[task]
+        entered.update(check_batches_enter_model(self.context, {task: batches}, keep=keep))
+        heldout = self.heldout_batches
+        if digest is not None:
+            digest.add_all((f"{task}.{i}.{key}", value) for i, batch in enumerate(batches)
+                           for key, value in sorted(batch.items()) if isinstance(value, Tensor))
+            if heldout is not None:
+                digest.add_all((f"heldout.{task}.{i}.{key}", value) for i, batch in enumerate(heldout[task])
+                               for key, value in sorted(batch.items()) if isinstance(value, Tensor))
+        sample = DriftSample.choose({task: batches}, config.drift_samples_per_task, config.seed, main_input,
+                                    rank, world)
+        samples.append(sample)
+        if heldout is not None:
+            assert self.heldout_per_task is not None  # set up with `heldout_batches`
+            self.heldout_per_task[task] = sum(batch_size_of(b, main_input) for b in heldout[task])
+        if world > 1:
+            self.batches[task] = batches = batches[rank::world]
+            if heldout is not None:
+                heldout[task] = heldout[task][rank::world]
+        self.batch_sizes[task] = [batch_size_of(b, main_input) for b in batches]
+        if self._entered_streams is not None:
+            ctx = self.context
+            with eval_mode(self.model, *self._reference_models()), torch.no_grad(), ctx.timed("entering stacks"):
+                streams = enter_stack(ctx, 0, Streams(), self.batches, {task: self.experts[task]}, sample,
+                                      student={task: entered.pop(task)}, release=True, heldout=heldout)
+            self._entered_streams.add(streams)
+
     def _check_config_unchanged(self) -> None:
         """The config may be edited between construction and `calibrate()`: check it again, refuse a
         change of what shaped the batches, and plan the blocks again for the rest."""
@@ -696,6 +747,23 @@ class FeatCalCalibrator:
         device, entered = self._entered
         self._entered = None
         return entered if self.context.input_device(self.context.tower) == device else None
+
+    def _take_entered_streams(self) -> Streams | None:
+        """The streams that entered the first stack while the calibrator was built, once (moved where
+        streams wait now, should the model have been moved since); None where there are none."""
+        streams, self._entered_streams = self._entered_streams, None
+        if streams is None or self.context.input_device(self.context.tower) == self._entered_device:
+            return streams
+        moved: dict[int, StreamBatch] = {}  # a drift batch that is the student's stays the same object
+
+        def move(batch: StreamBatch) -> StreamBatch:
+            if id(batch) not in moved:
+                moved[id(batch)] = self.context.park(batch)
+            return moved[id(batch)]
+
+        return Streams(*(None if task_streams is None else {t: [move(b) for b in bs] for t, bs in task_streams.items()}
+                         for task_streams in (streams.student, streams.expert, streams.given, streams.heldout_student,
+                                              streams.heldout_expert, streams.heldout_given)))
 
     def _reference_models(self) -> list[nn.Module]:
         sources = [*self.experts.values(), *([self.base] if self.base is not None else [])]

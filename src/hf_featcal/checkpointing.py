@@ -69,18 +69,32 @@ def file_digest(path: str, chunk: int = 1 << 24, hasher: Any = None) -> str:
     return hasher.hexdigest()
 
 
+class DigestBuilder:
+    """`fingerprint`'s digest built part by part (parts may be let go once added)."""
+
+    def __init__(self) -> None:
+        self._hasher = _new_hasher()
+
+    def add_all(self, parts: Iterable[tuple[str, Any]]) -> None:
+        """Named parts: tensors (hashed byte for byte), mappings of tensors, or JSON-able values."""
+        for name, value in parts:
+            if isinstance(value, Tensor):
+                tensor_digest(self._hasher, name, value)
+            elif isinstance(value, Mapping) and value and all(isinstance(v, Tensor) for v in value.values()):
+                for key in sorted(value):
+                    tensor_digest(self._hasher, f"{name}.{key}", value[key])
+            else:
+                self._hasher.update(f"{name}={json.dumps(value, sort_keys=True, default=str)}".encode())
+
+    def hexdigest(self) -> str:
+        return self._hasher.hexdigest()
+
+
 def fingerprint(parts: Iterable[tuple[str, Any]]) -> str:
     """A hex digest of named parts: tensors (hashed byte for byte), mappings of tensors, or JSON-able values."""
-    hasher = _new_hasher()
-    for name, value in parts:
-        if isinstance(value, Tensor):
-            tensor_digest(hasher, name, value)
-        elif isinstance(value, Mapping) and value and all(isinstance(v, Tensor) for v in value.values()):
-            for key in sorted(value):
-                tensor_digest(hasher, f"{name}.{key}", value[key])
-        else:
-            hasher.update(f"{name}={json.dumps(value, sort_keys=True, default=str)}".encode())
-    return hasher.hexdigest()
+    builder = DigestBuilder()
+    builder.add_all(parts)
+    return builder.hexdigest()
 
 
 @dataclass

@@ -190,6 +190,9 @@ class LayerMap:
     config_fields: ClassVar[tuple[str, ...]] = ()
     #: Norm classes (by class name) that are RMS norms: scale only, no centring.
     rms_norm_classes: tuple[str, ...] = ()  # not ClassVar: an inferred map sets it per model
+    #: Whether `for_batches` specialises the map from every task's batches (so the calibrator must see
+    #: them all before any stream enters a stack).
+    plans_from_batches: ClassVar[bool] = False
 
     # ---------------------------------------------------------------- structure
     def tower(self, model: nn.Module) -> nn.Module:

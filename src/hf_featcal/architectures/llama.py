@@ -49,6 +49,7 @@ class LlamaFamilyLayerMap(LayerMap):
 
     key_value_modules = ("self_attn.k_proj", "self_attn.v_proj")
     _SELECTORS = ("loss_mask", "labels")
+    plans_from_batches = True  # k/v token weights follow whether any task's batches select positions
 
     def __init__(self) -> None:
         self.restricted_positions = False

@@ -74,6 +74,12 @@ class DriftSample:
             counts[task] = used
         return cls(rows, counts)
 
+    @classmethod
+    def union(cls, samples: list[DriftSample]) -> DriftSample:
+        """One sample of the tasks of `samples` (each chosen for its own tasks)."""
+        return cls({t: r for s in samples for t, r in s.rows.items()},
+                   {t: n for s in samples for t, n in s.examples_per_task.items()})
+
     def batches(self, task: str, batches: list[Batch], main_input_name: str) -> list[Batch]:
         """The sample's calibration batches of one task (this process's `batches`), cut where it takes
         only their first examples."""

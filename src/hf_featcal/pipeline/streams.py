@@ -79,6 +79,14 @@ class Streams:
     heldout_expert: TaskStreams | None = None
     heldout_given: TaskStreams | None = None
 
+    def add(self, other: Streams) -> None:
+        """Take `other`'s tasks into these streams (`given` and the held-out ones: where both have one)."""
+        for mine, theirs in ((self.student, other.student), (self.expert, other.expert), (self.given, other.given),
+                             (self.heldout_student, other.heldout_student), (self.heldout_expert, other.heldout_expert),
+                             (self.heldout_given, other.heldout_given)):
+            if mine is not None and theirs is not None:
+                mine.update(theirs)
+
 
 class StopForward(Exception):
     """Raised by a capture hook to end a forward pass once the wanted inputs are stored."""
