@@ -379,3 +379,30 @@ def test_a_recipe_section_takes_the_guard_with_its_heldout_share():
     assert (config.guard, config.heldout_fraction) == ("no_rise", 0.25)
     with pytest.raises(RecipeError, match=r"featcal.guard: .*needs held-out examples"):
         parse_featcal(None, {"guard": "no_rise"})
+
+
+def test_two_stacks_carry_the_heldout_streams(generator, monkeypatch):
+    """T5 (encoder and decoder stacks; its batches enter in `calibrate()`): the held-out streams cross
+    the stack boundary; γ = 1 forced is the unguarded run bit for bit, γ = 0 forced the merged model."""
+    from transformers import T5ForConditionalGeneration
+
+    from test_t5 import randomise_t5_norms, seq2seq_batch, t5_config
+    from testing_utils import perturbed, task_arithmetic
+
+    base = T5ForConditionalGeneration(t5_config()).eval()
+    randomise_t5_norms(base, generator)
+    experts = {t: perturbed(base, generator, 0.05).eval() for t in ("a", "b")}
+    merged = task_arithmetic(base, experts)
+    data = {t: [seq2seq_batch(generator), seq2seq_batch(generator)] for t in experts}
+    setting = (base, experts, merged, data)
+    unguarded, plain = _calibrated(setting, FeatCalConfig(heldout_fraction=0.5))
+    assert all(len(values) == 4 for values in plain.report.tasks["a"].values())  # every block, held-out too
+    config = FeatCalConfig(heldout_fraction=0.5, guard="minimax")
+    monkeypatch.setattr(guard_stage, "choose_gamma", lambda mode, gammas, drifts: len(gammas) - 1)
+    guarded, run = _calibrated(setting, config)
+    assert [e["gamma"] for e in run.guard_log] == [1.0] * 4
+    assert all(torch.equal(p, q) for p, q in zip(guarded.parameters(), unguarded.parameters(), strict=True))
+    assert run.report.tasks == plain.report.tasks
+    monkeypatch.setattr(guard_stage, "choose_gamma", lambda mode, gammas, drifts: 0)
+    kept, _ = _calibrated(setting, config)
+    assert all(torch.equal(p, q) for p, q in zip(kept.parameters(), merged.parameters(), strict=True))
