@@ -17,6 +17,8 @@ from hf_featcal import FeatCalCalibrator, FeatCalConfig, FeatCalWarning
 from hf_featcal.pipeline import guard as guard_stage
 from hf_featcal.pipeline.guard import choose_gamma, split_heldout
 from hf_featcal.post_merging import get_step
+from test_drift_sample import _calibrated
+from test_resume import _run
 from testing_utils import as_float64, build_clip_setting
 
 BATCH_SIZES = (4, 4, 4, 4)  # 16 examples per task: a quarter held out is one whole batch
@@ -24,14 +26,6 @@ BATCH_SIZES = (4, 4, 4, 4)  # 16 examples per task: a quarter held out is one wh
 
 def _setting(generator, sizes=BATCH_SIZES):
     return build_clip_setting(generator, sizes)
-
-
-def _calibrated(setting, config: FeatCalConfig, **kwargs):
-    base, experts, merged, data = setting
-    model = copy.deepcopy(merged)
-    calibrator = FeatCalCalibrator(model, base, experts, data, config, show_progress=False, **kwargs)
-    calibrator.calibrate()
-    return model, calibrator
 
 
 def _documented_split(sizes, fraction: float, seed: int) -> dict[int, int]:
@@ -307,27 +301,10 @@ def test_resume_keeps_the_heldout_streams_and_gammas(generator, tmp_path, monkey
     config = FeatCalConfig(heldout_fraction=0.25, guard="minimax", guard_gammas=[0, 0.5, 1])
     expected, reference = _calibrated(setting, config)
 
-    def interrupted(at):
-        model = copy.deepcopy(merged)
-        calibrator = FeatCalCalibrator(model, base, experts, data, config, show_progress=False,
-                                       checkpoint_dir=tmp_path)
-        original, calls = calibrator._calibrate_block, []
-
-        def counting(plan, *args):
-            calls.append(plan.block_index)
-            if len(calls) == at:
-                raise KeyboardInterrupt
-            return original(plan, *args)
-
-        monkeypatch.setattr(calibrator, "_calibrate_block", counting)
-        return model, calibrator, calls
-
-    model, calibrator, _ = interrupted(2)
     with pytest.raises(KeyboardInterrupt):
-        calibrator.calibrate()
-    model, calibrator, calls = interrupted(None)
-    calibrator.calibrate()
-    assert calls == [1]  # block 0 came from the checkpoint
+        _run(merged, base, experts, data, tmp_path, config, interrupt_at=2, monkeypatch=monkeypatch)
+    model, calibrator, calls = _run(merged, base, experts, data, tmp_path, config, monkeypatch=monkeypatch)
+    assert calls == [(0, 1)]  # block 0 came from the checkpoint
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), expected.parameters(), strict=True))
     assert calibrator.guard_log == reference.guard_log
     assert calibrator.report.to_dict() == reference.report.to_dict()

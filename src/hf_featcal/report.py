@@ -49,24 +49,17 @@ class DriftReport:
     def rising_tasks(self) -> list[str]:
         """Tasks whose head measure at the last block rose with calibration (`head_after[-1] >
         head_before[-1]`): calibration moved what their heads read away from their experts."""
-        return [
-            task
-            for task, stages in self.tasks.items()
-            if stages.get("head_before")
-            and stages.get("head_after")
-            and stages["head_after"][-1] > stages["head_before"][-1]
-        ]
+        return self._rising("head")
 
     def heldout_rising_tasks(self) -> list[str]:
         """Tasks whose held-out head measure at the last block rose with calibration (empty without
         held-out examples)."""
-        return [
-            task
-            for task, stages in self.tasks.items()
-            if stages.get("heldout_head_before")
-            and stages.get("heldout_head_after")
-            and stages["heldout_head_after"][-1] > stages["heldout_head_before"][-1]
-        ]
+        return self._rising("heldout_head")
+
+    def _rising(self, measure: str) -> list[str]:
+        before, after = f"{measure}_before", f"{measure}_after"
+        return [task for task, stages in self.tasks.items()
+                if stages.get(before) and stages.get(after) and stages[after][-1] > stages[before][-1]]
 
     def guard_gammas(self) -> dict[str, float]:
         """Block → the γ the held-out guard gave it (empty without a guard)."""
