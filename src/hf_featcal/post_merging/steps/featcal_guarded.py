@@ -7,7 +7,7 @@ Defaults: a quarter held out (64 of the default 256 examples per task, four batc
 the held-out drift of a block to be measured on more than one batch, while the calibration keeps three
 quarters), and ``no_rise``, the guard that promises most: no task's held-out drift at a block rises
 above the merged block's. Measured (docs/tuning.md) it beat ``minimax`` on the digits scenario after Task
-Arithmetic and RegMean and was within 0.3 points of it on the MiniLM scenario. It is a safety net, not a
+Arithmetic and RegMean and was within 0.2 points of it on the MiniLM scenario. It is a safety net, not a
 guarantee of accuracy."""
 
 from __future__ import annotations
