@@ -28,8 +28,10 @@ def main(output: str, family: str = "clip", task_weights: str | None = None) -> 
         base, experts, merged, data = build_clip_setting(torch.Generator().manual_seed(0), (4, 3, 5, 2, 4))
     base, experts, merged, data = as_float64(base, experts, merged, data)
     given = copy.deepcopy(merged)
-    calibrator = FeatCalCalibrator(merged, base, experts, data, FeatCalConfig(compute_dtype="float64"),
-                                   show_progress=False)
+    # "clip_guard": the held-out guard (test_heldout_guard.py), every process must pick the same γs
+    config = (FeatCalConfig(compute_dtype="float64", heldout_fraction=0.4, guard="minimax") if family == "clip_guard"
+              else FeatCalConfig(compute_dtype="float64"))
+    calibrator = FeatCalCalibrator(merged, base, experts, data, config, show_progress=False)
     local_batches = {task: len(sizes) for task, sizes in calibrator.batch_sizes.items()}
     calibrator.calibrate()
     calibrator.save_model(output)  # writes on the main process only
@@ -41,6 +43,7 @@ def main(output: str, family: str = "clip", task_weights: str | None = None) -> 
     state = {k: v.clone() for k, v in merged.state_dict().items()}
     state["local_batches"] = local_batches
     state["num_processes"] = calibrator.state.num_processes
+    state["guard_log"] = calibrator.guard_log
     torch.save(state, os.path.join(output, f"rank{rank}.pt"))
     if task_weights is not None:
         config = FeatCalConfig(compute_dtype="float64", task_weights=json.loads(task_weights))

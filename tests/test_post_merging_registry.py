@@ -21,7 +21,7 @@ from hf_featcal.recipes.parse import _parse_compare
 from hf_featcal.recipes.spec import KeyChecker, RecipeError
 from testing_utils import build_clip_setting, import_source, loads_torch
 
-SHIPPED_STEPS = ["none", "featcal", "featcal_module", "svc", "surgery", "prob_surgery"]
+SHIPPED_STEPS = ["none", "featcal", "featcal_module", "featcal_guarded", "svc", "surgery", "prob_surgery"]
 
 # A step file as one would add it under hf_featcal/post_merging/steps/, written to a temporary folder:
 # "task_offset" needs calibration data and returns the merged model with per-task modules, each adding
@@ -95,7 +95,7 @@ def test_an_added_step_reaches_the_schema_recipes_and_the_cli(added_step, monkey
     monkeypatch.setenv("COLUMNS", "400")
     assert cli.main(["compare", "--help"]) == 0
     text = capsys.readouterr().out
-    assert "of: none, featcal, featcal_module, svc, surgery, prob_surgery, task_offset" in text
+    assert "of: none, featcal, featcal_module, featcal_guarded, svc, surgery, prob_surgery, task_offset" in text
     assert "task_offset: a per-task offset [calibration data; model + per-task modules (task needed at " \
            "inference); scale=0.5]" in text
     # a value the declaration refuses stops the command before anything is built

@@ -320,7 +320,7 @@ def test_a_recipes_compare_section_takes_svc():
     assert _parse_compare(KeyChecker(), {"post_merging": ["none", "svc"]}).post_merging == ["none", "svc"]
     from hf_featcal.schema import render_recipe_schema
 
-    steps = "none | featcal | featcal_module | svc | surgery | prob_surgery"
+    steps = "none | featcal | featcal_module | featcal_guarded | svc | surgery | prob_surgery"
     assert f"post_merging?: [{steps}, ...]" in render_recipe_schema()
 
 

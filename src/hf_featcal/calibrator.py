@@ -2,7 +2,7 @@
 
 It checks its arguments, loads the sources and batches, plans the blocks once, and runs the
 forward-order block loop (`_sweep`, `_calibrate_block`): enter streams → capture + accumulate →
-solve → write → propagate → drift → checkpoint. Each stage lives in a file of its own under
+solve → write → (held-out guard) → propagate → drift → checkpoint. Each stage lives in a file of its own under
 `hf_featcal/pipeline/` and shares a `RunContext` (device, dtype, timings, process group, logger);
 nothing architecture-specific lives here.
 """
@@ -44,14 +44,23 @@ from .pipeline.checks import (
     check_tasks,
 )
 from .pipeline.context import FeatCalError, FeatCalWarning, RunContext
-from .pipeline.drift import DriftLog, DriftSample, advance_given, record_drift, shared_with_student
+from .pipeline.drift import (
+    DriftLog,
+    DriftSample,
+    advance_given,
+    advance_heldout_given,
+    record_drift,
+    record_heldout_drift,
+    shared_with_student,
+)
 from .pipeline.enter import enter_stack
+from .pipeline.guard import guard_block, merged_values, split_heldout
 from .pipeline.plan import BlockPlan, Plan, block_parameter_names, plan_blocks, select_modules
 from .pipeline.propagate import propagate
 from .pipeline.solve import solve_block
 from .pipeline.steps import forward_order, module_steps
 from .pipeline.streams import StreamBatch, Streams, TaskStreams
-from .pipeline.write import write_block
+from .pipeline.write import BlockUpdates, write_block
 from .report import DriftReport, build_model_card
 from .restore import restore_on_failure
 from .saving import check_writable_folder
@@ -160,6 +169,11 @@ class FeatCalCalibrator:
         #: task → the sizes of this process's calibration batches (kept when the batches are let go)
         self.batch_sizes: dict[str, list[int]] = {}
         self.samples_per_task: dict[str, int] = {}
+        #: task → this process's held-out batches (`FeatCalConfig.heldout_fraction`; None: none held out),
+        #: emptied as the calibration batches are
+        self.heldout_batches: dict[str, list[Batch]] | None = {} if config.heldout_fraction > 0 else None
+        #: task → held-out examples over all processes (None: none held out)
+        self.heldout_per_task: dict[str, int] | None = {} if config.heldout_fraction > 0 else None
         text_max_length = text_length_limit(
             config.max_length, self.layer_map.tower_config(self.model_config), processing_class
         )
@@ -176,7 +190,10 @@ class FeatCalCalibrator:
         enter_now = (reuse and not self.layer_map.plans_from_batches
                      and len(self.layer_map.stacks(self.context.tower)) == 1)
         #: the streams entering the first stack, where they entered while the calibrator was built
-        self._entered_streams: Streams | None = Streams({}, {}, {}) if enter_now else None
+        self._entered_streams: Streams | None = None
+        if enter_now:
+            self._entered_streams = (Streams({}, {}, {}) if self.heldout_batches is None
+                                     else Streams({}, {}, {}, {}, {}, {}))
         entered: TaskStreams = {}
         digest = None if checkpoint_dir is None else DigestBuilder()
         samples: list[DriftSample] = []
@@ -194,6 +211,10 @@ class FeatCalCalibrator:
             )
             check_not_empty(task, batches)
             self.batches[task] = batches
+            if self.heldout_batches is not None:  # split from every process's batches, before they are shared out
+                calibration, heldout = split_heldout({task: batches}, config.heldout_fraction, config.seed, main_input)
+                self.batches[task] = batches = calibration[task]
+                self.heldout_batches[task] = heldout[task]  # shared out with the calibration batches (`_take_in`)
             self.samples_per_task[task] = sum(batch_size_of(b, main_input) for b in batches)
             del batches  # (not held while the next task's are read)
             if enter_now:
@@ -252,7 +273,7 @@ class FeatCalCalibrator:
     @property
     def timings(self) -> dict[str, float]:
         """Seconds spent per stage of the last `calibrate()` (entering stacks, block forwards,
-        statistics, solving, propagating, drift, checkpointing). Set `profile = True` to synchronise
+        statistics, solving, the held-out guard, propagating, drift, checkpointing). Set `profile = True` to synchronise
         the device around each stage so GPU timings are exact."""
         return self.context.timings
 
@@ -271,12 +292,20 @@ class FeatCalCalibrator:
     @property
     def solve_log(self) -> list[dict[str, Any]]:
         """One entry per solved Linear: block, module, solve method, damping and the exact decrease
-        of its weight objective J(merged weight) − J(calibrated weight)."""
+        of its weight objective J(merged weight) − J(calibrated weight); with a held-out guard also
+        `guard_gamma`, the blend its block was given (`guard_log`)."""
         return self.context.solve_log
 
     @solve_log.setter
     def solve_log(self, value: list[dict[str, Any]]) -> None:
         self.context.solve_log = value
+
+    @property
+    def guard_log(self) -> list[dict[str, Any]]:
+        """With a held-out guard (`FeatCalConfig.guard`), one entry per calibrated block: `block`, the
+        chosen `gamma`, the grid `gammas` and `heldout_head_drift` (task → the held-out relative drift
+        under the head's token weights at each γ of the grid, summed over processes)."""
+        return self.context.guard_log
 
     @property
     def _compute_dtype(self) -> torch.dtype:
@@ -469,7 +498,7 @@ class FeatCalCalibrator:
         ctx = self.context
         stacks = self.layer_map.stacks(ctx.tower)
         total = sum(len(s.blocks) for s in stacks)
-        drift = DriftLog.empty(self.tasks) if self.config.report_drift else None
+        drift = DriftLog.empty(self.tasks, self.heldout_batches is not None) if self.config.report_drift else None
         streams, done = Streams(), 0
         entered, early = self._take_entered(), self._take_entered_streams()
         checkpoint = None if self.checkpoint_dir is None else open_checkpoint(
@@ -492,13 +521,14 @@ class FeatCalCalibrator:
                     progress.set_postfix_str(f"entering {stack.name}")
                     with ctx.timed("entering stacks"):
                         if si == 0 and early is not None:  # entered while the calibrator was built
-                            streams = early if drift is not None else Streams(early.student, early.expert)
+                            streams = early if drift is not None else Streams(
+                                early.student, early.expert, None, early.heldout_student, early.heldout_expert)
                         else:
                             # (the last stack's entry releases the calibration batches: a calibrator runs once)
                             streams = enter_stack(
                                 ctx, si, streams, self.batches, self.experts,
                                 None if drift is None else self.drift_sample, entered if si == 0 else None,
-                                release=si == len(stacks) - 1,
+                                release=si == len(stacks) - 1, heldout=self.heldout_batches,
                             )
                         entered = early = None  # `streams` holds them now: each block lets its entering batches go
                     if si == len(stacks) - 1:
@@ -522,11 +552,16 @@ class FeatCalCalibrator:
             progress.close()
         if drift is None:
             return None
-        return DriftReport(drift.tasks, sample={
+        sample: dict[str, Any] = {
             "examples_per_task": dict(self.drift_sample.examples_per_task),
             "calibration_examples_per_task": dict(self.samples_per_task),
             "drift_samples_per_task": self.config.drift_samples_per_task, "seed": self.config.seed,
-        })
+        }
+        if self.heldout_per_task is not None:
+            sample.update(heldout_examples_per_task=dict(self.heldout_per_task),
+                          heldout_fraction=self.config.heldout_fraction)
+        guard = None if self.config.guard == "none" else {"mode": self.config.guard, "blocks": list(ctx.guard_log)}
+        return DriftReport(drift.tasks, sample=sample, guard=guard)
 
     def _calibrate_block(
         self, plan: BlockPlan, block: nn.Module, streams: Streams, drift: DriftLog | None, note: Callable[[str], None],
@@ -542,7 +577,11 @@ class FeatCalCalibrator:
         made (`capture_block`'s `release`, `propagate`), so `streams` is used up. After the `final`
         block (the model's last) only the drift report reads the streams: the student stream is
         propagated for the drift sample's batches alone, and the streams leaving it hold those batches
-        only (none without the report)."""
+        only (none without the report).
+
+        With held-out examples their streams pass the block beside these (the expert's in the capture
+        pass); with a guard the block's solutions are then blended towards the merged block on them
+        (`pipeline/guard.py`) before the calibration student stream is propagated."""
         ctx = self.context
         sample = self.drift_sample
         steps = [plan]
@@ -551,12 +590,18 @@ class FeatCalCalibrator:
                 steps = module_steps(plan, forward_order(ctx, plan, block, streams))
         # a later step's statistics-only pass reads the entering expert stream again
         captured = capture_block(ctx, steps[0], block, streams, self.experts, _step_note(note, steps, 0),
-                                 release=len(steps) == 1)
-        given = None
+                                 release=len(steps) == 1, heldout_expert=streams.heldout_expert)
+        given = heldout_given = None
         if drift is not None and plan.calibrating:  # through the block as given, before it is written
             assert streams.given is not None  # entered with the drift report
             with ctx.timed("drift (merged-as-given stream)"):
                 given = advance_given(ctx, block, plan.block_index, streams.given, sample)
+                if streams.heldout_given is not None:
+                    heldout_given = advance_heldout_given(ctx, block, plan.block_index, streams.heldout_given)
+        guarding = plan.calibrating and self.config.guard != "none"
+        merged = merged_values(ctx, plan, block) if guarding else {}  # the guard's γ = 0
+        solved: dict[str, set[str]] = {}  # module → the attributes its solutions wrote
+        first_solve = len(ctx.solve_log)
         if plan.calibrating:
             statistics = captured.statistics
             for index, step in enumerate(steps):
@@ -566,7 +611,10 @@ class FeatCalCalibrator:
                     ).statistics
                 _step_note(note, steps, index)("solving")
                 with ctx.timed("solving"):
-                    self._solve_and_write(step, block, statistics)
+                    for name, update in self._solve_and_write(step, block, statistics).items():
+                        solved.setdefault(name, set()).update(update)
+        heldout_student, heldout_given = self._heldout_leaving(plan, block, streams, captured.heldout_expert, merged,
+                                                               solved, first_solve, heldout_given, note)
         note("propagating")
         assert streams.student is not None  # every stack is entered with a student stream
         # (taken before `propagate` moves the student stream on)
@@ -583,19 +631,60 @@ class FeatCalCalibrator:
             assert streams.given is not None  # entered with the drift report
             with ctx.timed("drift (merged-as-given stream)"):
                 given = advance_given(ctx, block, plan.block_index, streams.given, sample, shared, student)
-        leaving = Streams(student, expert, given)
+        leaving = Streams(student, expert, given, heldout_student, captured.heldout_expert, heldout_given)
         if drift is not None:
             with ctx.timed("drift (merged-as-given stream)"):
                 record_drift(ctx, drift, leaving, sample, plan.pooled_token_index)
+                if leaving.heldout_given is not None:
+                    record_heldout_drift(ctx, drift, leaving, plan.pooled_token_index)
         return leaving
 
-    def _solve_and_write(self, plan: BlockPlan, block: nn.Module, statistics: BlockStatistics) -> None:
+    def _heldout_leaving(
+        self, plan: BlockPlan, block: nn.Module, streams: Streams, heldout_expert: TaskStreams | None,
+        merged: BlockUpdates, solved: dict[str, set[str]], first_solve: int, heldout_given: TaskStreams | None,
+        note: Callable[[str], None],
+    ) -> tuple[TaskStreams | None, TaskStreams | None]:
+        """The held-out student and merged-as-given streams leaving a block whose solutions are written
+        (None, None without held-out examples). With a guard and a calibrated block, the guard
+        (`pipeline/guard.py`) blends the block first (`merged`: its values before the solve; `solved`:
+        module → attributes written; the solve log's entries from `first_solve` on are this block's)
+        and its chosen γ's held-out outputs leave; otherwise the held-out student stream is propagated
+        and, through an unchanged block, the merged-as-given one with it (`heldout_given`: that stream
+        leaving a calibrated block, run before its solutions were written)."""
+        ctx = self.context
+        if streams.heldout_student is None:
+            return None, None
+        if plan.calibrating and self.config.guard != "none":
+            note("guard")
+            assert heldout_expert is not None  # the capture pass ran the held-out expert stream
+            with ctx.timed("guard"):
+                entry, leaving = guard_block(ctx, plan, block, merged, solved, streams.heldout_student, heldout_expert)
+            ctx.guard_log.append(entry)
+            for logged in ctx.solve_log[first_solve:]:
+                logged["guard_gamma"] = entry["gamma"]
+            return leaving, heldout_given
+        shared = None
+        if streams.heldout_given is not None and heldout_given is None:  # an unchanged block
+            shared = {task: [g is s for g, s in zip(states, streams.heldout_student[task], strict=True)]
+                      for task, states in streams.heldout_given.items()}
+        with ctx.timed("propagating"):
+            leaving = propagate(ctx, block, plan, streams.heldout_student)
+        if shared is not None:
+            assert streams.heldout_given is not None  # entered with the drift report
+            with ctx.timed("drift (merged-as-given stream)"):
+                heldout_given = advance_heldout_given(ctx, block, plan.block_index, streams.heldout_given, shared,
+                                                      leaving)
+        return leaving, heldout_given
+
+    def _solve_and_write(self, plan: BlockPlan, block: nn.Module, statistics: BlockStatistics) -> BlockUpdates:
+        """Solve one block's (or step's) plan and write its solutions; returns them."""
         ctx = self.context
         base_block = None
         if self.base is not None:
             base_block = self.base.block(ctx.model, plan.stack_index, plan.block_index, ctx.device)
         updates = solve_block(ctx, plan, block, statistics, base_block)
         write_block(self.parameters, block, plan.specs, updates, ctx.where(plan.stack_index, plan.block_index))
+        return updates
 
     # ================================================================== helpers
     def _take_in(self, task: str, entered: TaskStreams, samples: list[DriftSample], digest: DigestBuilder | None,
@@ -609,20 +698,29 @@ class FeatCalCalibrator:
         rank, world = self.state.process_index, self.state.num_processes
         batches = self.batches[task]
         entered.update(check_batches_enter_model(self.context, {task: batches}, keep=keep))
+        heldout = self.heldout_batches
         if digest is not None:
             digest.add_all((f"{task}.{i}.{key}", value) for i, batch in enumerate(batches)
                            for key, value in sorted(batch.items()) if isinstance(value, Tensor))
+            if heldout is not None:
+                digest.add_all((f"heldout.{task}.{i}.{key}", value) for i, batch in enumerate(heldout[task])
+                               for key, value in sorted(batch.items()) if isinstance(value, Tensor))
         sample = DriftSample.choose({task: batches}, config.drift_samples_per_task, config.seed, main_input,
                                     rank, world)
         samples.append(sample)
+        if heldout is not None:
+            assert self.heldout_per_task is not None  # set up with `heldout_batches`
+            self.heldout_per_task[task] = sum(batch_size_of(b, main_input) for b in heldout[task])
         if world > 1:
             self.batches[task] = batches = batches[rank::world]
+            if heldout is not None:
+                heldout[task] = heldout[task][rank::world]
         self.batch_sizes[task] = [batch_size_of(b, main_input) for b in batches]
         if self._entered_streams is not None:
             ctx = self.context
             with eval_mode(self.model, *self._reference_models()), torch.no_grad(), ctx.timed("entering stacks"):
                 streams = enter_stack(ctx, 0, Streams(), self.batches, {task: self.experts[task]}, sample,
-                                      student={task: entered.pop(task)}, release=True)
+                                      student={task: entered.pop(task)}, release=True, heldout=heldout)
             self._entered_streams.add(streams)
 
     def _check_config_unchanged(self) -> None:
@@ -632,7 +730,7 @@ class FeatCalCalibrator:
         now = self.config.to_dict()
         if now == self._planned_config:
             return
-        for name in ("num_samples_per_task", "batch_size", "seed", "drift_samples_per_task"):
+        for name in ("num_samples_per_task", "batch_size", "seed", "drift_samples_per_task", "heldout_fraction"):
             if now[name] != self._planned_config[name]:
                 raise ValueError(
                     f"FeatCalConfig.{name} changed after the calibrator was built ({self._planned_config[name]!r} → "
@@ -666,7 +764,8 @@ class FeatCalCalibrator:
             return moved[id(batch)]
 
         return Streams(*(None if task_streams is None else {t: [move(b) for b in bs] for t, bs in task_streams.items()}
-                         for task_streams in (streams.student, streams.expert, streams.given)))
+                         for task_streams in (streams.student, streams.expert, streams.given, streams.heldout_student,
+                                              streams.heldout_expert, streams.heldout_given)))
 
     def _reference_models(self) -> list[nn.Module]:
         sources = [*self.experts.values(), *([self.base] if self.base is not None else [])]

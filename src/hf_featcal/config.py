@@ -16,6 +16,12 @@ CONFIG_NAME = "featcal_config.json"
 FORWARD_DTYPES = ("bfloat16", "float16")
 #: where `FeatCalConfig.restore_snapshot` may keep the restore copy
 RESTORE_SNAPSHOTS = ("memory", "disk")
+#: `FeatCalConfig.guard` values: no guard, or how the held-out guard picks each block's blend γ
+GUARD_MODES = ("none", "no_rise", "minimax")
+#: `FeatCalConfig.guard_gammas`' default: the blends W_merged + γ·(W_calibrated − W_merged) the guard tries
+DEFAULT_GUARD_GAMMAS = (0.0, 0.25, 0.5, 0.75, 1.0)
+#: fields whose check needs other fields' values (a field checked on its own takes these along)
+CHECKED_WITH = {"guard": ("heldout_fraction",)}
 
 
 @dataclass
@@ -179,6 +185,36 @@ class FeatCalConfig:
         },
     )
 
+    heldout_fraction: float = field(
+        default=0.0,
+        metadata={
+            "help": "Share of each task's calibration examples held out, in [0, 1): round(share × examples), at least "
+            "one, taken as whole batches in an order drawn with `seed`, the last one cut (its first examples held "
+            "out, the rest kept), before the batches are shared out between processes (so the split does not "
+            "depend on their number); at least one example must be left to calibrate on. Held-out examples are not "
+            "used for the statistics (the calibration sees fewer examples); their student and expert streams flow "
+            "beside the calibration streams, for the `guard` and for the drift report's held-out columns. 0: none "
+            "(the paper's method)."
+        },
+    )
+    guard: str = field(
+        default="none",
+        metadata={
+            "help": "Held-out guard (needs `heldout_fraction` > 0): after each block is solved, its Linears and norms "
+            "(weights and biases) are set to W_merged + γ·(W_calibrated − W_merged) for each γ of `guard_gammas`, "
+            "and γ is chosen on the held-out examples' head-weighted relative drift from the experts: 'no_rise' "
+            "(the largest γ at which no task's drift is above its γ = 0 value), 'minimax' (the γ minimising the "
+            "largest ratio of a task's drift to its γ = 0 value; ties: the larger γ) or 'none' (no guard, γ = 1)."
+        },
+    )
+    guard_gammas: list[float] = field(
+        default_factory=lambda: list(DEFAULT_GUARD_GAMMAS),
+        metadata={
+            "help": "The blends the guard tries: increasing values in [0, 1], starting at 0 (the merged block, the "
+            "reference of both guards). γ = 1 is the unguarded calibration, bit for bit."
+        },
+    )
+
     def __post_init__(self) -> None:
         self._normalise()
         self._validate()
@@ -199,9 +235,10 @@ class FeatCalConfig:
             raise
 
     def _normalise(self) -> None:
-        for name in ("target_modules", "exclude_modules", "layers_to_transform"):
+        for name in ("target_modules", "exclude_modules", "layers_to_transform", "guard_gammas"):
             value = self.__dict__[name]
-            if isinstance(value, tuple) or (name == "layers_to_transform" and isinstance(value, range)):
+            ranged = name in ("layers_to_transform", "guard_gammas") and isinstance(value, range)
+            if isinstance(value, tuple) or ranged:
                 object.__setattr__(self, name, list(value))
         weights = self.__dict__["task_weights"]
         if isinstance(weights, Mapping) and all(_is_real(w) for w in weights.values()):
@@ -287,6 +324,25 @@ class FeatCalConfig:
             )
         if self.granularity not in ("block", "module"):
             raise ValueError(f"FeatCalConfig.granularity must be 'block' or 'module', got {self.granularity!r}.")
+        if not 0.0 <= real("heldout_fraction") < 1.0:
+            raise ValueError(f"FeatCalConfig.heldout_fraction must be in [0, 1), got {self.heldout_fraction!r}.")
+        if self.guard not in GUARD_MODES:
+            raise ValueError(f"FeatCalConfig.guard must be one of {list(GUARD_MODES)}, got {self.guard!r}.")
+        if self.guard != "none" and self.heldout_fraction == 0:
+            raise ValueError(
+                f"FeatCalConfig.guard={self.guard!r} needs held-out examples: set heldout_fraction > 0 (e.g. 0.25) "
+                "first, or guard='none'."
+            )
+        gammas = self.guard_gammas
+        if not (
+            isinstance(gammas, list) and gammas
+            and all(not isinstance(g, bool) and isinstance(g, (int, float)) and 0.0 <= g <= 1.0 for g in gammas)
+            and gammas[0] == 0 and all(a < b for a, b in zip(gammas, gammas[1:], strict=False))
+        ):
+            raise ValueError(
+                "FeatCalConfig.guard_gammas must be a list of increasing numbers in [0, 1] starting at 0 (the merged "
+                f"block, the guards' reference), e.g. {list(DEFAULT_GUARD_GAMMAS)}; got {gammas!r}."
+            )
 
     def _validate_task_weights(self) -> None:
         weights = self.task_weights

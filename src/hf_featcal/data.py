@@ -73,6 +73,13 @@ def cut_batch(batch: Mapping[str, Any], size: int, keep: int) -> Batch:
     }
 
 
+def rest_of_batch(batch: Mapping[str, Any], size: int, skip: int) -> Batch:
+    """A batch of `size` without its first `skip` examples (what `cut_batch(batch, size, skip)` leaves)."""
+    return {
+        k: (v[skip:] if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == size else v) for k, v in batch.items()
+    }
+
+
 def prepare_batches(
     task: str,
     data: Any,

@@ -33,25 +33,41 @@ class DriftReport:
     `sample` says which examples were measured (None where not recorded): `examples_per_task` (task →
     how many), `calibration_examples_per_task` (task → how many it was calibrated on),
     `drift_samples_per_task` (the bound asked for; None: all) and `seed` (how they were chosen:
-    `FeatCalConfig.drift_samples_per_task`)."""
+    `FeatCalConfig.drift_samples_per_task`); with held-out examples also `heldout_examples_per_task`
+    and `heldout_fraction`.
+
+    With held-out examples (`FeatCalConfig.heldout_fraction`) each task also has `heldout_before`,
+    `heldout_after`, `heldout_head_before` and `heldout_head_after`: the same measures on the examples
+    the calibration did not see, so in-sample gains that do not carry over (over-fitting) show.
+    `guard` (None without a guard): `{"mode": ..., "blocks": [{"block", "gamma", "gammas",
+    "heldout_head_drift"}, ...]}`, the γ each calibrated block was given and why."""
 
     tasks: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     sample: dict[str, Any] | None = None
+    guard: dict[str, Any] | None = None
 
     def rising_tasks(self) -> list[str]:
         """Tasks whose head measure at the last block rose with calibration (`head_after[-1] >
         head_before[-1]`): calibration moved what their heads read away from their experts."""
-        return [
-            task
-            for task, stages in self.tasks.items()
-            if stages.get("head_before")
-            and stages.get("head_after")
-            and stages["head_after"][-1] > stages["head_before"][-1]
-        ]
+        return self._rising("head")
+
+    def heldout_rising_tasks(self) -> list[str]:
+        """Tasks whose held-out head measure at the last block rose with calibration (empty without
+        held-out examples)."""
+        return self._rising("heldout_head")
+
+    def _rising(self, measure: str) -> list[str]:
+        before, after = f"{measure}_before", f"{measure}_after"
+        return [task for task, stages in self.tasks.items()
+                if stages.get(before) and stages.get(after) and stages[after][-1] > stages[before][-1]]
+
+    def guard_gammas(self) -> dict[str, float]:
+        """Block → the γ the held-out guard gave it (empty without a guard)."""
+        return {} if self.guard is None else {entry["block"]: entry["gamma"] for entry in self.guard["blocks"]}
 
     def to_dict(self) -> dict[str, Any]:
-        """`{"tasks": {task: {"before": [...], "after": [...]}}, "sample": {...}}` with plain Python floats
-        (no "sample" where none is recorded)."""
+        """`{"tasks": {task: {"before": [...], "after": [...]}}, "sample": {...}, "guard": {...}}` with plain
+        Python floats (no "sample" / "guard" where none is recorded)."""
         out: dict[str, Any] = {
             "tasks": {
                 task: {stage: [float(v) for v in values] for stage, values in stages.items()}
@@ -60,12 +76,14 @@ class DriftReport:
         }
         if self.sample is not None:
             out["sample"] = self.sample
+        if self.guard is not None:
+            out["guard"] = self.guard
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DriftReport:
         return cls({task: {k: list(v) for k, v in stages.items()} for task, stages in data["tasks"].items()},
-                   data.get("sample"))
+                   data.get("sample"), data.get("guard"))
 
     def sample_sentence(self) -> str | None:
         """Which examples were measured, in words (None where not recorded)."""
@@ -124,12 +142,48 @@ class DriftReport:
         sentence = self.sample_sentence()
         if sentence is not None:
             lines.append(f"\n{sentence}")
+        lines.extend(self._heldout_markdown())
         if rising:
             lines.append(
                 f"\nWhat the head reads moved away from the expert for {sorted(rising)}: check these tasks' "
                 "accuracy; a larger lambda_ratio or tuning on held-out data (docs/tuning.md) softens the compromise."
             )
         return "\n".join(lines)
+
+    def _heldout_markdown(self) -> list[str]:
+        """The held-out table (in-sample beside held-out, what the head reads at the last block) and the
+        guard's γ per block; nothing without held-out examples."""
+        lines: list[str] = []
+        measured = {task: stages for task, stages in self.tasks.items()
+                    if stages.get("heldout_head_before") and stages.get("heldout_head_after")
+                    and stages.get("head_before") and stages.get("head_after")}
+        if measured:
+            counts = (self.sample or {}).get("heldout_examples_per_task", {})
+            lines += [
+                "\nIn-sample and held-out: what the head reads at the last block (relative distance to the expert, "
+                "lower is better), before → after calibration, on the calibration examples and on examples held "
+                "out of it" + (f" ({', '.join(f'{t}: {n}' for t, n in counts.items())})" if counts else "") + ". "
+                "A gain in-sample that is smaller held-out is over-fitting.\n",
+                "| task | in-sample before → after | held-out before → after | held-out last block drift before → "
+                "after |",
+                "|---|---|---|---|",
+            ]
+            rising = set(self.heldout_rising_tasks())
+            for task, st in measured.items():
+                lines.append(
+                    f"| {markdown_cell(task)} | {st['head_before'][-1]:.2%} → {st['head_after'][-1]:.2%} | "
+                    f"{st['heldout_head_before'][-1]:.2%} → {st['heldout_head_after'][-1]:.2%}"
+                    + (" **rises**" if task in rising else "")
+                    + f" | {st['heldout_before'][-1]:.4g} → {st['heldout_after'][-1]:.4g} |"
+                )
+        if self.guard is not None:
+            gammas = ", ".join(f"{block}: {gamma:g}" for block, gamma in self.guard_gammas().items())
+            lines.append(
+                f"\nHeld-out guard `{self.guard.get('mode')}`: each calibrated block blended as W_merged + "
+                f"γ·(W_calibrated − W_merged), γ chosen on the held-out drift (γ = 1: unguarded). γ per block: "
+                f"{gammas or 'no block calibrated'}."
+            )
+        return lines
 
 
 def markdown_cell(text: str) -> str:
@@ -316,6 +370,8 @@ def build_model_card(
         "merge": merge_info,
         "config": featcal_config,
     }
+    if report is not None and report.guard is not None:
+        data.featcal["guard_gammas"] = report.guard_gammas()  # type: ignore[attr-defined]
     merge_text = (
         ", ".join(f"{k}={v}" for k, v in merge_info.items()) if merge_info else "not recorded"
     )

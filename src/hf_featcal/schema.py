@@ -408,7 +408,9 @@ def render_recipe_schema(indent: int = 0, featcal_fields: bool = True) -> str:  
                 lines.append((1, f"{pname}?: {parameter.describe_range()} [{default}]", f"{methods}: {parameter.help}"))
         elif key.name == "featcal" and featcal_fields:
             for field_ in dataclasses.fields(FeatCalConfig):
-                lines.append((1, f"{field_.name}?: [{_yaml_text(field_.default)}]", ""))
+                field_default = (field_.default if field_.default_factory is dataclasses.MISSING
+                                 else field_.default_factory())
+                lines.append((1, f"{field_.name}?: [{_yaml_text(field_default)}]", ""))
         elif key.name == "calibration":
             default_key, tasks = RECIPE_SECTIONS["calibration"]
             add(1, default_key)

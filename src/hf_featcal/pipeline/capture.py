@@ -24,6 +24,7 @@ class CapturedBlock:
 
     statistics: BlockStatistics
     expert: TaskStreams
+    heldout_expert: TaskStreams | None = None
 
 
 def capture_block(
@@ -35,6 +36,7 @@ def capture_block(
     note: Callable[[str], None] = lambda _: None,
     leaving: bool = True,
     release: bool = False,
+    heldout_expert: TaskStreams | None = None,
 ) -> CapturedBlock:
     """One pass of every task's streams through the block (the merged `block` on the student stream,
     the task expert's on the expert stream), accumulating statistics per task; `note` receives
@@ -46,7 +48,11 @@ def capture_block(
 
     With `release` (no later pass reads the expert stream entering the block), each task's entering
     expert batches are dropped from `streams.expert` once that task's pass is over: the stream is then
-    held twice for one task at a time, not for all of them."""
+    held twice for one task at a time, not for all of them.
+
+    With `heldout_expert` (the held-out examples' expert stream entering the block; only with
+    `leaving`), it runs through the task's expert block after the calibration batches, with no capture
+    hooks, as the calibration expert stream does (`release` drops its entering batches as well)."""
     lm, bi = ctx.layer_map, plan.block_index
     calibrating = plan.calibrating
     statistics = new_statistics(ctx, plan, block) if calibrating else BlockStatistics()
@@ -54,6 +60,7 @@ def capture_block(
     last_source: str | None = None  # the last captured module in forward order, once seen
     assert streams.student is not None and streams.expert is not None  # the block's entering streams
     new_expert: TaskStreams = {}
+    new_heldout: TaskStreams | None = None if heldout_expert is None else {}
     for task, source in experts.items():
         note(f"{'collecting statistics' if calibrating else 'forwarding'} · {task}")
         with ctx.timed("loading expert blocks"):
@@ -99,9 +106,16 @@ def capture_block(
                         sums.add(xs, xe, state, ye)
         for store in (xs, xe, ye):  # the last batch's captured tensors, consumed
             store.clear()
+        if heldout_expert is not None:
+            assert leaving and new_heldout is not None  # a statistics-only pass leaves no stream
+            with (ctx.precision(), eval_mode(expert_block), lm.capture_context(expert_block),
+                  ctx.timed("block forwards")):
+                new_heldout[task] = [ctx.run_block(expert_block, bi, state) for state in heldout_expert[task]]
+            if release:
+                del heldout_expert[task]
         if release:
             del streams.expert[task]
         if calibrating:
             with ctx.timed("statistics"):
                 sums.finish()
-    return CapturedBlock(statistics, new_expert)
+    return CapturedBlock(statistics, new_expert, new_heldout)

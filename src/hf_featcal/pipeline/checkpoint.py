@@ -61,7 +61,8 @@ def resume(ctx: RunContext, folder: CheckpointFolder) -> ResumedRun | None:
     """Load the folder's resume point (None for a fresh folder): once every block file has been
     checked, the finished blocks' parameters are written into the merged model one block at a time
     (at most one block's file pages are held: about one block's size, not the tower's), and the
-    solve log so far replaces `ctx.solve_log`."""
+    solve and guard logs so far replace `ctx.solve_log` and `ctx.guard_log`; the held-out streams
+    (`FeatCalConfig.heldout_fraction`) come back with the others."""
     # meta (offloaded) parameters keep their shapes; tied aliases are names of their own
     shapes = {name: tuple(p.shape) for name, p in ctx.parameters.model.named_parameters(remove_duplicate=False)}
     point = folder.load(shapes)
@@ -71,8 +72,11 @@ def resume(ctx: RunContext, folder: CheckpointFolder) -> ResumedRun | None:
         _write_parameters(ctx, folder.read_block(index))
     saved = point.streams
     ctx.solve_log = saved["solve_log"]
+    ctx.guard_log = saved.get("guard_log", [])
     drift = None if saved["report"] is None else DriftLog(saved["report"])
-    return ResumedRun(point.finished_blocks, Streams(saved["student"], saved["expert"], saved["given"]), drift)
+    streams = Streams(saved["student"], saved["expert"], saved["given"], saved.get("heldout_student"),
+                      saved.get("heldout_expert"), saved.get("heldout_given"))
+    return ResumedRun(point.finished_blocks, streams, drift)
 
 
 def _write_parameters(ctx: RunContext, parameters: dict[str, Tensor]) -> None:
@@ -97,6 +101,8 @@ def save_block(
         {
             "student": streams.student, "expert": streams.expert, "given": streams.given,
             "report": None if drift is None else drift.tasks, "solve_log": ctx.solve_log,
+            "heldout_student": streams.heldout_student, "heldout_expert": streams.heldout_expert,
+            "heldout_given": streams.heldout_given, "guard_log": ctx.guard_log,
         },
         ctx.process.wait_for_everyone,
     )

@@ -79,6 +79,8 @@ class RunContext:
     #: task → its weight ω_i in the joint objective (`FeatCalConfig.normalised_task_weights`); a task
     #: not in it weighs 1
     task_weights: dict[str, float] = field(default_factory=dict)
+    #: one entry per guarded block (`pipeline/guard.py`): block, chosen γ, grid, held-out drift per γ
+    guard_log: list[dict[str, Any]] = field(default_factory=list)
     logger: logging.Logger = LOGGER
     _workspaces: dict[tuple, Tensor] = field(default_factory=dict, repr=False)
 

@@ -21,18 +21,23 @@ from .streams import StreamBatch, Streams, TaskStreams
 
 #: The stages of a task's entry: the absolute drift and the head's relative drift, before and after.
 DRIFT_STAGES = ("before", "after", "head_before", "head_after")
+#: The same stages on the held-out examples (`FeatCalConfig.heldout_fraction`), where there are some.
+HELDOUT_STAGES = tuple(f"heldout_{stage}" for stage in DRIFT_STAGES)
 
 
 @dataclass
 class DriftLog:
     """task → {"before": one value per block for the merged model as given, "after": for the calibrated
-    one; "head_before" / "head_after": the same blocks' relative drift under the head's token weights}."""
+    one; "head_before" / "head_after": the same blocks' relative drift under the head's token weights;
+    with held-out examples the same four on them, prefixed "heldout_"}."""
 
     tasks: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
     @classmethod
-    def empty(cls, tasks: list[str]) -> DriftLog:
-        return cls({task: {stage: [] for stage in DRIFT_STAGES} for task in tasks})
+    def empty(cls, tasks: list[str], heldout: bool = False) -> DriftLog:
+        """No block yet; with `heldout`, the held-out stages (`HELDOUT_STAGES`) too."""
+        stages = DRIFT_STAGES + (HELDOUT_STAGES if heldout else ())
+        return cls({task: {stage: [] for stage in stages} for task in tasks})
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,39 @@ def record_drift(
         )
         for stage, value in zip(DRIFT_STAGES, (before, after, head_before, head_after), strict=True):
             entry.setdefault(stage, []).append(value)
+
+
+def record_heldout_drift(ctx: RunContext, drift: DriftLog, streams: Streams, pooled_token_index: int | None = None
+                         ) -> None:
+    """Append each task's held-out drift at the block's output (`streams`: the streams leaving the block,
+    with every held-out stream): the merged model as given and the calibrated (guarded) one."""
+    assert (streams.heldout_given is not None and streams.heldout_student is not None
+            and streams.heldout_expert is not None)  # with held-out examples and the drift report
+    for task, entry in drift.tasks.items():
+        (before, after), (head_before, head_after) = stream_drifts(
+            ctx, [streams.heldout_given[task], streams.heldout_student[task]], streams.heldout_expert[task],
+            pooled_token_index,
+        )
+        for stage, value in zip(HELDOUT_STAGES, (before, after, head_before, head_after), strict=True):
+            entry.setdefault(stage, []).append(value)
+
+
+def advance_heldout_given(ctx: RunContext, block: nn.Module, block_index: int, given: TaskStreams,
+                          shared: Mapping[str, list[bool]] | None = None, student: TaskStreams | None = None
+                          ) -> TaskStreams:
+    """The held-out merged-as-given stream leaving `block` as given (run before its solutions are
+    written). With `shared` (per task and batch, whether the given batch entering the block was the
+    held-out student's) and `student` (the held-out student stream leaving an unchanged block), such a
+    batch stays the student's."""
+    out = {}
+    with ctx.precision():
+        for task, states in given.items():
+            out[task] = [
+                student[task][b] if student is not None and shared is not None and shared[task][b]
+                else ctx.run_block(block, block_index, state)
+                for b, state in enumerate(states)
+            ]
+    return out
 
 
 def shared_with_student(streams: Streams, sample: DriftSample) -> dict[str, list[bool]]:

@@ -24,6 +24,7 @@ def enter_stack(
     drift: DriftSample | None,
     student: TaskStreams | None = None,
     release: bool = False,
+    heldout: dict[str, list[Batch]] | None = None,
 ) -> Streams:
     """Every stream entering stack `stack_index` (`streams`: the same streams leaving the previous
     stack; `student`: the student stream when it has entered already, as the first stack's has where
@@ -33,9 +34,17 @@ def enter_stack(
 
     With `release` (the last stack: nothing reads the calibration batches again), each task's
     batches are replaced by an empty list in `batches` once its streams have entered, so that the
-    inputs (images: 0.6 MB each at 224²) and the streams are not held together for every task."""
+    inputs (images: 0.6 MB each at 224²) and the streams are not held together for every task.
+
+    With `heldout` (task → this process's held-out batches, `FeatCalConfig.heldout_fraction`), their
+    student and expert streams enter beside the calibration streams, and with the drift report their
+    merged-as-given stream (entering the first stack, the student's batches themselves); `release`
+    empties their lists too."""
     main_input = ctx.layer_map.main_input_name
     entered = Streams({}, {}, None if drift is None else {})
+    if heldout is not None:
+        entered.heldout_student, entered.heldout_expert = {}, {}
+        entered.heldout_given = None if drift is None else {}
     for t in experts:
         assert entered.student is not None and entered.expert is not None  # built above
         entered.student[t] = (enter(ctx, None, stack_index, streams.student, batches[t], t) if student is None
@@ -51,9 +60,35 @@ def enter_stack(
                     else enter(ctx, None, stack_index, None, [batch], t)[0]
                     for (b, take), batch in zip(drift.rows[t], sampled, strict=True)
                 ]
+        if heldout is not None:
+            enter_heldout(ctx, stack_index, streams, entered, heldout, experts[t], t)
+            if release:
+                heldout[t] = []
         if release:
             batches[t] = []
     return entered
+
+
+def enter_heldout(
+    ctx: RunContext,
+    stack_index: int,
+    streams: Streams,
+    entered: Streams,
+    heldout: dict[str, list[Batch]],
+    expert: ModelSource,
+    task: str,
+) -> None:
+    """One task's held-out streams entering a stack into `entered` (from `streams`, those leaving the
+    previous stack): the student's and the expert's, and the merged-as-given one where `entered` has it."""
+    assert entered.heldout_student is not None and entered.heldout_expert is not None  # set up by enter_stack
+    entered.heldout_student[task] = enter(ctx, None, stack_index, streams.heldout_student, heldout[task], task)
+    entered.heldout_expert[task] = enter(ctx, expert, stack_index, streams.heldout_expert, heldout[task], task)
+    if entered.heldout_given is not None:
+        # entering the first stack the model as given is the student: the same batches
+        entered.heldout_given[task] = (
+            list(entered.heldout_student[task]) if not stack_index
+            else enter(ctx, None, stack_index, streams.heldout_given, heldout[task], task)
+        )
 
 
 def enter(

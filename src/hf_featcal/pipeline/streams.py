@@ -66,15 +66,24 @@ TaskStreams = dict[str, list[StreamBatch]]
 
 @dataclass
 class Streams:
-    """The streams entering the next block (`given` is None without a drift report)."""
+    """The streams entering the next block (`given` is None without a drift report).
+
+    With held-out examples (`FeatCalConfig.heldout_fraction`) the same three streams flow for them
+    beside the calibration streams: `heldout_student`, `heldout_expert` and, with the drift report,
+    `heldout_given` (None without held-out examples). They never enter the statistics."""
 
     student: TaskStreams | None = None
     expert: TaskStreams | None = None
     given: TaskStreams | None = None
+    heldout_student: TaskStreams | None = None
+    heldout_expert: TaskStreams | None = None
+    heldout_given: TaskStreams | None = None
 
     def add(self, other: Streams) -> None:
-        """Take `other`'s tasks into these streams (`given`: where both have one)."""
-        for mine, theirs in ((self.student, other.student), (self.expert, other.expert), (self.given, other.given)):
+        """Take `other`'s tasks into these streams (`given` and the held-out ones: where both have one)."""
+        for mine, theirs in ((self.student, other.student), (self.expert, other.expert), (self.given, other.given),
+                             (self.heldout_student, other.heldout_student), (self.heldout_expert, other.heldout_expert),
+                             (self.heldout_given, other.heldout_given)):
             if mine is not None and theirs is not None:
                 mine.update(theirs)
 

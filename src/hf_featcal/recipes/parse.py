@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import FeatCalConfig
+from ..config import CHECKED_WITH, FeatCalConfig
 from ..families import ModelFamily, get_family, iter_families, source_schemes
 from ..merging import get_method, merge_methods, paper_defaults
 from ..post_merging import get_step, step_names
@@ -430,8 +430,9 @@ def parse_featcal(v: KeyChecker | None, section: Any, path: str = "featcal") -> 
     # Field by field first (every other field at its default), so that an error belongs to the key
     # that caused it; then all together.
     for key, value in section.items():
+        together = {name: section[name] for name in CHECKED_WITH.get(key, ()) if name in section}
         try:
-            FeatCalConfig(**{key: value})
+            FeatCalConfig(**together, **{key: value})
         except (ValueError, TypeError) as err:
             raise v.error(f"{path}.{key}", str(err)) from None
     try:

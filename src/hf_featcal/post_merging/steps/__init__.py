@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-_STEP_MODULES = ("none", "featcal", "featcal_module", "svc", "surgery", "prob_surgery")
+_STEP_MODULES = ("none", "featcal", "featcal_module", "featcal_guarded", "svc", "surgery", "prob_surgery")
 
 for _module in _STEP_MODULES:
     importlib.import_module(f".{_module}", __name__)
