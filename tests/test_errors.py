@@ -220,10 +220,11 @@ def test_interrupt_restores_the_model(clip_setting, monkeypatch):
     calls = []
 
     def solve_then_interrupt(plan, *args):
-        original(plan, *args)  # block 0 really gets written ...
+        written = original(plan, *args)  # block 0 really gets written ...
         calls.append(plan.block_index)
         if plan.block_index == 1:
             raise KeyboardInterrupt  # ... and the run is interrupted in block 1
+        return written
 
     monkeypatch.setattr(calibrator, "_solve_and_write", solve_then_interrupt)
     with pytest.raises(KeyboardInterrupt):

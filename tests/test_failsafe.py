@@ -232,7 +232,8 @@ def test_checkpoint_files_are_safetensors_and_json(clip_setting, tmp_path, monke
 
     with safe_open(str(folder / names[2]), framework="pt") as handle:
         structure = json.loads(handle.metadata()["structure"])
-    assert set(structure["$dict"]) == {"student", "expert", "given", "report", "solve_log"}
+    assert set(structure["$dict"]) == {"student", "expert", "given", "report", "solve_log", "guard_log",
+                                       "heldout_student", "heldout_expert", "heldout_given"}
 
 
 # ============================================================================ point 4: exact fingerprint
