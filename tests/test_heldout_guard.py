@@ -383,3 +383,19 @@ def test_two_stacks_carry_the_heldout_streams(generator, monkeypatch):
     monkeypatch.setattr(guard_stage, "choose_gamma", lambda mode, gammas, drifts: 0)
     kept, _ = _calibrated(setting, config)
     assert all(torch.equal(p, q) for p, q in zip(kept.parameters(), merged.parameters(), strict=True))
+
+
+def test_the_calibrate_command_takes_the_guard(capsys):
+    from hf_featcal.cli.app import build_parser, main
+    from hf_featcal.cli.calibrate import _featcal_config
+
+    argv = ["calibrate", "--model", "org/merged", "--base", "org/base", "--expert", "a=org/expert-a",
+            "--expert", "b=org/expert-b", "--data", "a=org/data", "--data", "b=org/data", "--output-dir", "unused"]
+    config = _featcal_config(build_parser().parse_args([*argv, "--heldout-fraction", "0.25", "--guard", "no_rise"]))
+    assert (config.heldout_fraction, config.guard) == (0.25, "no_rise")
+    plain = _featcal_config(build_parser().parse_args(argv))
+    assert (plain.heldout_fraction, plain.guard) == (0.0, "none")  # the paper's run unless asked
+    assert main([*argv, "--guard", "always"]) == 2
+    assert "guard" in capsys.readouterr().err
+    assert main([*argv, "--guard", "no_rise"]) == 2  # a guard without a held-out share, refused before any loading
+    assert "heldout_fraction" in capsys.readouterr().err

@@ -61,8 +61,9 @@ featcal_drift_report.json, featcal_config.json and the drift plot featcal_drift.
 #: field), with their metavar; `batch_size` is checked by argparse already.
 _FEATCAL_OPTIONS: dict[str, str | None] = {
     "lambda_ratio": "λ", "anchor_rho": "ρ", "teacher_alpha": "α", "batch_size": None, "seed": None,
+    "heldout_fraction": "SHARE", "guard": "MODE",
 }
-_ANNOTATION_TYPES: dict[str, Callable[[str], Any]] = {"float": float, "int": int}
+_ANNOTATION_TYPES: dict[str, Callable[[str], Any]] = {"float": float, "int": int, "str": str}
 _CALIBRATION_DEST = "calibration_"
 _OPTION_TYPES: dict[str, Callable[[str], Any]] = {"batch_size": positive_int}
 
