@@ -399,3 +399,20 @@ def test_the_calibrate_command_takes_the_guard(capsys):
     assert "guard" in capsys.readouterr().err
     assert main([*argv, "--guard", "no_rise"]) == 2  # a guard without a held-out share, refused before any loading
     assert "heldout_fraction" in capsys.readouterr().err
+
+
+def test_held_out_batches_are_checked_before_any_work(generator):
+    """A held-out batch the merged model cannot take (token ids outside its vocabulary) is refused while
+    the calibrator is built, as a calibration batch is: not found by the guard mid-run."""
+    from test_real_use import VOCAB, _setting, _text_batch
+
+    base, experts, merged = _setting(generator)
+    data = {t: [_text_batch(generator) for _ in range(4)] for t in experts}
+    config = FeatCalConfig(heldout_fraction=0.25, guard="no_rise")
+    _, heldout = split_heldout(data, config.heldout_fraction, config.seed, "input_ids")
+    held = next(i for i, batch in enumerate(data["a"]) if any(batch is h for h in heldout["a"]))
+    data["a"][held]["input_ids"][0, 0] = VOCAB + 5
+    state = {k: v.clone() for k, v in merged.state_dict().items()}
+    with pytest.raises(ValueError, match=r"calibration_data\['a'\].*vocabulary"):
+        FeatCalCalibrator(merged, base, experts, data, config, show_progress=False)
+    assert all(torch.equal(v, state[k]) for k, v in merged.state_dict().items())

@@ -13,7 +13,7 @@ import copy
 import os
 import tempfile
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -699,12 +699,12 @@ class FeatCalCalibrator:
         batches = self.batches[task]
         entered.update(check_batches_enter_model(self.context, {task: batches}, keep=keep))
         heldout = self.heldout_batches
+        if heldout is not None:  # the user's examples held out are checked as the others are (no stream kept)
+            check_batches_enter_model(self.context, {task: heldout[task]}, keep=lambda index: False)
         if digest is not None:
-            digest.add_all((f"{task}.{i}.{key}", value) for i, batch in enumerate(batches)
-                           for key, value in sorted(batch.items()) if isinstance(value, Tensor))
+            digest.add_all(_tensor_parts(task, batches))
             if heldout is not None:
-                digest.add_all((f"heldout.{task}.{i}.{key}", value) for i, batch in enumerate(heldout[task])
-                               for key, value in sorted(batch.items()) if isinstance(value, Tensor))
+                digest.add_all(_tensor_parts(f"heldout.{task}", heldout[task]))
         sample = DriftSample.choose({task: batches}, config.drift_samples_per_task, config.seed, main_input,
                                     rank, world)
         samples.append(sample)
@@ -784,6 +784,12 @@ class FeatCalCalibrator:
 
 
 # ====================================================================== helpers
+def _tensor_parts(prefix: str, batches: list[Batch]) -> Iterator[tuple[str, Tensor]]:
+    """The batches' tensors named for a digest (`prefix.<batch>.<key>`, keys in order)."""
+    return ((f"{prefix}.{i}.{key}", value) for i, batch in enumerate(batches)
+            for key, value in sorted(batch.items()) if isinstance(value, Tensor))
+
+
 def _step_note(note: Callable[[str], None], steps: list[BlockPlan], index: int) -> Callable[[str], None]:
     """Progress messages of one step (prefixed with the step when a block is solved in several)."""
     if len(steps) == 1:
