@@ -138,9 +138,13 @@ def low_products_in_use(device: torch.device, forward_dtype: str | None) -> bool
 
 def syrk_in_use(device: torch.device, forward_dtype: str | None) -> bool:
     """Whether the library computes unit-weight Grams by MKL's syrk here (`hf_featcal._kernels.mkl_products`;
-    False for libraries from before it): on the CPU, wherever the statistics' products are float32."""
+    False for libraries from before it): on the CPU, wherever the statistics' products are float32 and
+    syrk is the CPU's choice (`hf_featcal._kernels.gemm.gram_kernel`; libraries from before it: always)."""
     mkl = _library_module("hf_featcal._kernels.mkl_products", "hf_featcal.mkl_products")
     if mkl is None or not hasattr(mkl, "syrk_available"):
+        return False
+    gemm = _library_module("hf_featcal._kernels.gemm")
+    if gemm is not None and hasattr(gemm, "gram_kernel") and gemm.gram_kernel() != "syrk":
         return False
     return not low_products_in_use(device, forward_dtype) and device.type == "cpu" and mkl.syrk_available(torch.float32)
 

@@ -1,5 +1,6 @@
 """The CPU's float32 GEMM library (`hf_featcal._kernels.gemm`): decided in one place (oneDNN on x86-64 CPUs
-that are not Intel's, MKL elsewhere, `HF_FEATCAL_CPU_GEMM` overriding), oneDNN's Linear forward equal
+that are not Intel's and have AVX-512, MKL elsewhere, `HF_FEATCAL_CPU_GEMM` overriding; the Gram kernel:
+syrk except on other vendors' x86-64 CPUs, `HF_FEATCAL_CPU_GRAM` overriding), oneDNN's Linear forward equal
 to a float64 product to float32 precision, taken only for float32 CPU inputs without gradients or
 autocast, undone on exit — and a calibration on either library equal to the other to rounding."""
 
@@ -12,7 +13,15 @@ import torch
 
 from hf_featcal import FeatCalCalibrator
 from hf_featcal._kernels import gemm
-from hf_featcal._kernels.gemm import GEMM_LIBRARY_VARIABLE, gemm_library, linear_product, onednn_linear, onednn_linears
+from hf_featcal._kernels.gemm import (
+    GEMM_LIBRARY_VARIABLE,
+    GRAM_KERNEL_VARIABLE,
+    gemm_library,
+    gram_kernel,
+    linear_product,
+    onednn_linear,
+    onednn_linears,
+)
 from testing_utils import assert_same_up_to_rounding
 
 needs_onednn = pytest.mark.skipif(not gemm.onednn_available(), reason="this torch has no oneDNN inner product")
@@ -27,27 +36,75 @@ def counted(monkeypatch):
     return calls
 
 
+ZEN4 = frozenset({"avx2", "avx512f", "avx512_bf16"})
+ZEN3 = frozenset({"avx2", "fma"})
+
+
 @pytest.mark.parametrize(
-    "machine, vendor, forced, want",
+    "machine, vendor, flags, forced, want",
     [
-        ("x86_64", "AuthenticAMD", None, "onednn"),
-        ("x86_64", "HygonGenuine", None, "onednn"),
-        ("x86_64", "GenuineIntel", None, "mkl"),
-        ("x86_64", None, None, "mkl"),  # vendor unknown: torch's own choice
-        ("aarch64", "ARM", None, "mkl"),
-        ("x86_64", "GenuineIntel", "onednn", "onednn"),
-        ("x86_64", "AuthenticAMD", " MKL ", "mkl"),
+        ("x86_64", "AuthenticAMD", ZEN4, None, "onednn"),
+        ("x86_64", "AuthenticAMD", ZEN3, None, "mkl"),  # MKL's AVX2 kernels are the faster ones there
+        ("x86_64", "HygonGenuine", ZEN4, None, "onednn"),
+        ("x86_64", "GenuineIntel", ZEN4, None, "mkl"),
+        ("x86_64", None, ZEN4, None, "mkl"),  # vendor unknown: torch's own choice
+        ("aarch64", "ARM", frozenset(), None, "mkl"),
+        ("x86_64", "GenuineIntel", ZEN3, "onednn", "onednn"),
+        ("x86_64", "AuthenticAMD", ZEN4, " MKL ", "mkl"),
     ],
 )
-def test_one_place_decides_the_library(monkeypatch, machine, vendor, forced, want):
+def test_one_place_decides_the_library(monkeypatch, machine, vendor, flags, forced, want):
     monkeypatch.setattr(gemm.platform, "machine", lambda: machine)
     monkeypatch.setattr(gemm, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(gemm, "cpu_flags", lambda: flags)
     monkeypatch.setattr(gemm, "onednn_available", lambda: True)
     if forced is None:
         monkeypatch.delenv(GEMM_LIBRARY_VARIABLE, raising=False)
     else:
         monkeypatch.setenv(GEMM_LIBRARY_VARIABLE, forced)
     assert gemm_library() == want
+
+
+@pytest.mark.parametrize(
+    "machine, vendor, forced, want",
+    [
+        ("x86_64", "GenuineIntel", None, "syrk"),
+        ("x86_64", "AuthenticAMD", None, "blocked"),  # MKL's syrk is not tuned for other vendors' CPUs
+        ("x86_64", None, None, "syrk"),
+        ("aarch64", "ARM", None, "syrk"),
+        ("x86_64", "AuthenticAMD", " SYRK", "syrk"),
+        ("x86_64", "GenuineIntel", "blocked", "blocked"),
+    ],
+)
+def test_one_place_decides_the_gram_kernel(monkeypatch, machine, vendor, forced, want):
+    monkeypatch.setattr(gemm.platform, "machine", lambda: machine)
+    monkeypatch.setattr(gemm, "cpu_vendor", lambda: vendor)
+    if forced is None:
+        monkeypatch.delenv(GRAM_KERNEL_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(GRAM_KERNEL_VARIABLE, forced)
+    assert gram_kernel() == want
+    monkeypatch.setenv(GRAM_KERNEL_VARIABLE, "potrf")
+    with pytest.raises(ValueError, match=f"{GRAM_KERNEL_VARIABLE} must be one of"):
+        gram_kernel()
+
+
+@pytest.mark.parametrize("kernel", ["syrk", "blocked"])
+def test_the_gram_takes_the_chosen_kernel(monkeypatch, kernel):
+    """`add_upper_gram` of unit-weight rows calls syrk exactly where it is the choice, and either
+    kernel gives the Gram's upper triangle of a float64 product."""
+    from hf_featcal._kernels import gram as gram_module
+
+    calls = []
+    real = gram_module.syrk_upper_
+    monkeypatch.setattr(gram_module, "syrk_upper_", lambda out, a: calls.append(a.shape) or real(out, a))
+    monkeypatch.setenv(GRAM_KERNEL_VARIABLE, kernel)
+    x = torch.randn(300, 640, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    upper = torch.zeros(640, 640, dtype=torch.float64)
+    gram_module.add_upper_gram(upper, x, x)
+    gram_module.mirror_diagonal_blocks_(upper)
+    assert len(calls) == (1 if kernel == "syrk" else 0)
+    torch.testing.assert_close(gram_module.symmetric_from_upper(upper), x.T @ x, rtol=1e-12, atol=1e-10)
 
 
 def test_without_onednn_the_choice_is_mkl_and_forcing_it_is_refused(monkeypatch):

@@ -127,3 +127,60 @@ def test_results_are_the_same_bit_for_bit(clip_setting):
                            merged.state_dict()["encoder.layers.0.mlp.fc1.weight"])
     for name, value in weights[0].items():
         assert torch.equal(value, weights[1][name]), name
+
+
+# In a fresh process: a 10 MB tensor taken from the heap (glibc's adaptive threshold raised above its
+# size by an earlier, larger block) and freed below a small tensor that stays alive is a free hole
+# under the heap's top, which glibc keeps resident; `release_freed_memory` hands it back.
+_HOLE_PROBE = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from hf_featcal._kernels.memory import release_freed_memory, reuse_freed_memory
+
+    def resident_mb():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+
+    big = torch.empty(5 * 2**20); big.fill_(1.0); del big  # 20 MB, mapped: the threshold rises to it
+    result = {}
+    for mode in ("plain", "reusing"):
+        hole = torch.empty(10 * 2**18); hole.fill_(1.0)  # 10 MB, now from the heap
+        kept = torch.empty(2**18); kept.fill_(1.0)  # 1 MB above it, kept alive
+        del hole
+        before = resident_mb()
+        if mode == "plain":
+            result["released"] = release_freed_memory()
+        else:
+            with reuse_freed_memory():
+                result["released_while_reusing"] = release_freed_memory()
+        result[mode] = before - resident_mb()
+        del kept
+    print(json.dumps(result))
+    """
+)
+
+
+@needs_glibc
+def test_free_holes_in_the_heap_are_handed_back():
+    out = subprocess.run([sys.executable, "-c", _HOLE_PROBE], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["released"] is True and result["plain"] > 8  # the hole's 10 MB left the resident set
+    # while freed memory is kept for reuse on purpose, nothing is handed back
+    assert result["released_while_reusing"] is False
+
+
+def test_calibrate_hands_freed_memory_back_after_every_tasks_pass(clip_setting, monkeypatch):
+    """After each task's pass over a block (capture, then propagation) the freed memory is handed
+    back: twice per task and calibrated block."""
+    from hf_featcal.pipeline import context
+
+    base, experts, merged, data = clip_setting
+    calls = []
+    monkeypatch.setattr(context, "release_freed_memory", lambda: calls.append(1) or True)
+    model = copy.deepcopy(merged)
+    calibrator = FeatCalCalibrator(model, base, experts, data, FeatCalConfig(), device="cpu")
+    calibrator.calibrate()
+    blocks = len(model.encoder.layers)
+    assert len(calls) == 2 * blocks * len(experts)

@@ -9,6 +9,7 @@ from itertools import pairwise
 import pytest
 import torch
 
+from hf_featcal._kernels.gemm import GRAM_KERNEL_VARIABLE, GRAM_KERNELS
 from hf_featcal._kernels.gram import (
     BLOCKED_GRAM_MIN_DIM,
     add_upper_gram,
@@ -83,9 +84,12 @@ def test_gram_blocks_cover_the_upper_triangle_once():
 @pytest.mark.parametrize(
     "alpha, weights", [(0.0, "random"), (0.25, "random"), (1.0, "random"), (0.25, "unit"), (0.25, "mixed")]
 )
-def test_blocked_statistics_match_brute_force(generator, d, out, direct, alpha, weights):
-    """Every Gram path: blocked products (weighted tokens), syrk's triangle (unit weights), both in
-    one task, and a Gram narrower than the blocked path's."""
+@pytest.mark.parametrize("kernel", GRAM_KERNELS)
+def test_blocked_statistics_match_brute_force(generator, monkeypatch, d, out, direct, alpha, weights, kernel):
+    """Every Gram path: blocked products (weighted tokens), unit weights' Gram by either kernel
+    (syrk's triangle or the blocked products, `gemm.gram_kernel`), both in one task, and a Gram
+    narrower than the blocked path's."""
+    monkeypatch.setenv(GRAM_KERNEL_VARIABLE, kernel)
     tasks = _tasks(generator, d, out, n=200 if d > 1000 else 300, weights=weights)
     stats = _accumulate(tasks, alpha, direct)
     gram, rhs, bias, mean = _brute_force(tasks, alpha, 1e-8)
@@ -95,10 +99,11 @@ def test_blocked_statistics_match_brute_force(generator, d, out, direct, alpha, 
     torch.testing.assert_close(stats.student_mean_sum, mean, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("weights", ["random", "unit"])
-def test_float32_blocked_statistics_stay_within_float_precision(generator, weights):
+@pytest.mark.parametrize("weights, kernel", [("random", "blocked"), ("unit", "syrk"), ("unit", "blocked")])
+def test_float32_blocked_statistics_stay_within_float_precision(generator, monkeypatch, weights, kernel):
     """float32 accumulation of the blocked path and of syrk against the float64 definitions: float
     precision (the float32 inputs and sums alone give ~1e-5 here, before and after the blocked path)."""
+    monkeypatch.setenv(GRAM_KERNEL_VARIABLE, kernel)
     tasks = _tasks(generator, 1100, 900, n=400, weights=weights)
     stats = _accumulate([{k: v.float() for k, v in t.items()} for t in tasks], 0.25, False, dtype=torch.float32)
     gram, rhs, _, _ = _brute_force(tasks, 0.25, 1e-8)

@@ -1,14 +1,21 @@
 """Which library runs FeatCal's float32 matrix products on the CPU: MKL (torch's own choice) or oneDNN.
 
 torch multiplies float32 matrices on the CPU with MKL's sgemm. On an Intel CPU nothing here beats
-it. On other x86-64 CPUs MKL does not run its fastest kernels, and oneDNN's float32 inner product —
-the library behind torch's `mkldnn` operators, which picks its kernels by the CPU's instruction
-sets rather than its vendor — is faster (measured in docs/scale.md, "The CPU kernels"). Both are
-float32 products with float32 sums; their results differ by rounding only (the order of the sums).
+it. MKL picks its kernels by the CPU's vendor: on other x86-64 CPUs it does not run its AVX-512
+kernels, and where such a CPU has AVX-512 (AMD Zen 4) oneDNN's float32 inner product — the library
+behind torch's `mkldnn` operators, which picks its kernels by the instruction sets — is faster. On
+one whose widest vectors are AVX2 (AMD Zen 3) MKL's AVX2 kernels are the faster ones (measured in
+docs/scale.md, "The CPU kernels"). Both are float32 products with float32 sums; their results differ
+by rounding only (the order of the sums).
 
-`gemm_library()` is the one place that decides; the environment variable `HF_FEATCAL_CPU_GEMM`
-(`mkl` or `onednn`) overrides it, for benchmarks and tests. `onednn_linears(root)` routes a block's
-plain `nn.Linear`s through oneDNN while gradients are off, in float32, when the decision is oneDNN.
+MKL's syrk (a Gram's upper triangle at half a product's arithmetic, `mkl_products.syrk_upper_`) is
+one of the kernels MKL tunes for Intel's CPUs only: on AMD's it was measured slower than the Gram's
+block upper triangle by plain products (`gram.gram_blocks`), so exact mode takes it on Intel CPUs only.
+
+`gemm_library()` and `gram_kernel()` are the one place that decides; the environment variables
+`HF_FEATCAL_CPU_GEMM` (`mkl` or `onednn`) and `HF_FEATCAL_CPU_GRAM` (`syrk` or `blocked`) override
+them, for benchmarks and tests. `onednn_linears(root)` routes a block's plain `nn.Linear`s through
+oneDNN while gradients are off, in float32, when the decision is oneDNN.
 """
 
 from __future__ import annotations
@@ -25,6 +32,11 @@ from torch import Tensor, nn
 #: Overrides `gemm_library()`'s choice: one of `GEMM_LIBRARIES`.
 GEMM_LIBRARY_VARIABLE = "HF_FEATCAL_CPU_GEMM"
 GEMM_LIBRARIES = ("mkl", "onednn")
+#: Overrides `gram_kernel()`'s choice: one of `GRAM_KERNELS`.
+GRAM_KERNEL_VARIABLE = "HF_FEATCAL_CPU_GRAM"
+GRAM_KERNELS = ("syrk", "blocked")
+#: The CPU flag of the vector instructions MKL leaves unused on CPUs that are not Intel's.
+WIDE_VECTORS = "avx512f"
 
 
 @functools.cache
@@ -117,19 +129,43 @@ def onednn_available() -> bool:
         return False
 
 
+def _forced(variable: str, choices: tuple[str, ...]) -> str | None:
+    """The choice an environment variable forces (None where it is unset or empty)."""
+    forced = os.environ.get(variable, "").strip().lower()
+    if not forced:
+        return None
+    if forced not in choices:
+        raise ValueError(f"{variable} must be one of {choices}, got {forced!r}.")
+    return forced
+
+
+def _other_x86_vendor() -> bool:
+    """Whether this is an x86-64 CPU of a known vendor other than Intel (where MKL does not run the
+    kernels it tunes for Intel's)."""
+    vendor = cpu_vendor()
+    return platform.machine().lower() in ("x86_64", "amd64") and vendor is not None and vendor != "GenuineIntel"
+
+
 def gemm_library() -> str:
-    """"onednn" on an x86-64 CPU that is not Intel's (where oneDNN's float32 products are faster than
-    MKL's), "mkl" elsewhere; `HF_FEATCAL_CPU_GEMM` overrides the choice."""
-    forced = os.environ.get(GEMM_LIBRARY_VARIABLE, "").strip().lower()
-    if forced:
-        if forced not in GEMM_LIBRARIES:
-            raise ValueError(f"{GEMM_LIBRARY_VARIABLE} must be one of {GEMM_LIBRARIES}, got {forced!r}.")
+    """"onednn" on an x86-64 CPU that is not Intel's and has AVX-512 (where oneDNN's float32 products
+    are faster than MKL's), "mkl" elsewhere; `HF_FEATCAL_CPU_GEMM` overrides the choice."""
+    forced = _forced(GEMM_LIBRARY_VARIABLE, GEMM_LIBRARIES)
+    if forced is not None:
         if forced == "onednn" and not onednn_available():
             raise RuntimeError(f"{GEMM_LIBRARY_VARIABLE}=onednn, but this torch has no working oneDNN inner product.")
         return forced
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
-    vendor = cpu_vendor()
-    return "onednn" if x86 and vendor is not None and vendor != "GenuineIntel" and onednn_available() else "mkl"
+    return "onednn" if _other_x86_vendor() and WIDE_VECTORS in cpu_flags() and onednn_available() else "mkl"
+
+
+def gram_kernel() -> str:
+    """How exact mode computes a Gram of unit-weight rows on the CPU: "syrk" (MKL's, its upper triangle
+    alone) where MKL runs its own tuned kernels (not on an x86-64 CPU of another vendor than Intel),
+    "blocked" (`gram.gram_blocks`' products) elsewhere; `HF_FEATCAL_CPU_GRAM` overrides the choice.
+    Where syrk is chosen but missing from this torch, the blocked products run."""
+    forced = _forced(GRAM_KERNEL_VARIABLE, GRAM_KERNELS)
+    if forced is not None:
+        return forced
+    return "blocked" if _other_x86_vendor() else "syrk"
 
 
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -5,8 +5,8 @@ products below the block diagonal are never computed, and the functions here add
 multiply by and take the norm of such a triangle. Products run in float32 or better; fast mode's
 low-precision factors go through `product`, which picks the kernel that is faster on the device
 (`gemm.low_precision_products`, `mkl_products.addmm_low_`); exact mode's unit-weight Grams take
-MKL's syrk where it is available (`mkl_products.syrk_upper_`). Their speed is measured in
-docs/scale.md ("The CPU kernels").
+MKL's syrk where it is available and the faster kernel (`mkl_products.syrk_upper_`,
+`gemm.gram_kernel`). Their speed is measured in docs/scale.md ("The CPU kernels").
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .gemm import ROUNDED_RESULTS, low_precision_products
+from .gemm import ROUNDED_RESULTS, gram_kernel, low_precision_products
 from .mkl_products import addmm_low_, syrk_upper_
 
 #: Inputs at least this wide get their Gram as a blocked upper triangle (below it one product is cheaper).
@@ -67,12 +67,12 @@ def add_upper_gram(acc: Tensor, a: Tensor, b: Tensor, low: torch.dtype | None = 
     """acc += aᵀ b on the block upper triangle of `gram_blocks(acc.shape[0])` only (a Gram is
     symmetric; `symmetric_from_upper` restores the rest). a, b: (M, d).
 
-    When `a` is `b` (a Gram of unit-weight rows) in exact mode on the CPU, MKL's syrk adds aᵀa on
-    the upper triangle alone, at half a full product's arithmetic (the blocked product: 9/16 from
-    2048 wide, 5/8 from 512; `mkl_products.syrk_upper_`): the halves of the diagonal blocks below
-    the diagonal are then left as they were, and `mirror_diagonal_blocks_` fills them in before the
-    sum is read."""
-    if low is None and a is b and syrk_upper_(acc, a):
+    When `a` is `b` (a Gram of unit-weight rows) in exact mode on a CPU where syrk is the choice
+    (`gemm.gram_kernel`), MKL's syrk adds aᵀa on the upper triangle alone, at half a full product's
+    arithmetic (the blocked product: 9/16 from 2048 wide, 5/8 from 512; `mkl_products.syrk_upper_`):
+    the halves of the diagonal blocks below the diagonal are then left as they were, and
+    `mirror_diagonal_blocks_` fills them in before the sum is read."""
+    if low is None and a is b and gram_kernel() == "syrk" and syrk_upper_(acc, a):
         return
     for start, stop in gram_blocks(acc.shape[0]):
         product(a[:, start:stop].T, b[:, start:], low, out=acc[start:stop, start:])

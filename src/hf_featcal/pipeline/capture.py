@@ -118,4 +118,5 @@ def capture_block(
         if calibrating:
             with ctx.timed("statistics"):
                 sums.finish()
+        ctx.task_done()
     return CapturedBlock(statistics, new_expert, new_heldout)

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .._kernels.activations import lean_activations
 from .._kernels.gemm import onednn_linears
+from .._kernels.memory import release_freed_memory
 from ..architectures import LayerMap
 from ..config import FeatCalConfig
 from ..experts import module_device
@@ -115,6 +116,13 @@ class RunContext:
             return state.to(self.device)
         state = state.to("cpu")
         return state.pin_memory() if placement == "pinned_cpu" and torch.cuda.is_available() else state
+
+    def task_done(self) -> None:
+        """Between two tasks' passes over a block: the CPU memory freed during the pass is handed back to
+        the system (`_kernels.memory.release_freed_memory`), so that the free holes the pass left among
+        the streams kept for the next block do not stay resident."""
+        with self.timed("handing back freed memory"):
+            release_freed_memory()
 
     def fetch(self, state: StreamBatch) -> StreamBatch:
         """A parked stream batch on the compute device."""

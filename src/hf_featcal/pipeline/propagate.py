@@ -22,4 +22,5 @@ def propagate(ctx: RunContext, block: nn.Module, plan: BlockPlan, student: TaskS
     with ctx.precision(), alike:
         for task in list(student):
             leaving[task] = [ctx.run_block(block, plan.block_index, state) for state in student.pop(task)]
+            ctx.task_done()
     return leaving
