@@ -54,15 +54,20 @@ ZEN3 = frozenset({"avx2", "fma"})
     ],
 )
 def test_one_place_decides_the_library(monkeypatch, machine, vendor, flags, forced, want):
-    monkeypatch.setattr(gemm.platform, "machine", lambda: machine)
-    monkeypatch.setattr(gemm, "cpu_vendor", lambda: vendor)
+    _pretend(monkeypatch, machine, vendor, GEMM_LIBRARY_VARIABLE, forced)
     monkeypatch.setattr(gemm, "cpu_flags", lambda: flags)
     monkeypatch.setattr(gemm, "onednn_available", lambda: True)
-    if forced is None:
-        monkeypatch.delenv(GEMM_LIBRARY_VARIABLE, raising=False)
-    else:
-        monkeypatch.setenv(GEMM_LIBRARY_VARIABLE, forced)
     assert gemm_library() == want
+
+
+def _pretend(monkeypatch, machine, vendor, variable, forced):
+    """This process on another CPU, with `variable` set to `forced` (None: unset)."""
+    monkeypatch.setattr(gemm.platform, "machine", lambda: machine)
+    monkeypatch.setattr(gemm, "cpu_vendor", lambda: vendor)
+    if forced is None:
+        monkeypatch.delenv(variable, raising=False)
+    else:
+        monkeypatch.setenv(variable, forced)
 
 
 @pytest.mark.parametrize(
@@ -77,12 +82,7 @@ def test_one_place_decides_the_library(monkeypatch, machine, vendor, flags, forc
     ],
 )
 def test_one_place_decides_the_gram_kernel(monkeypatch, machine, vendor, forced, want):
-    monkeypatch.setattr(gemm.platform, "machine", lambda: machine)
-    monkeypatch.setattr(gemm, "cpu_vendor", lambda: vendor)
-    if forced is None:
-        monkeypatch.delenv(GRAM_KERNEL_VARIABLE, raising=False)
-    else:
-        monkeypatch.setenv(GRAM_KERNEL_VARIABLE, forced)
+    _pretend(monkeypatch, machine, vendor, GRAM_KERNEL_VARIABLE, forced)
     assert gram_kernel() == want
     monkeypatch.setenv(GRAM_KERNEL_VARIABLE, "potrf")
     with pytest.raises(ValueError, match=f"{GRAM_KERNEL_VARIABLE} must be one of"):
