@@ -272,10 +272,11 @@ def test_the_flags_are_read_from_cpuinfo():
     assert not lines or flags == frozenset(lines[0].split(":", 1)[1].split())
 
 
-def test_a_bad_library_variable_is_refused_before_any_work(clip_setting, monkeypatch):
+@pytest.mark.parametrize("variable", [GEMM_LIBRARY_VARIABLE, GRAM_KERNEL_VARIABLE])
+def test_a_bad_library_variable_is_refused_before_any_work(clip_setting, monkeypatch, variable):
     base, experts, merged, data = clip_setting
     before = copy.deepcopy(merged.state_dict())
-    monkeypatch.setenv(GEMM_LIBRARY_VARIABLE, "blis")
-    with pytest.raises(ValueError, match=f"{GEMM_LIBRARY_VARIABLE} must be one of"):
+    monkeypatch.setenv(variable, "blis")
+    with pytest.raises(ValueError, match=f"{variable} must be one of"):
         FeatCalCalibrator(merged, base, experts, data, show_progress=False)
     assert all(torch.equal(v, before[k]) for k, v in merged.state_dict().items())

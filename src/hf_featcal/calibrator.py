@@ -21,7 +21,7 @@ from accelerate import Accelerator, PartialState
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ._kernels.gemm import gemm_library
+from ._kernels.gemm import gemm_library, gram_kernel
 from ._kernels.memory import reuse_freed_memory
 from .architectures import LayerMap, get_layer_map, model_config, model_type_of, supported_model_types
 from .architectures.auto import infer_layer_map
@@ -141,7 +141,7 @@ class FeatCalCalibrator:
         tasks = check_tasks(experts, calibration_data)
         assert experts is not None and calibration_data is not None  # check_tasks refuses a missing mapping
         self.context.task_weights = config.normalised_task_weights(tasks)  # unknown names refused here
-        gemm_library()  # a bad HF_FEATCAL_CPU_GEMM is refused here, before anything is loaded
+        gemm_library(), gram_kernel()  # a bad HF_FEATCAL_CPU_GEMM / _GRAM is refused here, before anything is loaded
         self.tasks = tasks
         self._calibration_data = {task: calibration_data[task] for task in tasks}  # for `input_folders`
         # the selection is checked before anything is loaded; it is grouped into plans once the
