@@ -11,6 +11,7 @@ from accelerate import cpu_offload, dispatch_model
 
 from hf_featcal import FeatCalCalibrator, FeatCalError
 from hf_featcal.parameters import ModelParameters
+from testing_utils import assert_same_up_to_rounding
 
 
 def _outputs(model, data):
@@ -46,10 +47,12 @@ def test_offloaded_merged_model_matches_in_memory(clip_setting, tmp_path, kind, 
     assert out is model and model.encoder.layers[1].mlp.fc2.weight.is_meta  # still offloaded
     after, want = _outputs(model, data), _outputs(reference, data)
     assert not torch.allclose(before, after)
-    torch.testing.assert_close(after, want, rtol=1e-5, atol=1e-6)
+    # (accelerate's hooks replace the offloaded patch embedding's forward, which then enters the streams by its
+    # convolution, the in-memory one by the same sums as one product: equal up to float32 rounding)
+    assert_same_up_to_rounding({"outputs": after}, {"outputs": want})
     params = ModelParameters(model)
-    for name, value in reference.named_parameters():
-        torch.testing.assert_close(params.read(name), value.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_up_to_rounding({name: params.read(name) for name, _ in reference.named_parameters()},
+                               {name: value.detach() for name, value in reference.named_parameters()})
 
 
 def base_failing_in_block_2(base):

@@ -30,6 +30,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from ._kernels.finite import all_finite
 from .pipeline.streams import StreamBatch
 
 STATE_NAME = "state.json"
@@ -217,7 +218,7 @@ class CheckpointFolder:
         except (OSError, SafetensorError) as err:  # e.g. the file went away after `load`
             raise self._damaged(name, err) from None
         for key, value in tensors.items():
-            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            if not all_finite(value):
                 raise self._damaged(name, f"{key!r} holds NaN or Inf values")
         return tensors
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._kernels.finite import all_finite
 from .architectures import LayerMap
 from .model_io import (
     AdapterExpert,
@@ -89,7 +90,7 @@ class ModelSource:
     def _finite(self, key: str, value: torch.Tensor) -> torch.Tensor:
         """`value` (the tensor `key` of this model), refused with a ValueError naming the model and the
         tensor when it holds NaN/Inf — before anything computed from it is solved or written."""
-        if value.is_floating_point() and not value.is_meta and not bool(torch.isfinite(value).all()):
+        if not value.is_meta and not all_finite(value):
             where = f" ({self.name})" if self.name else ""
             raise ValueError(
                 f"`{self.argument}`{where} has non-finite values (NaN/Inf) in {key!r}; refusing to calibrate with it."

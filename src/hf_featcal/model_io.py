@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._kernels.finite import all_finite
 from .saving import repair_interrupted_save
 
 logger = logging.getLogger(__name__)
@@ -516,7 +517,7 @@ class LoraAdapter:
         self._tensors = LazyTensors(dict.fromkeys(self._shapes, path), argument)
         with self._tensors:  # an adapter is small: every tensor is checked now, before any use of it
             for key in self._shapes:
-                if not bool(torch.isfinite(self._tensors.read(key)).all()):
+                if not all_finite(self._tensors.read(key)):
                     raise ValueError(
                         f"`{argument}`: the LoRA adapter {folder!r} has non-finite values (NaN/Inf) in {key!r}."
                     )

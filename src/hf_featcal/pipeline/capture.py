@@ -46,9 +46,10 @@ def capture_block(
     statistics are wanted: both forwards stop once the plan's inputs are captured, and the expert
     stream leaving the block is not computed.
 
-    With `release` (no later pass reads the expert stream entering the block), each task's entering
-    expert batches are dropped from `streams.expert` once that task's pass is over: the stream is then
-    held twice for one task at a time, not for all of them.
+    With `release` (no later pass reads the expert stream entering the block), each entering expert
+    batch is dropped from `streams.expert` once it has been through the block (the task's list goes
+    once its pass is over): the stream is then held twice for one batch at a time, not for a task's
+    batches or all of them, and the memory a batch leaves is there for the next batch's new one.
 
     With `heldout_expert` (the held-out examples' expert stream entering the block; only with
     `leaving`), it runs through the task's expert block after the calibration batches, with no capture
@@ -78,7 +79,12 @@ def capture_block(
             capture_module_inputs(expert_block, sources) as xe,
             capture_module_outputs(expert_block, sums.output_modules) as ye,
         ):
-            for b, expert_batch in enumerate(streams.expert[task]):
+            # (with `release` the task's list leaves `streams.expert`, and each batch, popped, goes once it
+            # has been through the block)
+            entering = streams.expert.pop(task) if release else list(streams.expert[task])
+            entering.reverse()
+            for b in range(len(entering)):
+                expert_batch = entering.pop()
                 state = None
                 with ctx.timed("block forwards"):
                     if calibrating:
@@ -94,6 +100,7 @@ def capture_block(
                             last_source = xs.order[-1]
                     if leaving:
                         new_expert[task].append(ctx.park(ctx.forward(expert_block, bi, ctx.fetch(expert_batch))))
+                        del expert_batch
                     else:  # statistics only: the expert's forward stops at the same module
                         xe.stop_after = last_source
                         try:
@@ -113,8 +120,6 @@ def capture_block(
                 new_heldout[task] = [ctx.run_block(expert_block, bi, state) for state in heldout_expert[task]]
             if release:
                 del heldout_expert[task]
-        if release:
-            del streams.expert[task]
         if calibrating:
             with ctx.timed("statistics"):
                 sums.finish()

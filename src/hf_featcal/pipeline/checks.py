@@ -10,6 +10,7 @@ import torch
 from accelerate.utils import send_to_device
 from torch import Tensor, nn
 
+from .._kernels.convolutions import patch_products
 from ..architectures import LayerMap, get_layer_map, model_type_of
 from ..data import Batch, batch_size_of
 from ..experts import ModelSource
@@ -147,7 +148,7 @@ def check_batches_enter_model(
     tower = ctx.tower
     device = ctx.input_device(tower)
     vocabulary = _vocabulary_size(model)
-    with eval_mode(model), torch.no_grad():
+    with eval_mode(model), torch.no_grad(), patch_products(tower):
         for task, task_batches in batches.items():
             weighted = 0.0
             entered[task] = []

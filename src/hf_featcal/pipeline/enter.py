@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from accelerate.utils import send_to_device
 
+from .._kernels.convolutions import patch_products
 from ..data import Batch, batch_size_of
 from ..experts import ModelSource, module_device
 from .context import RunContext
@@ -100,11 +101,11 @@ def enter(
     task: str,
 ) -> list[StreamBatch]:
     """Each batch of one task's stream entering a stack: through the merged model (`source` None) or
-    a source's own input path."""
+    a source's own input path (its patch embedding as one product on the CPU, `_kernels.convolutions`)."""
     states = []
     merged = ctx.tower
     entry = contextlib.nullcontext(merged) if source is None else source.entry_tower(ctx.model)
-    with entry as tower:
+    with entry as tower, patch_products(tower):
         merged_tower = tower is merged  # also for experts read from files
         source_device = ctx.input_device(tower) if merged_tower else module_device(tower)
         for b, batch in enumerate(batches):

@@ -13,14 +13,19 @@ from .streams import TaskStreams
 
 def propagate(ctx: RunContext, block: nn.Module, plan: BlockPlan, student: TaskStreams) -> TaskStreams:
     """Every task's student batches through `block` (calibrated by now, or with nothing solved in it),
-    parked for the next block. Each task's entering batches are taken out of `student` as its new ones
-    are made, so the stream is held twice for one task at a time (`student` is left empty)."""
+    parked for the next block. Each entering batch is let go as its new one is made (the task's list
+    is taken out of `student` first), so the stream is held twice for one batch at a time, and the
+    memory a batch leaves is there for the next new one (`student` is left empty)."""
     # a block with nothing solved runs as capture runs the expert's, in the layer map's capture
     # context: the student and expert streams of an unchanged block are computed alike
     alike = contextlib.nullcontext() if plan.calibrating else ctx.layer_map.capture_context(block)
-    leaving = {}
+    leaving: TaskStreams = {}
     with ctx.precision(), alike:
         for task in list(student):
-            leaving[task] = [ctx.run_block(block, plan.block_index, state) for state in student.pop(task)]
+            entering = student.pop(task)
+            entering.reverse()
+            leaving[task] = []
+            while entering:  # (popped: the batch's last reference here goes with its forward)
+                leaving[task].append(ctx.run_block(block, plan.block_index, entering.pop()))
             ctx.task_done()
     return leaving
