@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+
+from .patching import instance_forwards
 
 
 def quick_gelu(x: Tensor) -> Tensor:
@@ -64,20 +66,14 @@ def _lean_forward(module: nn.Module, lean: Callable[[Tensor], Tensor]) -> Callab
     return forward
 
 
-@contextlib.contextmanager
-def lean_activations(root: nn.Module) -> Iterator[None]:
+def lean_activations(root: nn.Module) -> contextlib.AbstractContextManager[None]:
     """While active, every activation module in `root` that `LEAN_FORWARDS` names runs its lean
     forward (bit-identical; see the module docstring). Modules whose `forward` was already replaced
-    on the instance are left alone. The class's forward is back on exit, also on error."""
-    patched = []
-    try:
-        for module in root.modules():
-            lean = LEAN_FORWARDS.get(_class_name(module))
-            if lean is None or "forward" in module.__dict__:
-                continue
-            module.forward = _lean_forward(module, lean)  # an instance attribute shadows the method
-            patched.append(module)
-        yield
-    finally:
-        for module in patched:
-            module.__dict__.pop("forward", None)
+    on the instance are left alone. The class's forward is back on exit, also on error
+    (`patching.instance_forwards`)."""
+
+    def replacement(module: nn.Module) -> Callable[[Tensor], Tensor] | None:
+        lean = LEAN_FORWARDS.get(_class_name(module))
+        return None if lean is None else _lean_forward(module, lean)
+
+    return instance_forwards(root, replacement)

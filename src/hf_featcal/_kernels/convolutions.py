@@ -16,12 +16,13 @@ off, for float32 CPU inputs outside autocast; anything else runs the module's ow
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from .gemm import linear_product
+from .patching import instance_forwards
 
 
 def is_patch_convolution(module: nn.Module) -> bool:
@@ -85,19 +86,9 @@ def _product_forward(module: nn.Conv2d) -> Callable[[Tensor], Tensor]:
     return forward
 
 
-@contextlib.contextmanager
-def patch_products(root: nn.Module) -> Iterator[None]:
+def patch_products(root: nn.Module) -> contextlib.AbstractContextManager[None]:
     """While active, every patch convolution in `root` (`is_patch_convolution`) computes float32 CPU
     inputs without gradients as one product (`patch_product`). Modules whose `forward` was already
     replaced on the instance (accelerate's hooks, another patch) are left alone. The class's forward
-    is back on exit, also on error."""
-    patched: list[nn.Module] = []
-    try:
-        for module in root.modules():
-            if is_patch_convolution(module) and "forward" not in module.__dict__:
-                module.forward = _product_forward(module)  # an instance attribute shadows the method
-                patched.append(module)
-        yield
-    finally:
-        for module in patched:
-            module.__dict__.pop("forward", None)
+    is back on exit, also on error (`patching.instance_forwards`)."""
+    return instance_forwards(root, lambda module: _product_forward(module) if is_patch_convolution(module) else None)

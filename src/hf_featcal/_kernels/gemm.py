@@ -24,10 +24,12 @@ import contextlib
 import functools
 import os
 import platform
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+
+from .patching import instance_forwards
 
 #: Overrides `gemm_library()`'s choice: one of `GEMM_LIBRARIES`.
 GEMM_LIBRARY_VARIABLE = "HF_FEATCAL_CPU_GEMM"
@@ -210,22 +212,13 @@ def _onednn_forward(module: nn.Linear) -> Callable[[Tensor], Tensor]:
     return forward
 
 
-@contextlib.contextmanager
-def onednn_linears(root: nn.Module) -> Iterator[None]:
+def onednn_linears(root: nn.Module) -> contextlib.AbstractContextManager[None]:
     """While active and `gemm_library()` is "onednn", every Linear in `root` whose class keeps
     `nn.Linear`'s forward computes float32 CPU inputs without gradients (and without autocast) by
     oneDNN (`onednn_linear`); other inputs run its own forward. Modules whose `forward` was already
     replaced on the instance (accelerate's hooks, another patch) are left alone. A no-op where the
-    decision is MKL. The class's forward is back on exit, also on error."""
-    patched: list[nn.Module] = []
-    try:
-        if gemm_library() == "onednn":
-            for module in root.modules():
-                if (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-                        and "forward" not in module.__dict__):
-                    module.forward = _onednn_forward(module)  # an instance attribute shadows the method
-                    patched.append(module)
-        yield
-    finally:
-        for module in patched:
-            module.__dict__.pop("forward", None)
+    decision is MKL. The class's forward is back on exit, also on error (`patching.instance_forwards`)."""
+    if gemm_library() != "onednn":
+        return contextlib.nullcontext()
+    return instance_forwards(root, lambda module: _onednn_forward(module) if (
+        isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward) else None)
