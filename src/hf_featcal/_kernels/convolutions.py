@@ -18,10 +18,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-import torch
 from torch import Tensor, nn
 
-from .gemm import linear_product
+from .gemm import linear_product, plain_float32_cpu
 from .patching import instance_forwards
 
 
@@ -58,18 +57,13 @@ def patch_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def _runs_as_product(module: nn.Conv2d, x: Tensor) -> bool:
-    """float32 CPU operands of matching channels, no gradient to record, no autocast, at least one
-    whole patch: what `patch_product` computes as the module would (else its own forward runs, and
-    raises its own errors)."""
-    weight, bias = module.weight, module.bias
-    recording = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    """float32 CPU operands of matching channels, no gradient to record, no autocast
+    (`gemm.plain_float32_cpu`), at least one whole patch: what `patch_product` computes as the module
+    would (else its own forward runs, and raises its own errors)."""
+    weight = module.weight
     return (
-        not recording
-        and not torch.is_autocast_enabled("cpu")
+        plain_float32_cpu(x, weight, module.bias)
         and x.dim() == 4
-        and x.dtype == weight.dtype == torch.float32
-        and (bias is None or bias.dtype == torch.float32)
-        and x.device.type == weight.device.type == "cpu"
         and x.shape[1] == weight.shape[1]
         and x.shape[2] >= weight.shape[2]
         and x.shape[3] >= weight.shape[3]

@@ -175,10 +175,9 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def _runs_on_onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Contiguous float32 CPU operands, no gradient to record, no autocast: what `onednn_linear`
-    takes fast (else torch's own product runs; oneDNN's has no backward). A strided operand would
-    send oneDNN to a generic kernel that was measured hundreds of times slower."""
+def plain_float32_cpu(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """float32 CPU operands, no gradient to record, no autocast: where a kernel chosen here may stand
+    in for a module's own forward (which torch can differentiate and autocast can cast)."""
     recording = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     return (
         not recording
@@ -186,6 +185,15 @@ def _runs_on_onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
         and x.dtype == weight.dtype == torch.float32
         and (bias is None or bias.dtype == torch.float32)
         and x.device.type == weight.device.type == "cpu"
+    )
+
+
+def _runs_on_onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Contiguous float32 CPU operands, no gradient to record, no autocast (`plain_float32_cpu`): what
+    `onednn_linear` takes fast (else torch's own product runs; oneDNN's has no backward). A strided
+    operand would send oneDNN to a generic kernel that was measured hundreds of times slower."""
+    return (
+        plain_float32_cpu(x, weight, bias)
         and x.dim() >= 2
         and x.numel() > 0
         and x.is_contiguous()
