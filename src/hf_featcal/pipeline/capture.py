@@ -13,7 +13,7 @@ from ..hooks import capture_module_inputs, capture_module_outputs, eval_mode
 from .accumulate import BlockStatistics, TaskPass, new_statistics
 from .context import RunContext
 from .plan import BlockPlan
-from .streams import StopForward, Streams, TaskStreams
+from .streams import StopForward, Streams, TaskStreams, let_go
 
 
 @dataclass
@@ -79,12 +79,8 @@ def capture_block(
             capture_module_inputs(expert_block, sources) as xe,
             capture_module_outputs(expert_block, sums.output_modules) as ye,
         ):
-            # (with `release` the task's list leaves `streams.expert`, and each batch, popped, goes once it
-            # has been through the block)
-            entering = streams.expert.pop(task) if release else list(streams.expert[task])
-            entering.reverse()
-            for b in range(len(entering)):
-                expert_batch = entering.pop()
+            entering = let_go(streams.expert.pop(task)) if release else streams.expert[task]
+            for b, expert_batch in enumerate(entering):
                 state = None
                 with ctx.timed("block forwards"):
                     if calibrating:

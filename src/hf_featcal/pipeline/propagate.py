@@ -8,7 +8,7 @@ from torch import nn
 
 from .context import RunContext
 from .plan import BlockPlan
-from .streams import TaskStreams
+from .streams import TaskStreams, let_go
 
 
 def propagate(ctx: RunContext, block: nn.Module, plan: BlockPlan, student: TaskStreams) -> TaskStreams:
@@ -22,10 +22,6 @@ def propagate(ctx: RunContext, block: nn.Module, plan: BlockPlan, student: TaskS
     leaving: TaskStreams = {}
     with ctx.precision(), alike:
         for task in list(student):
-            entering = student.pop(task)
-            entering.reverse()
-            leaving[task] = []
-            while entering:  # (popped: the batch's last reference here goes with its forward)
-                leaving[task].append(ctx.run_block(block, plan.block_index, entering.pop()))
+            leaving[task] = [ctx.run_block(block, plan.block_index, state) for state in let_go(student.pop(task))]
             ctx.task_done()
     return leaving

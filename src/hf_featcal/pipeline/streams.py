@@ -9,7 +9,7 @@ calibrated so far), the *expert* (the task's expert) and, for the drift report, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -86,6 +86,15 @@ class Streams:
                              (self.heldout_given, other.heldout_given)):
             if mine is not None and theirs is not None:
                 mine.update(theirs)
+
+
+def let_go(batches: list[StreamBatch]) -> Iterator[StreamBatch]:
+    """`batches` in order, each taken out of the list as it is handed over (the list ends empty): the
+    caller's reference is then a batch's last one, so a batch that has been through a block can go
+    before the next one is read."""
+    batches.reverse()
+    while batches:
+        yield batches.pop()
 
 
 class StopForward(Exception):
