@@ -19,6 +19,7 @@ from .._kernels.activations import lean_activations
 from .._kernels.finite import all_finite
 from .._kernels.gemm import onednn_linears
 from .._kernels.memory import release_freed_memory
+from .._kernels.reuse import ReusableMemory, linears_into
 from ..architectures import LayerMap
 from ..config import FeatCalConfig
 from ..experts import module_device
@@ -81,6 +82,8 @@ class RunContext:
     guard_log: list[dict[str, Any]] = field(default_factory=list)
     logger: logging.Logger = LOGGER
     _workspaces: dict[tuple, Tensor] = field(default_factory=dict, repr=False)
+    #: the block forwards' reused CPU memory while `workspaces()` is open (None outside it)
+    _memory: ReusableMemory | None = field(default=None, repr=False)
 
     @property
     def tower(self) -> nn.Module:
@@ -143,8 +146,10 @@ class RunContext:
         """One block on a stream batch on the compute device; in fast mode under `torch.autocast`.
         The block's activations run allocation-lean (`hf_featcal._kernels.activations`, bit-identical), and
         its float32 Linears on the CPU by the faster of MKL and oneDNN for this CPU
-        (`hf_featcal._kernels.gemm`; the two differ by rounding only)."""
-        with self.precision(), lean_activations(block), onednn_linears(block):
+        (`hf_featcal._kernels.gemm`; the two differ by rounding only). Within `workspaces()`, their
+        outputs on the CPU reuse memory earlier forwards left (`hf_featcal._kernels.reuse`, bit-identical)."""
+        memory = self._memory
+        with self.precision(), lean_activations(block, memory), onednn_linears(block), linears_into(block, memory):
             return self.layer_map.run_block(block, index, state)
 
     def run_block(self, block: nn.Module, index: int, parked: StreamBatch) -> StreamBatch:
@@ -163,11 +168,14 @@ class RunContext:
 
     @contextlib.contextmanager
     def workspaces(self) -> Iterator[None]:
-        """The lifetime of `workspace()`'s matrices: they are dropped on exit, also on error."""
+        """The lifetime of `workspace()`'s matrices and of the memory the block forwards reuse
+        (`forward`): they are dropped on exit, also on error."""
+        self._memory = ReusableMemory()
         try:
             yield
         finally:
             self._workspaces.clear()
+            self._memory = None
 
     def reduce(self, tensors: list[Tensor]) -> list[Tensor]:
         """Sum tensors across processes (identity on one process)."""
