@@ -36,8 +36,19 @@ def test_memory_is_handed_out_again_once_nobody_holds_it():
     smaller_pointer = smaller.data_ptr()
     assert smaller_pointer != pointer
     del again, smaller
-    assert memory.empty((2, 3), like).data_ptr() == smaller_pointer  # the smaller of the two free blocks
+    assert memory.empty((3, 4), like).data_ptr() == smaller_pointer  # the smaller of the two free blocks
     assert len(memory._kept) == 2
+
+
+@needs_use_count
+def test_a_block_over_twice_the_size_asked_for_is_not_handed_out():
+    memory, like = ReusableMemory(), torch.zeros(1)
+    big = memory.empty((100,), like)
+    pointer = big.data_ptr()
+    del big
+    small = memory.empty((49,), like)  # 100 > 2 × 49: a block of its own
+    assert small.data_ptr() != pointer and len(memory._kept) == 2
+    assert memory.empty((50,), like).data_ptr() == pointer
 
 
 @needs_use_count

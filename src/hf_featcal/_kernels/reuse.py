@@ -37,7 +37,9 @@ class ReusableMemory:
     """CPU tensors handed out again once nobody holds them (see the module docstring).
 
     `empty(shape, like)` gives a contiguous tensor of `shape` with `like`'s dtype and device: a
-    view of a kept block of memory that no tensor refers to, or a new one, kept for later. At most
+    view of a kept block of memory that no tensor refers to and that is at most twice its size (the
+    smallest such: a tensor that outlives the run's forwards, e.g. one kept in a stream, then holds
+    at most twice its own memory), or a new one, kept for later. At most
     `max_kept` blocks and `max_bytes` are kept; beyond that the oldest blocks nobody holds are let
     go first (a block somebody holds is then no longer kept, and is freed with its last tensor)."""
 
@@ -60,7 +62,8 @@ class ReusableMemory:
             return torch.empty(shape, dtype=like.dtype, device=like.device)
         best = None
         for index, (block, alone) in enumerate(self._kept):
-            if block.dtype == like.dtype and block.numel() >= numel and _use_count(block) == alone:
+            fits = numel <= block.numel() <= 2 * numel
+            if block.dtype == like.dtype and fits and _use_count(block) == alone:
                 if best is None or block.numel() < self._kept[best][0].numel():
                     best = index
         if best is not None:
