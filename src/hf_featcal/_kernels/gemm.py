@@ -25,6 +25,7 @@ import functools
 import os
 import platform
 from collections.abc import Callable
+from typing import TypeGuard
 
 import torch
 from torch import Tensor, nn
@@ -188,10 +189,11 @@ def plain_float32_cpu(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     )
 
 
-def _runs_on_onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Contiguous float32 CPU operands, no gradient to record, no autocast (`plain_float32_cpu`): what
-    `onednn_linear` takes fast (else torch's own product runs; oneDNN's has no backward). A strided
-    operand would send oneDNN to a generic kernel that was measured hundreds of times slower."""
+def dense_float32_cpu(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Contiguous float32 CPU operands, x at least a matrix and not empty, no gradient to record, no
+    autocast (`plain_float32_cpu`): what `onednn_linear` takes fast (else torch's own product runs;
+    oneDNN's has no backward; a strided operand would send oneDNN to a generic kernel that was
+    measured hundreds of times slower), and what `reuse.linears_into` writes into reused memory."""
     return (
         plain_float32_cpu(x, weight, bias)
         and x.dim() >= 2
@@ -203,11 +205,16 @@ def _runs_on_onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 
 def linear_product(x: Tensor, weight: Tensor) -> Tensor:
     """x Wᵀ for x (M, in) and W (out, in), by this CPU's float32 GEMM library (`gemm_library()`):
-    oneDNN's inner product where that is the choice and the operands suit it (`_runs_on_onednn`),
+    oneDNN's inner product where that is the choice and the operands suit it (`dense_float32_cpu`),
     else `torch.mm`."""
-    if gemm_library() == "onednn" and _runs_on_onednn(x, weight, None):
+    if gemm_library() == "onednn" and dense_float32_cpu(x, weight, None):
         return onednn_linear(x, weight, None)
     return torch.mm(x, weight.T)
+
+
+def keeps_linear_forward(module: nn.Module) -> TypeGuard[nn.Linear]:
+    """An `nn.Linear` whose class keeps `nn.Linear`'s forward: one a kernel here may stand in for."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
 def _onednn_forward(module: nn.Linear) -> Callable[[Tensor], Tensor]:
@@ -215,7 +222,7 @@ def _onednn_forward(module: nn.Linear) -> Callable[[Tensor], Tensor]:
 
     def forward(x: Tensor) -> Tensor:
         weight, bias = module.weight, module.bias
-        return onednn_linear(x, weight, bias) if _runs_on_onednn(x, weight, bias) else own(x)
+        return onednn_linear(x, weight, bias) if dense_float32_cpu(x, weight, bias) else own(x)
 
     return forward
 
@@ -228,5 +235,4 @@ def onednn_linears(root: nn.Module) -> contextlib.AbstractContextManager[None]:
     decision is MKL. The class's forward is back on exit, also on error (`patching.instance_forwards`)."""
     if gemm_library() != "onednn":
         return contextlib.nullcontext()
-    return instance_forwards(root, lambda module: _onednn_forward(module) if (
-        isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward) else None)
+    return instance_forwards(root, lambda module: _onednn_forward(module) if keeps_linear_forward(module) else None)

@@ -1,6 +1,6 @@
 """Forwards replaced on module instances for the length of a context: the one mechanism behind the
 kernels' context managers (`activations.lean_activations`, `convolutions.patch_products`,
-`gemm.onednn_linears`)."""
+`gemm.onednn_linears`, `reuse.linears_into`)."""
 
 from __future__ import annotations
 

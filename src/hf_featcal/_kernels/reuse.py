@@ -17,12 +17,13 @@ tensor is new (`ReusableMemory.empty` is then `torch.empty`).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
-from .gemm import plain_float32_cpu
+from .gemm import dense_float32_cpu, keeps_linear_forward
 from .patching import instance_forwards
 
 _storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
@@ -55,9 +56,7 @@ class ReusableMemory:
 
     def empty(self, shape: tuple[int, ...] | torch.Size, like: Tensor) -> Tensor:
         """A contiguous tensor of `shape`, `like`'s dtype and device, its content undefined."""
-        numel = 1
-        for size in shape:
-            numel *= size
+        numel = math.prod(shape)
         if not self.available() or like.device.type != "cpu" or numel == 0:
             return torch.empty(shape, dtype=like.dtype, device=like.device)
         best = None
@@ -79,7 +78,7 @@ class ReusableMemory:
     def _trim(self) -> None:
         """Let go of the oldest kept blocks beyond `max_kept` or `max_bytes`."""
         while len(self._kept) > self.max_kept or (
-            len(self._kept) > 1 and sum(b.numel() * b.element_size() for b, _ in self._kept) > self.max_bytes
+            len(self._kept) > 1 and self.kept_bytes > self.max_bytes
         ):
             free = next((i for i, (b, alone) in enumerate(self._kept) if _use_count(b) == alone), 0)
             self._kept.pop(free)
@@ -99,7 +98,7 @@ def _linear_into(module: nn.Linear, memory: ReusableMemory) -> Callable[[Tensor]
 
     def forward(x: Tensor) -> Tensor:
         weight, bias = module.weight, module.bias
-        if not (plain_float32_cpu(x, weight, bias) and x.dim() >= 2 and x.is_contiguous() and x.numel() > 0):
+        if not dense_float32_cpu(x, weight, bias):
             return own(x)
         rows = x.numel() // x.shape[-1]
         flat = x.reshape(rows, x.shape[-1])
@@ -122,5 +121,6 @@ def linears_into(root: nn.Module, memory: ReusableMemory | None) -> contextlib.A
     without `memory`. The class's forward is back on exit, also on error."""
     if memory is None or not memory.available():
         return contextlib.nullcontext()
-    return instance_forwards(root, lambda module: _linear_into(module, memory) if (
-        isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward) else None)
+    return instance_forwards(
+        root, lambda module: _linear_into(module, memory) if keeps_linear_forward(module) else None
+    )
