@@ -56,6 +56,15 @@ class LinearTargets:
     bias: Tensor | None
 
 
+@dataclass(frozen=True)
+class PooledWeighting:
+    """The token weighting of a pooled-head stack's last block: every token but the one at
+    `token_index` counts `other_weight` times its own weight."""
+
+    token_index: int
+    other_weight: float
+
+
 def outputs_rhs_pays(tokens: int, dim: int, alpha: float) -> bool:
     """Whether a direct right-hand side costs less arithmetic from the expert modules' outputs, for a
     task of `tokens` weighted tokens and an input `dim` wide: per module of n outputs,
@@ -92,6 +101,16 @@ class LinearGroupStatistics:
     #: α of a task that saw no batch here (another process holds them): every process must hand the
     #: same sums to the cross-process reduction. 1.0 matches `accumulate` (its input is the teacher).
     teacher_alpha: float = 1.0
+    #: A pooled-head stack's last block: the weights given to `accumulate_mixture` are the tokens' own,
+    #: and the group applies the weighting w' = w·(o + (1 − o)·[pooled token]) itself, as
+    #: Σ w'·f = o·Σ w·f + (1 − o)·Σ_pooled w·f for every sum f. The first term runs on unit weights
+    #: (no weighted copy of the features), the second on the pooled token's rows alone, folded in
+    #: at task end.
+    pooled: PooledWeighting | None = None
+    #: With `pooled`: the group of the same input without the weighting (k/v beside q), whose sums
+    #: are this group's first term, so that this group adds only its pooled rows. Its task must be
+    #: folded after this group's (`finish_task` reads its sums).
+    main_from: LinearGroupStatistics | None = None
     # running sums of the current task
     _w: Tensor = field(init=False)
     _count: int = field(init=False, default=0)
@@ -102,6 +121,9 @@ class LinearGroupStatistics:
     _gram: Tensor | None = field(init=False, default=None)
     _cross: Tensor | None = field(init=False, default=None)
     _rhs_task: dict[str, Tensor] = field(init=False, default_factory=dict)
+    # with `pooled`: the current task's pooled-token rows (student, expert, weights, expert outputs)
+    _pooled_rows: list[tuple[Tensor, Tensor, Tensor, dict[str, Tensor] | None]] = field(
+        init=False, default_factory=list)
     # scratch kept across batches and tasks: the teacher inputs of a batch (CPU), and per module the
     # buffer of the task's right-hand-side sum: on the CPU each fresh matrix is page-faulted in again
     # (fc2's teacher inputs at 1600 tokens: 19.7 MB, ~12 ms of faults per batch on an AMD EPYC VM)
@@ -149,6 +171,7 @@ class LinearGroupStatistics:
             if self._cross is not None:
                 self._cross.zero_()
         self._rhs_task = {}
+        self._pooled_rows = []
 
     def expert_outputs_pay(self, tokens: int, alpha: float) -> bool:
         """Whether this group's task of `tokens` weighted tokens takes its right-hand side from the
@@ -197,7 +220,60 @@ class LinearGroupStatistics:
             else contextlib.nullcontext()
         )
         with off:
-            self._add_batch(x_student, x_expert, alpha, weights, targets, expert_outputs)
+            if self.main_from is None:
+                self._add_batch(x_student, x_expert, alpha, weights, targets, expert_outputs)
+            if self.pooled is not None:
+                self._keep_pooled_rows(x_student, x_expert, weights, expert_outputs)
+
+    def _keep_pooled_rows(
+        self, x_student: Tensor, x_expert: Tensor, weights: Tensor, expert_outputs: Mapping[str, Tensor] | None
+    ) -> None:
+        """Copies of the pooled token's rows of one batch (copies: a view would keep the whole
+        batch's memory from being reused)."""
+        assert self.pooled is not None  # only a pooled group keeps rows
+        index = self.pooled.token_index
+
+        def rows(t: Tensor) -> Tensor:
+            return t[:, index].clone(memory_format=torch.contiguous_format)
+
+        outputs = None if expert_outputs is None else {name: rows(y) for name, y in expert_outputs.items()}
+        self._pooled_rows.append((rows(x_student), rows(x_expert), rows(weights), outputs))
+
+    def _fold_pooled_rows(self, targets: dict[str, LinearTargets]) -> None:
+        """The task's sums under the pooled weighting, in place: o·(the sums over every token, this
+        group's own or `main_from`'s) + (1 − o)·(the sums over the pooled rows)."""
+        assert self.pooled is not None and self._gram is not None  # a pooled group; its sums are allocated
+        if self.main_from is not None:
+            self._take_sums(self.main_from)
+        other = self.pooled.other_weight
+        count = self._count
+        for total in (self._w, self._sx_s, self._sx_e, *upper_blocks(self._gram), *self._rhs_task.values()):
+            total.mul_(other)
+        if self._cross is not None:
+            self._cross.mul_(other)
+        rows, self._pooled_rows = self._pooled_rows, []
+        if rows and other != 1.0:
+            x_s, x_e, w = (torch.cat([r[i] for r in rows]) for i in range(3))  # type: ignore[misc]
+            kept = [r[3] for r in rows]
+            outputs = None
+            if kept[0] is not None:
+                outputs = {name: torch.cat([y[name] for y in kept if y is not None]) for name in kept[0]}
+            alpha = self.teacher_alpha if self._alpha is None else self._alpha
+            self._add_batch(x_s, x_e, alpha, w * (1.0 - other), targets, outputs)
+        # the tokens with non-zero weight: every token's, unless only the pooled ones weigh
+        self._count = count if other != 0.0 else self._count - count
+
+    def _take_sums(self, main: LinearGroupStatistics) -> None:
+        """This task's running sums set to those of `main`, a group of the same input and layout."""
+        self._w.copy_(main._w)
+        self._count = main._count
+        self._sx_s.copy_(main._sx_s)
+        self._sx_e.copy_(main._sx_e)
+        assert self._gram is not None and main._gram is not None  # allocated with each group
+        for mine, theirs in zip(upper_blocks(self._gram), upper_blocks(main._gram), strict=True):
+            mine.copy_(theirs)
+        if self._cross is not None and main._cross is not None:
+            self._cross.copy_(main._cross)
 
     def _add_batch(
         self,
@@ -293,6 +369,8 @@ class LinearGroupStatistics:
         (`FeatCalConfig.normalised_task_weights`) multiplies the task's every term: its scale s_i
         becomes ω_i·s_i in Σ s_i C_i, Σ s_i X_i W_iᵀ, Σ s_i and the bias sums (applied after `reduce`,
         so every process folds the same weighted sums)."""
+        if self.pooled is not None:
+            self._fold_pooled_rows(targets)
         alpha = self.teacher_alpha if self._alpha is None else self._alpha
         count = torch.tensor(float(self._count), dtype=self.dtype, device=self.device)
         mirror_diagonal_blocks_(self._gram)  # (syrk left their lower halves out)

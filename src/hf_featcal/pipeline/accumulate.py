@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ..architectures import LAYER_NORM, ModuleSpec
-from ..statistics import LinearGroupStatistics, LinearTargets, NormStatistics
+from ..statistics import LinearGroupStatistics, LinearTargets, NormStatistics, PooledWeighting
 from .context import RunContext
 from .plan import BlockPlan
 from .streams import StreamBatch
@@ -36,10 +36,20 @@ def new_statistics(ctx: RunContext, plan: BlockPlan, block: nn.Module) -> BlockS
     for key, names in plan.linear_groups.items():
         dim = specs[names[0]].shape(block)[1]
         outputs = sum(specs[n].shape(block)[0] for n in names)
+        pooled = None
+        if key[1]:  # weighted: a pooled-head stack's last block
+            assert plan.pooled_token_index is not None  # only such a block weights its tokens
+            pooled = PooledWeighting(plan.pooled_token_index, ctx.config.final_block_token_weight)
         linear[key] = LinearGroupStatistics(
             tuple(names), dim, epsilon=ctx.config.epsilon, direct_rhs=outputs < dim, product_dtype=ctx.forward_dtype,
-            teacher_alpha=ctx.config.teacher_alpha, **kw
+            teacher_alpha=ctx.config.teacher_alpha, pooled=pooled, **kw
         )
+    for (source, weighted, weight_source), stats in linear.items():
+        # q beside k/v: the same input, one group weighted and one not; without right-hand sides of their
+        # own modules in the running sums (`direct_rhs`), the weighted group's every-token sums are the other's
+        main = linear.get((source, False, weight_source))
+        if weighted and main is not None and not stats.direct_rhs and not main.direct_rhs:
+            stats.main_from = main
     norms = {}
     for name, weighted in plan.norms:
         module: Any = block.get_submodule(name)  # Any: a norm's weight, by its class
@@ -103,8 +113,9 @@ def accumulate(
     the expert modules' outputs `ye`."""
     alpha = ctx.config.teacher_alpha
     for key, stats in statistics.linear.items():
-        source, weighted, _ = key
-        weights = module_weights(ctx, plan, stats.modules[0], weighted, state)
+        source = key[0]
+        # the tokens' own weights: a weighted group applies the pooled-token weighting itself (`pooled`)
+        weights = ctx.layer_map.input_weights(stats.modules[0], state)
         outputs = None
         if from_outputs and key in from_outputs:
             assert ye is not None  # the expert's outputs are captured for these groups
@@ -178,7 +189,8 @@ def finish_task(ctx: RunContext, statistics: BlockStatistics, expert_block: nn.M
                 targets: dict[str, LinearTargets], task_weight: float = 1.0) -> None:
     """Fold the task's sums (reduced across processes) into the task sums, its terms weighted by
     `task_weight`."""
-    for stats in statistics.linear.values():
+    # a group reading another's running sums (`main_from`) is folded before that group resets them
+    for stats in sorted(statistics.linear.values(), key=lambda group: group.main_from is None):
         stats.finish_task(targets, ctx.reduce, task_weight)
     for (name, _), norm in statistics.norms.items():
         module: Any = expert_block.get_submodule(name)  # Any: a norm's weight and bias, by its class
