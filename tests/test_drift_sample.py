@@ -94,26 +94,34 @@ def test_report_on_every_example_unchanged_by_a_large_bound(generator):
 
 def test_merged_as_given_stream_runs_on_the_sample_only(generator):
     """Rows through each merged block, forwards run to the block's end (the capture pass stops inside
-    it): with the report on, the sample's examples run once more through every block as given; the
-    last block propagates the sampled batches only (with the report off, no student stream leaves it)."""
+    it): with the report on, the sample's examples run once more through every block as given, except
+    in the first calibrated block, where the merged-as-given stream is still the student's: there the
+    capture pass's student forwards of the sampled whole batches run to the block's end and give it,
+    and only a cut batch's rows run again. The last block propagates the sampled batches only (with the
+    report off, no student stream leaves it)."""
     setting = build_clip_setting(generator, BATCH_SIZES)
     base, experts, merged, data = setting
 
-    def rows_through_blocks(config: FeatCalConfig) -> list[int]:
+    def through_blocks(config: FeatCalConfig) -> tuple[list[int], list[int]]:
+        """Per block: the rows of the forwards that ran to its end, and how many forwards began."""
         model = copy.deepcopy(merged)
         calibrator = FeatCalCalibrator(model, base, experts, data, config, show_progress=False)
-        counts = [0] * len(model.encoder.layers)
+        rows, begun = [0] * len(model.encoder.layers), [0] * len(model.encoder.layers)
         handles = [
-            layer.register_forward_hook(lambda _m, args, _out, i=i: counts.__setitem__(i, counts[i] + args[0].shape[0]))
+            handle
             for i, layer in enumerate(model.encoder.layers)
+            for handle in (
+                layer.register_forward_hook(lambda _m, args, _out, i=i: rows.__setitem__(i, rows[i] + args[0].shape[0])),
+                layer.register_forward_pre_hook(lambda _m, _args, i=i: begun.__setitem__(i, begun[i] + 1)),
+            )
         ]
         calibrator.calibrate()
         for handle in handles:
             handle.remove()
-        return counts
+        return rows, begun
 
     total = sum(BATCH_SIZES) * len(experts)
-    off = rows_through_blocks(FeatCalConfig(report_drift=False))
+    off, off_begun = through_blocks(FeatCalConfig(report_drift=False))
     # the capture pass's first batch runs to the end (the last captured module is learnt from it); then
     # block 0: the propagation; the last block: nothing (its student stream would feed nothing)
     first = BATCH_SIZES[0]
@@ -121,8 +129,14 @@ def test_merged_as_given_stream_runs_on_the_sample_only(generator):
     sample = _documented_sample(BATCH_SIZES, 7, 42)
     sampled = 7 * len(experts)
     sampled_batches = sum(BATCH_SIZES[b] for b, _ in sample) * len(experts)
-    on = rows_through_blocks(FeatCalConfig(drift_samples_per_task=7))
-    assert on == [off[0] + sampled, off[1] + sampled + sampled_batches]
+    cut = [(b, take) for b, take in sample if take < BATCH_SIZES[b]]
+    assert cut and len(cut) < len(sample)  # the sample has a whole batch and a cut one
+    first_is_sampled_whole = (0, first) in sample  # it runs to the end in the capture pass either way
+    on, on_begun = through_blocks(FeatCalConfig(drift_samples_per_task=7))
+    assert on == [off[0] + sampled - (first if first_is_sampled_whole else 0), off[1] + sampled + sampled_batches]
+    # block 0 begins a forward of its own for the cut batches only; the last block two for every sampled
+    # batch (the merged-as-given one and the propagation)
+    assert on_begun == [off_begun[0] + len(cut) * len(experts), off_begun[1] + 2 * len(sample) * len(experts)]
 
 
 def test_bad_drift_samples_per_task_is_refused():

@@ -52,6 +52,7 @@ from .pipeline.drift import (
     record_drift,
     record_heldout_drift,
     shared_with_student,
+    student_batches_as_given,
 )
 from .pipeline.enter import enter_stack
 from .pipeline.guard import guard_block, merged_values, split_heldout
@@ -588,14 +589,21 @@ class FeatCalCalibrator:
         if plan.calibrating and self.config.granularity == "module":
             with ctx.timed("module order"):
                 steps = module_steps(plan, forward_order(ctx, plan, block, streams))
+        # the merged-as-given batches that are still the student's (before the first calibrated block):
+        # the capture pass's student forwards give them, run to the block's end
+        as_given = None
+        if drift is not None and plan.calibrating:
+            as_given = shared_with_student(streams, sample)
         # a later step's statistics-only pass reads the entering expert stream again
         captured = capture_block(ctx, steps[0], block, streams, self.experts, _step_note(note, steps, 0),
-                                 release=len(steps) == 1, heldout_expert=streams.heldout_expert)
+                                 release=len(steps) == 1, heldout_expert=streams.heldout_expert,
+                                 whole=None if as_given is None else student_batches_as_given(as_given, sample))
         given = heldout_given = None
         if drift is not None and plan.calibrating:  # through the block as given, before it is written
             assert streams.given is not None  # entered with the drift report
             with ctx.timed("drift (merged-as-given stream)"):
-                given = advance_given(ctx, block, plan.block_index, streams.given, sample)
+                given = advance_given(ctx, block, plan.block_index, streams.given, sample, as_given,
+                                      captured.student_as_given)
                 if streams.heldout_given is not None:
                     heldout_given = advance_heldout_given(ctx, block, plan.block_index, streams.heldout_given)
         guarding = plan.calibrating and self.config.guard != "none"

@@ -3,8 +3,8 @@ modules being calibrated, and hand each batch's captured inputs to the accumulat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -13,7 +13,7 @@ from ..hooks import capture_module_inputs, capture_module_outputs, eval_mode
 from .accumulate import BlockStatistics, TaskPass, new_statistics
 from .context import RunContext
 from .plan import BlockPlan
-from .streams import StopForward, Streams, TaskStreams, let_go
+from .streams import StopForward, StreamBatch, Streams, TaskStreams, let_go
 
 
 @dataclass
@@ -25,6 +25,9 @@ class CapturedBlock:
     statistics: BlockStatistics
     expert: TaskStreams
     heldout_expert: TaskStreams | None = None
+    #: task → batch index → the student batch leaving the block as given, for the batches whose
+    #: student forward was asked to run to the end (`capture_block`'s `whole`)
+    student_as_given: dict[str, dict[int, StreamBatch]] = field(default_factory=dict)
 
 
 def capture_block(
@@ -37,6 +40,7 @@ def capture_block(
     leaving: bool = True,
     release: bool = False,
     heldout_expert: TaskStreams | None = None,
+    whole: Mapping[str, Collection[int]] | None = None,
 ) -> CapturedBlock:
     """One pass of every task's streams through the block (the merged `block` on the student stream,
     the task expert's on the expert stream), accumulating statistics per task; `note` receives
@@ -53,7 +57,12 @@ def capture_block(
 
     With `heldout_expert` (the held-out examples' expert stream entering the block; only with
     `leaving`), it runs through the task's expert block after the calibration batches, with no capture
-    hooks, as the calibration expert stream does (`release` drops its entering batches as well)."""
+    hooks, as the calibration expert stream does (`release` drops its entering batches as well).
+
+    With `whole` (task → indices of student batches), those batches' student forwards run to the
+    block's end, and what leaves the block (the merged block as given, before anything is solved) is
+    kept in `CapturedBlock.student_as_given`: the drift report's merged-as-given stream, where it is
+    still the student's, needs no forward of its own."""
     lm, bi = ctx.layer_map, plan.block_index
     calibrating = plan.calibrating
     statistics = new_statistics(ctx, plan, block) if calibrating else BlockStatistics()
@@ -62,6 +71,7 @@ def capture_block(
     assert streams.student is not None and streams.expert is not None  # the block's entering streams
     new_expert: TaskStreams = {}
     new_heldout: TaskStreams | None = None if heldout_expert is None else {}
+    as_given: dict[str, dict[int, StreamBatch]] = {}
     for task, source in experts.items():
         note(f"{'collecting statistics' if calibrating else 'forwarding'} · {task}")
         with ctx.timed("loading expert blocks"):
@@ -86,10 +96,14 @@ def capture_block(
                     if calibrating:
                         # the student's forward stops once the last module input is captured (its
                         # stream leaving the block is propagated through the calibrated block)
-                        xs.stop_after = last_source
+                        to_the_end = whole is not None and b in whole.get(task, ())
+                        xs.stop_after = None if to_the_end else last_source
                         state = ctx.fetch(streams.student[task][b])
                         try:
-                            ctx.forward(block, bi, state)
+                            leaving_block = ctx.forward(block, bi, state)
+                            if to_the_end:
+                                as_given.setdefault(task, {})[b] = ctx.park(leaving_block)
+                            del leaving_block
                         except StopForward:
                             pass
                         if last_source is None and len(xs.order) == len(sources):
@@ -120,4 +134,4 @@ def capture_block(
             with ctx.timed("statistics"):
                 sums.finish()
         ctx.task_done()
-    return CapturedBlock(statistics, new_expert, new_heldout)
+    return CapturedBlock(statistics, new_expert, new_heldout, as_given)

@@ -222,12 +222,13 @@ def advance_given(
     given: TaskStreams,
     sample: DriftSample,
     shared: Mapping[str, list[bool]] | None = None,
-    student: TaskStreams | None = None,
+    student: Mapping[str, Mapping[int, StreamBatch] | list[StreamBatch]] | None = None,
 ) -> TaskStreams:
     """The merged-as-given stream (`given`, the `sample`'s batches) leaving `block` as given (run before
     its solutions are written). With `shared` (`shared_with_student`, taken before the student stream
-    moved on) and `student`, the student stream leaving an unchanged block: a batch that was the
-    student's stays the student's; every other batch runs through the block, hooks off."""
+    moved on) and `student` (task → batch index → the student batch leaving the block as given: the
+    student stream leaving an unchanged block, or the capture pass's `student_as_given`), a batch that
+    was the student's is taken from `student`; every other batch runs through the block, hooks off."""
     out = {}
     with ctx.precision():
         for task, states in given.items():
@@ -237,3 +238,10 @@ def advance_given(
                 for j, (state, (b, _)) in enumerate(zip(states, sample.rows[task], strict=True))
             ]
     return out
+
+
+def student_batches_as_given(shared: Mapping[str, list[bool]], sample: DriftSample) -> dict[str, set[int]]:
+    """Per task, the student batches (by index) that are also merged-as-given batches (`shared`, from
+    `shared_with_student`): the capture pass runs them to the block's end (`capture_block`'s `whole`)."""
+    return {task: {b for (b, _), same in zip(sample.rows[task], flags, strict=True) if same}
+            for task, flags in shared.items()}
