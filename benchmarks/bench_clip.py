@@ -19,6 +19,7 @@ Each measured run is its own process, so peak RSS is that run's alone.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -185,7 +186,19 @@ def flop_count(
                                                                                FeatCalConfig().teacher_alpha)
     fc2_rhs = 2 * ff * d if from_outputs else 4 * ff * d
     stats = (layers - 1) * m * (3 * (gram_d + 2 * d * d) + gram_ff + fc2_rhs)
-    stats += m * (3 * (gram_d_pooled + 2 * d * d) + gram_ff_pooled + fc2_rhs) + m * (gram_d + 2 * d * d)  # last block
+    try:  # the last block's pooled weighting inside the statistics (libraries from before: weighted copies)
+        from hf_featcal.statistics import PooledWeighting  # noqa: F401
+        pooled_inside = True
+    except ImportError:
+        pooled_inside = False
+    if pooled_inside:
+        # every-token sums on unit weights, q's taken from k/v's; per pooled row, each weighted group's
+        # products again (q/k/v-input, out_proj, fc1: Gram and cross moment; fc2: Gram and x_sᵀ·y_e)
+        pooled_rows = m // tokens
+        stats += m * (3 * (gram_d + 2 * d * d) + gram_ff + fc2_rhs)
+        stats += pooled_rows * (3 * (gram_d_pooled + 2 * d * d) + gram_ff_pooled + fc2_rhs)
+    else:  # weighted groups with their own products, and one more q/k/v-input group for k/v
+        stats += m * (3 * (gram_d_pooled + 2 * d * d) + gram_ff_pooled + fc2_rhs) + m * (gram_d + 2 * d * d)
     fold = layers * tasks * 2 * d * d * (3 * d + d + ff)  # X_i W_iᵀ of the cross-moment groups
     if from_outputs:
         fold += layers * tasks * 2 * ff * ff * d
@@ -198,15 +211,24 @@ def flop_count(
     )
     # the drift report's examples per task (`drift_samples_per_task`; libraries from before it: all), and
     # the model's last block propagates only the batches of that sample (before: every batch)
+    try:
+        from hf_featcal.pipeline.capture import CapturedBlock
+        given_from_capture = "student_as_given" in {field.name for field in dataclasses.fields(CapturedBlock)}
+    except ImportError:
+        given_from_capture = False
     limit = getattr(FeatCalConfig(), "drift_samples_per_task", samples)
     drift_share = 1.0 if limit is None else min(samples, limit) / samples
     last_propagation = drift_share if hasattr(FeatCalConfig(), "drift_samples_per_task") else 1.0
+    # the first block's merged pass runs to the block's end for the drift sample's batches, whose outputs
+    # are the merged-as-given stream there (libraries from before ran that stream's block 0 as well)
+    first_block_fc2 = drift_share * m * 2 * d * ff if given_from_capture else 0.0
+    given_blocks = layers - 1 if given_from_capture else layers
     return {
-        "block forwards": layers * (merged_until_fc2 + block_forward),  # merged (cut short) + expert
+        "block forwards": layers * (merged_until_fc2 + block_forward) + first_block_fc2,  # merged (cut short) + expert
         "statistics": stats + fold,
         "solving": layers * per_block,
         "propagating": (layers - 1 + last_propagation) * block_forward,
-        "drift (merged-as-given stream)": (layers - 1) * block_forward * drift_share,  # block 0: as the student
+        "drift (merged-as-given stream)": given_blocks * block_forward * drift_share,
     }
 
 
