@@ -107,12 +107,19 @@ def test_merged_as_given_stream_runs_on_the_sample_only(generator):
         model = copy.deepcopy(merged)
         calibrator = FeatCalCalibrator(model, base, experts, data, config, show_progress=False)
         rows, begun = [0] * len(model.encoder.layers), [0] * len(model.encoder.layers)
+
+        def ended(i, args):
+            rows[i] += args[0].shape[0]
+
+        def began(i):
+            begun[i] += 1
+
         handles = [
             handle
             for i, layer in enumerate(model.encoder.layers)
             for handle in (
-                layer.register_forward_hook(lambda _m, args, _out, i=i: rows.__setitem__(i, rows[i] + args[0].shape[0])),
-                layer.register_forward_pre_hook(lambda _m, _args, i=i: begun.__setitem__(i, begun[i] + 1)),
+                layer.register_forward_hook(lambda _m, args, _out, i=i: ended(i, args)),
+                layer.register_forward_pre_hook(lambda _m, _args, i=i: began(i)),
             )
         ]
         calibrator.calibrate()
