@@ -92,6 +92,35 @@ def test_report_on_every_example_unchanged_by_a_large_bound(generator):
     assert "Measured on every calibration example." in bounded.report.summary_markdown()
 
 
+def _through_blocks(setting, config: FeatCalConfig, before_calibrating=lambda calibrator: None):
+    """Per merged block: the rows of the forwards that ran to its end, and how many forwards began;
+    then the calibrated model and its calibrator. `before_calibrating` gets the calibrator once built."""
+    base, experts, merged, data = setting
+    model = copy.deepcopy(merged)
+    calibrator = FeatCalCalibrator(model, base, experts, data, config, show_progress=False)
+    rows, begun = [0] * len(model.encoder.layers), [0] * len(model.encoder.layers)
+
+    def ended(i, args):
+        rows[i] += args[0].shape[0]
+
+    def began(i):
+        begun[i] += 1
+
+    handles = [
+        handle
+        for i, layer in enumerate(model.encoder.layers)
+        for handle in (
+            layer.register_forward_hook(lambda _m, args, _out, i=i: ended(i, args)),
+            layer.register_forward_pre_hook(lambda _m, _args, i=i: began(i)),
+        )
+    ]
+    before_calibrating(calibrator)
+    calibrator.calibrate()
+    for handle in handles:
+        handle.remove()
+    return rows, begun, model, calibrator
+
+
 def test_merged_as_given_stream_runs_on_the_sample_only(generator):
     """Rows through each merged block, forwards run to the block's end (the capture pass stops inside
     it): with the report on, the sample's examples run once more through every block as given, except
@@ -103,29 +132,7 @@ def test_merged_as_given_stream_runs_on_the_sample_only(generator):
     base, experts, merged, data = setting
 
     def through_blocks(config: FeatCalConfig) -> tuple[list[int], list[int]]:
-        """Per block: the rows of the forwards that ran to its end, and how many forwards began."""
-        model = copy.deepcopy(merged)
-        calibrator = FeatCalCalibrator(model, base, experts, data, config, show_progress=False)
-        rows, begun = [0] * len(model.encoder.layers), [0] * len(model.encoder.layers)
-
-        def ended(i, args):
-            rows[i] += args[0].shape[0]
-
-        def began(i):
-            begun[i] += 1
-
-        handles = [
-            handle
-            for i, layer in enumerate(model.encoder.layers)
-            for handle in (
-                layer.register_forward_hook(lambda _m, args, _out, i=i: ended(i, args)),
-                layer.register_forward_pre_hook(lambda _m, _args, i=i: began(i)),
-            )
-        ]
-        calibrator.calibrate()
-        for handle in handles:
-            handle.remove()
-        return rows, begun
+        return _through_blocks(setting, config)[:2]
 
     total = sum(BATCH_SIZES) * len(experts)
     off, off_begun = through_blocks(FeatCalConfig(report_drift=False))
@@ -144,6 +151,43 @@ def test_merged_as_given_stream_runs_on_the_sample_only(generator):
     # block 0 begins a forward of its own for the cut batches only; the last block two for every sampled
     # batch (the merged-as-given one and the propagation)
     assert on_begun == [off_begun[0] + len(cut) * len(experts), off_begun[1] + 2 * len(sample) * len(experts)]
+
+
+def test_streams_entered_at_construction_are_moved_with_the_model(generator):
+    """A model moved between construction and `calibrate()`: the streams that entered the first stack
+    while the calibrator was built are moved where streams now wait, a merged-as-given batch that was
+    the student's staying one object with it (the first block then takes it from the capture pass, as
+    without the move), and the weights and the report are those of a run without the move. (On this
+    CPU-only machine the move is simulated: the calibrator is told its streams entered on another
+    device, so every stream batch is re-parked.)"""
+    setting = build_clip_setting(generator, BATCH_SIZES)
+    config = FeatCalConfig(drift_samples_per_task=7)
+    rows, begun, model, calibrator = _through_blocks(setting, config)
+    moved = []
+
+    def entered_elsewhere(calibrator):
+        calibrator._entered_device = torch.device("meta")
+        take, context = calibrator._take_entered_streams, calibrator.context
+
+        def taking():  # the stream batches parked while the entered streams are taken
+            context.park = lambda state: moved.append(state) or type(context).park(context, state)
+            try:
+                return take()
+            finally:
+                del context.park
+
+        calibrator._take_entered_streams = taking
+
+    moved_rows, moved_begun, moved_model, moved_calibrator = _through_blocks(setting, config, entered_elsewhere)
+    # every student and expert batch of both tasks once, and of the merged-as-given ones only the cut batch,
+    # the only one that is not a student batch
+    cut = [(b, take) for b, take in _documented_sample(BATCH_SIZES, 7, 42) if take < BATCH_SIZES[b]]
+    tasks = len(setting[1])
+    assert len(moved) == 2 * len(BATCH_SIZES) * tasks + len(cut) * tasks
+    assert (moved_rows, moved_begun) == (rows, begun)  # no merged-as-given forward of block 0 for a whole batch
+    got, want = moved_model.state_dict(), model.state_dict()
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    assert moved_calibrator.report.tasks == calibrator.report.tasks
 
 
 def test_bad_drift_samples_per_task_is_refused():
