@@ -589,20 +589,19 @@ class FeatCalCalibrator:
         if plan.calibrating and self.config.granularity == "module":
             with ctx.timed("module order"):
                 steps = module_steps(plan, forward_order(ctx, plan, block, streams))
-        # the merged-as-given batches that are still the student's (before the first calibrated block):
-        # the capture pass's student forwards give them, run to the block's end
-        as_given = None
-        if drift is not None and plan.calibrating:
-            as_given = shared_with_student(streams, sample)
+        # which merged-as-given batches are still the student's (until a block is calibrated), taken before
+        # `propagate` moves the student stream on: a calibrated block's capture pass runs them to the
+        # block's end and gives them; an unchanged block's leave it as the student's do
+        shared = None if drift is None else shared_with_student(streams, sample)
         # a later step's statistics-only pass reads the entering expert stream again
         captured = capture_block(ctx, steps[0], block, streams, self.experts, _step_note(note, steps, 0),
                                  release=len(steps) == 1, heldout_expert=streams.heldout_expert,
-                                 whole=None if as_given is None else student_batches_as_given(as_given, sample))
+                                 whole=None if shared is None else student_batches_as_given(shared, sample))
         given = heldout_given = None
         if drift is not None and plan.calibrating:  # through the block as given, before it is written
             assert streams.given is not None  # entered with the drift report
             with ctx.timed("drift (merged-as-given stream)"):
-                given = advance_given(ctx, block, plan.block_index, streams.given, sample, as_given,
+                given = advance_given(ctx, block, plan.block_index, streams.given, sample, shared,
                                       captured.student_as_given)
                 if streams.heldout_given is not None:
                     heldout_given = advance_heldout_given(ctx, block, plan.block_index, streams.heldout_given)
@@ -625,8 +624,6 @@ class FeatCalCalibrator:
                                                                solved, first_solve, heldout_given, note)
         note("propagating")
         assert streams.student is not None  # every stack is entered with a student stream
-        # (taken before `propagate` moves the student stream on)
-        shared = None if drift is None or given is not None else shared_with_student(streams, sample)
         entering, expert = streams.student, captured.expert
         if final:
             kept = {task: [] if drift is None else [b for b, _ in sample.rows[task]] for task in entering}

@@ -152,6 +152,11 @@ class LinearGroupStatistics:
             self._gram_sum = mirror_upper_(self._gram_sum_upper)
         return self._gram_sum
 
+    @property
+    def _task_alpha(self) -> float:
+        """The current task's α: its batches', or `teacher_alpha` where this process saw none."""
+        return self.teacher_alpha if self._alpha is None else self._alpha
+
     def _reset_task(self) -> None:
         d, kw = self.dim, {"dtype": self.dtype, "device": self.device}
         self._w = torch.zeros((), **kw)
@@ -258,8 +263,7 @@ class LinearGroupStatistics:
             outputs = None
             if kept[0] is not None:
                 outputs = {name: torch.cat([y[name] for y in kept if y is not None]) for name in kept[0]}
-            alpha = self.teacher_alpha if self._alpha is None else self._alpha
-            self._add_batch(x_s, x_e, alpha, w * (1.0 - other), targets, outputs)
+            self._add_batch(x_s, x_e, self._task_alpha, w * (1.0 - other), targets, outputs)
         # the tokens with non-zero weight: every token's, unless only the pooled ones weigh
         self._count = count if other != 0.0 else self._count - count
 
@@ -371,7 +375,7 @@ class LinearGroupStatistics:
         so every process folds the same weighted sums)."""
         if self.pooled is not None:
             self._fold_pooled_rows(targets)
-        alpha = self.teacher_alpha if self._alpha is None else self._alpha
+        alpha = self._task_alpha
         count = torch.tensor(float(self._count), dtype=self.dtype, device=self.device)
         mirror_diagonal_blocks_(self._gram)  # (syrk left their lower halves out)
         if self.direct_rhs and self._from_outputs:

@@ -95,7 +95,8 @@ def capture_block(
                 with ctx.timed("block forwards"):
                     if calibrating:
                         # the student's forward stops once the last module input is captured (its
-                        # stream leaving the block is propagated through the calibrated block)
+                        # stream leaving the block is propagated through the calibrated block), but
+                        # for the batches in `whole`, whose output as given is kept
                         to_the_end = whole is not None and b in whole.get(task, ())
                         xs.stop_after = None if to_the_end else last_source
                         state = ctx.fetch(streams.student[task][b])
