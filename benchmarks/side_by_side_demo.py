@@ -21,10 +21,15 @@ difference of the calibrated block weights.
     python benchmarks/side_by_side_demo.py --demo-path /tmp/featcal_demo --layers 12
     python benchmarks/side_by_side_demo.py --library-src /tmp/before/src ...           # another hf_featcal
     python benchmarks/side_by_side_demo.py --demo-path /tmp/featcal_demo --paired      # both at once, a core each
+    python benchmarks/side_by_side_demo.py --demo-path /tmp/featcal_demo --rounds 3    # three pairs, medians
 
 With `--paired` both run at the same time, each pinned to its own half of the CPUs (as
 `compare_revisions.py --paired` runs two revisions): on a machine shared with other work both then
-see the same load, and the ratios are those of half-machine runs.
+see the same load, and the ratios are those of half-machine runs. With `--rounds N` it measures N pairs,
+each round after the first in the other order (with `--paired`: on the other halves of the CPUs), prints
+every pair and, over the rounds, each side's lowest, highest and median time and peak, the ratios of the
+medians and the lowest and highest ratio of a single round: the demo's own time moves by several per
+cent from run to run, so one pair's ratio lands on either side of its typical value.
 
 The demo's code is imported from `--demo-path` (a folder holding the `featcal` package, or its `src`
 folder) or, without it, from an installed `featcal` package; where neither is there, the script says so
@@ -41,6 +46,7 @@ import importlib.util
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -243,6 +249,10 @@ def main() -> None:
     parser.add_argument("--paired", action="store_true",
                         help="run both at once, each pinned to half of the CPUs (the first named by --order on the "
                              "first half): on a machine shared with other work, both then see the same load")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="pairs of runs (default 1); each round after the first swaps the order, and with "
+                             "--paired the halves of the CPUs, of the one before; with more than one the script "
+                             "also prints the medians over the rounds and their ratios")
     parser.add_argument("--output", default=None, help="also write the results (JSON) here")
     parser.add_argument("--run", choices=["demo", "featcal"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -259,6 +269,8 @@ def main() -> None:
             json.dump(result, handle)
         return
 
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds: at least one round, got {args.rounds}")
     if demo_root(args.demo_path) is None:
         where = f"in --demo-path {args.demo_path!r}" if args.demo_path else "installed (no `featcal` package)"
         print(f"skipped: the authors' demo ({DEMO_SOURCE}) is not {where}; give --demo-path, a folder holding its "
@@ -267,42 +279,87 @@ def main() -> None:
     os.makedirs(args.workdir, exist_ok=True)
     prepare(args.workdir, args.tasks, args.layers, _Library("transformers", args.layers))
     load_before = os.getloadavg()
-    # (the runs' files go under --workdir: a shared machine's temp-folder sweeps have taken them from /tmp)
-    with tempfile.TemporaryDirectory(prefix="runs_", dir=args.workdir) as folder:
-        sides = ["demo", "featcal"] if args.order == "demo-first" else ["featcal", "demo"]
-        if args.paired:
-            processes = {side: start(side, args, folder, cpus) for side, cpus in zip(sides, cpu_halves(), strict=True)}
-            results = {side: finished(side, processes[side], folder) for side in sides}
-        else:
-            results = {side: finished(side, start(side, args, folder, None), folder) for side in sides}
+    first = ["demo", "featcal"] if args.order == "demo-first" else ["featcal", "demo"]
+    rounds = [run_round(args, first if index % 2 == 0 else first[::-1]) for index in range(args.rounds)]
     load_after = os.getloadavg()
-    demo, ours = results["demo"], results["featcal"]
-    difference = relative_difference(ours.pop("weights"), demo.pop("weights"))
     summary = {
         "cpu": cpu_name(), "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
         "case": {"tasks": args.tasks, "samples_per_task": args.samples, "batch_size": args.batch_size,
-                 "layers": args.layers, "order": args.order, "paired": args.paired},
+                 "layers": args.layers, "order": args.order, "paired": args.paired, "rounds": args.rounds},
         "load_average_before_after": [load_before, load_after],
-        "demo": demo, "hf_featcal": ours,
-        "speed_up": demo["seconds"] / ours["seconds"], "memory_ratio": demo["peak_rss_gib"] / ours["peak_rss_gib"],
-        "weights_relative_difference": difference,
     }
-    how = " and ".join(sides) + " at once, a half of the CPUs each" if args.paired else " then ".join(sides)
+    # one round: its record at the top level, as before rounds existed
+    summary.update(rounds[0] if args.rounds == 1 else {"rounds": rounds, "over_rounds": rounds_summary(rounds)})
+    ours = rounds[0]["hf_featcal"]
+    how = "at once, a half of the CPUs each" if args.paired else "one after the other"
     print(f"{summary['cpu']} ({summary['cpus']} CPUs), torch {summary['torch']}; {args.tasks} tasks × {args.samples} "
           f"images, batches of {args.batch_size}, {args.layers} blocks of CLIP ViT-B/32's widths, exact float32, "
-          f"drift report on ({ours['config']}); run {how}; load average before "
+          f"drift report on ({ours['config']}); the demo and hf_featcal {how}; load average before "
           f"{load_before[0]:.2f}, after {load_after[0]:.2f}")
-    print("| | seconds | peak RSS (GiB) |\n|---|---:|---:|")
-    print(f"| authors' demo | {demo['seconds']:.1f} | {demo['peak_rss_gib']:.2f} |")
-    print(f"| hf_featcal ({ours['library']}) | {ours['seconds']:.1f} | {ours['peak_rss_gib']:.2f} |")
-    print(f"hf_featcal: {summary['speed_up']:.2f}× faster, {summary['memory_ratio']:.2f}× leaner; calibrated weights "
-          f"{difference['total']:.2e} relative apart over all blocks (largest per tensor "
-          f"{difference['largest_tensor']:.2e}, {difference['largest_tensor_name']})")
-    print("hf_featcal stages (s): " + ", ".join(f"{k} {v:.1f}" for k, v in ours["stages"].items()))
+    for index, result in enumerate(rounds):
+        demo, ours, difference = result["demo"], result["hf_featcal"], result["weights_relative_difference"]
+        if args.rounds > 1:
+            print(f"\nround {index + 1}: {' then '.join(result['order']) if not args.paired else result['cpus']}")
+        print("| | seconds | peak RSS (GiB) |\n|---|---:|---:|")
+        print(f"| authors' demo | {demo['seconds']:.1f} | {demo['peak_rss_gib']:.2f} |")
+        print(f"| hf_featcal ({ours['library']}) | {ours['seconds']:.1f} | {ours['peak_rss_gib']:.2f} |")
+        print(f"hf_featcal: {result['speed_up']:.2f}× faster, {result['memory_ratio']:.2f}× leaner; calibrated weights "
+              f"{difference['total']:.2e} relative apart over all blocks (largest per tensor "
+              f"{difference['largest_tensor']:.2e}, {difference['largest_tensor_name']})")
+        print("hf_featcal stages (s): " + ", ".join(f"{k} {v:.1f}" for k, v in ours["stages"].items()))
+    if args.rounds > 1:
+        over = summary["over_rounds"]
+        print(f"\nover {args.rounds} rounds: the demo {over['demo_seconds_min']:.1f}–{over['demo_seconds_max']:.1f} s "
+              f"(median {over['demo_seconds_median']:.1f}), hf_featcal {over['featcal_seconds_min']:.1f}–"
+              f"{over['featcal_seconds_max']:.1f} s (median {over['featcal_seconds_median']:.1f}): "
+              f"{over['speed_up_of_medians']:.2f}× faster on the medians, {over['speed_up_min']:.2f}–"
+              f"{over['speed_up_max']:.2f}× per round; {over['memory_ratio_of_medians']:.2f}× leaner on the medians, "
+              f"{over['memory_ratio_min']:.2f}–{over['memory_ratio_max']:.2f}× per round")
     if args.output:
         with open(args.output, "w", encoding="utf-8") as handle:
             json.dump(summary, handle, indent=2)
 
+
+def run_round(args: argparse.Namespace, sides: list[str]) -> dict:
+    """One pair of runs, `sides` in that order (with --paired: at once, the first on the first half of the
+    CPUs): both records, their ratios and the calibrated weights' difference."""
+    # (the runs' files go under --workdir: a shared machine's temp-folder sweeps have taken them from /tmp)
+    with tempfile.TemporaryDirectory(prefix="runs_", dir=args.workdir) as folder:
+        if args.paired:
+            halves = cpu_halves()
+            processes = {side: start(side, args, folder, cpus) for side, cpus in zip(sides, halves, strict=True)}
+            results = {side: finished(side, processes[side], folder) for side in sides}
+        else:
+            results = {side: finished(side, start(side, args, folder, None), folder) for side in sides}
+    demo, ours = results["demo"], results["featcal"]
+    difference = relative_difference(ours.pop("weights"), demo.pop("weights"))
+    record = {"order": sides, "demo": demo, "hf_featcal": ours, "speed_up": demo["seconds"] / ours["seconds"],
+              "memory_ratio": demo["peak_rss_gib"] / ours["peak_rss_gib"], "weights_relative_difference": difference}
+    if args.paired:
+        record["cpus"] = {side: sorted(cpus) for side, cpus in zip(sides, halves, strict=True)}
+    return record
+
+
+def rounds_summary(rounds: list[dict]) -> dict:
+    """Over the rounds: each side's lowest, highest and median time and peak, the ratios of the medians
+    (the demo's over hf_featcal's), and the lowest and highest ratio of a single round."""
+    def spread(values: list[float], name: str) -> dict:
+        return {f"{name}_min": min(values), f"{name}_max": max(values), f"{name}_median": statistics.median(values)}
+
+    demo_s = [r["demo"]["seconds"] for r in rounds]
+    ours_s = [r["hf_featcal"]["seconds"] for r in rounds]
+    demo_gib = [r["demo"]["peak_rss_gib"] for r in rounds]
+    ours_gib = [r["hf_featcal"]["peak_rss_gib"] for r in rounds]
+    speed_ups = [d / o for d, o in zip(demo_s, ours_s, strict=True)]
+    memory_ratios = [d / o for d, o in zip(demo_gib, ours_gib, strict=True)]
+    return {
+        **spread(demo_s, "demo_seconds"), **spread(ours_s, "featcal_seconds"),
+        **spread(demo_gib, "demo_peak_rss_gib"), **spread(ours_gib, "featcal_peak_rss_gib"),
+        "speed_up_of_medians": statistics.median(demo_s) / statistics.median(ours_s),
+        "speed_up_min": min(speed_ups), "speed_up_max": max(speed_ups),
+        "memory_ratio_of_medians": statistics.median(demo_gib) / statistics.median(ours_gib),
+        "memory_ratio_min": min(memory_ratios), "memory_ratio_max": max(memory_ratios),
+    }
 
 if __name__ == "__main__":
     main()
