@@ -1,6 +1,7 @@
 """What a run holds at once: a stream is held twice for one task at a time while a block's outputs
 replace its inputs, and the calibration batches are let go once the streams have entered the last stack
-(for a one-stack tower: each task's as soon as its streams have entered, while the calibrator is built)."""
+(for a one-stack tower: each task's as soon as its streams have entered, while the calibrator is built;
+an LLM, whose plan reads every task's batches, and T5's two stacks keep them until `calibrate()`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import weakref
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
 
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from hf_featcal.pipeline.context import RunContext
-from testing_utils import build_clip_setting
+from testing_utils import build_clip_setting, perturbed, task_arithmetic
 
 BATCH_SIZES = (5, 5, 3)
 
@@ -82,15 +84,15 @@ class _MadeWhenRead:
     """A task's batches made as they are read (as a data loader makes them), each image tensor
     watched through a weak reference."""
 
-    def __init__(self, batches, watched, before_first=None):
-        self.batches, self.watched, self.before_first = batches, watched, before_first
+    def __init__(self, batches, watched, before_first=None, key="pixel_values"):
+        self.batches, self.watched, self.before_first, self.key = batches, watched, before_first, key
 
     def __iter__(self):
         for index, batch in enumerate(self.batches):
             if index == 0 and self.before_first is not None:
                 self.before_first()
             made = {key: value.clone() for key, value in batch.items()}
-            self.watched.append(weakref.ref(made["pixel_values"]))
+            self.watched.append(weakref.ref(made[self.key]))
             yield made
 
 
@@ -117,3 +119,45 @@ def test_no_task_inputs_outlive_its_entry_into_a_one_stack_tower(generator):
     calibrator.calibrate()
     for (name, p), q in zip(merged.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(p, q), name  # the same calibration as from batches held by the caller
+
+
+def _llama_setting(generator):
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32, pad_token_id=0,
+                         tie_word_embeddings=False)
+    base = LlamaForCausalLM(config).eval()
+    experts = {t: perturbed(base, generator, 0.05).eval() for t in ("math", "code")}
+    data = {t: [{"input_ids": torch.randint(1, 32, (3, 6), generator=generator),
+                 "attention_mask": torch.ones(3, 6, dtype=torch.long)} for _ in range(2)] for t in experts}
+    return base, experts, task_arithmetic(base, experts), data
+
+
+def _t5_setting(generator):
+    config = T5Config(vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
+                      decoder_start_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+    base = T5ForConditionalGeneration(config).eval()
+    experts = {t: perturbed(base, generator, 0.05).eval() for t in ("cola", "sst2")}
+    data = {t: [{"input_ids": torch.randint(1, 32, (3, 6), generator=generator),
+                 "attention_mask": torch.ones(3, 6, dtype=torch.long),
+                 "labels": torch.randint(1, 32, (3, 2), generator=generator)} for _ in range(2)] for t in experts}
+    return base, experts, task_arithmetic(base, experts), data
+
+
+@pytest.mark.parametrize("setting", [_llama_setting, _t5_setting], ids=["llama_plan_from_batches", "t5_two_stacks"])
+def test_towers_that_need_every_task_s_batches_keep_them_until_calibrate(generator, setting):
+    """A tower whose plan reads every task's batches (an LLM's response tokens) or that has two stacks (T5's
+    encoder and decoder) keeps each task's batches until `calibrate()`, as before the one-stack towers took
+    theirs in as they were read; the calibration is the same as from batches the caller holds."""
+    base, experts, merged, data = setting(generator)
+    reference = copy.deepcopy(merged)
+    FeatCalCalibrator(reference, base, experts, data, show_progress=False).calibrate()
+    made_when_read = {task: _MadeWhenRead(batches, [], key="input_ids") for task, batches in data.items()}
+    calibrator = FeatCalCalibrator(merged, base, experts, made_when_read, show_progress=False)
+    for task, batches in data.items():
+        kept = calibrator.batches[task]
+        assert len(kept) == len(batches) and len(made_when_read[task].watched) == len(batches)
+        for given, held in zip(batches, kept, strict=True):
+            assert torch.equal(held["input_ids"], given["input_ids"])
+    calibrator.calibrate()
+    for (name, p), q in zip(merged.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q), name

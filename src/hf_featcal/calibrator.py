@@ -341,18 +341,8 @@ class FeatCalCalibrator:
             report = self._sweep()
         self._report = report
         self._calibrated = True
-        rising = [] if report is None else report.rising_tasks()
-        if rising:
-            assert report is not None  # only a report has rising tasks
-            stages = {task: report.tasks[task] for task in rising}
-            moves = ", ".join(f"{t}: {s['head_before'][-1]:.2%} → {s['head_after'][-1]:.2%}" for t, s in stages.items())
-            warnings.warn(
-                f"what the head reads moved away from the expert for task(s) {rising} (relative drift at the last "
-                f"block {moves}) while calibration served all tasks jointly: check their accuracy; a larger "
-                "lambda_ratio, or tune_featcal on held-out data, softens the compromise (docs/tuning.md).",
-                FeatCalWarning,
-                stacklevel=2,
-            )
+        if report is not None:
+            _warn_rising_tasks(report)
         return self.model
 
     def save_model(self, output_dir: str | os.PathLike, *, processing_class: Any = None,
@@ -833,3 +823,29 @@ def _resolve_device(accelerator: Accelerator | None, device: str | torch.device 
             raise TypeError(f"`accelerator` must be an accelerate.Accelerator, got {type(accelerator).__name__}.")
         return accelerator.device
     return state.device
+
+
+def _warn_rising_tasks(report: DriftReport) -> None:
+    """A `FeatCalWarning` for the tasks whose head measure at the last block rose with calibration: one
+    for the calibration examples (`rising_tasks`), one for the held-out ones (`heldout_rising_tasks`,
+    where a held-out share exists). A rise on held-out examples alone is an in-sample gain that does not
+    carry over."""
+    in_sample = report.rising_tasks()
+    for tasks, measure, where, advice in (
+        (in_sample, "head", "", "while calibration served all tasks jointly: check their accuracy; a larger "
+         "lambda_ratio, or tune_featcal on held-out data, softens the compromise (docs/tuning.md)."),
+        (report.heldout_rising_tasks(), "heldout_head", "on the held-out examples ",
+         "(examples the calibration did not see: a gain on the calibration examples that does not carry over "
+         "is over-fitting): check their accuracy; the held-out guard (guard='no_rise'), a larger lambda_ratio "
+         "or more calibration examples keep a task from being hurt (docs/tuning.md)."),
+    ):
+        if not tasks:
+            continue
+        before, after = f"{measure}_before", f"{measure}_after"
+        moves = ", ".join(f"{t}: {report.tasks[t][before][-1]:.2%} → {report.tasks[t][after][-1]:.2%}" for t in tasks)
+        warnings.warn(
+            f"{where}what the head reads moved away from the expert for task(s) {tasks} (relative drift at the "
+            f"last block {moves}) {advice}",
+            FeatCalWarning,
+            stacklevel=3,
+        )

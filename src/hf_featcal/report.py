@@ -38,7 +38,9 @@ class DriftReport:
 
     With held-out examples (`FeatCalConfig.heldout_fraction`) each task also has `heldout_before`,
     `heldout_after`, `heldout_head_before` and `heldout_head_after`: the same measures on the examples
-    the calibration did not see, so in-sample gains that do not carry over (over-fitting) show.
+    the calibration did not see, so in-sample gains that do not carry over (over-fitting) show;
+    `heldout_rising_tasks()` names the tasks whose last held-out head measure rose, and `calibrate()`
+    warns about them too.
     `guard` (None without a guard): `{"mode": ..., "blocks": [{"block", "gamma", "gammas",
     "heldout_head_drift"}, ...]}`, the γ each calibrated block was given and why."""
 
