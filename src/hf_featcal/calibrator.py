@@ -830,10 +830,9 @@ def _warn_rising_tasks(report: DriftReport) -> None:
     for the calibration examples (`rising_tasks`), one for the held-out ones (`heldout_rising_tasks`,
     where a held-out share exists). A rise on held-out examples alone is an in-sample gain that does not
     carry over."""
-    in_sample = report.rising_tasks()
     for tasks, measure, where, advice in (
-        (in_sample, "head", "", "while calibration served all tasks jointly: check their accuracy; a larger "
-         "lambda_ratio, or tune_featcal on held-out data, softens the compromise (docs/tuning.md)."),
+        (report.rising_tasks(), "head", "", "while calibration served all tasks jointly: check their accuracy; "
+         "a larger lambda_ratio, or tune_featcal on held-out data, softens the compromise (docs/tuning.md)."),
         (report.heldout_rising_tasks(), "heldout_head", "on the held-out examples ",
          "(examples the calibration did not see: a gain on the calibration examples that does not carry over "
          "is over-fitting): check their accuracy; the held-out guard (guard='no_rise'), a larger lambda_ratio "
