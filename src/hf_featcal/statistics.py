@@ -493,12 +493,13 @@ class NormStatistics:
         w = w.to(self.dtype)[:, None]
         self._w += w.sum()
         self._count += int(w.numel())
+        # z is `normalise`'s own new tensor: squared (and weighted) in place
         if bool((w == 1).all()):  # unit weights: w·z is z itself, no weighted copy needed
             self._sz += z.sum(0)
-            self._sz2 += z.square_().sum(0)  # z is `normalise`'s own new tensor
-        else:
+            self._sz2 += z.square_().sum(0)
+        else:  # (one weighted copy: with a copy of z² as well this took ~9× as long for 800 × 768)
             self._sz += (w * z).sum(0)
-            self._sz2 += (w * z.square()).sum(0)
+            self._sz2 += z.square_().mul_(w).sum(0)
 
     def finish_task(
         self, gamma: Tensor, beta: Tensor | None, reduce: SumReducer = _identity_reducer, task_weight: float = 1.0
