@@ -127,10 +127,13 @@ def test_drift_report_measures_what_each_head_reads_and_flags_a_task_it_hurts(ge
     assert type(report).from_dict(report.to_dict()).rising_tasks() == ["merge_itself"]
 
 
+IN_SAMPLE, HELD_OUT = "what the head reads moved away", "on the held-out examples"
 
-def _held_out_warnings(caught) -> list[str]:
+
+def _warnings_starting(caught, prefix: str) -> list[str]:
+    """The FeatCalWarnings' messages among `caught` that begin with `prefix`."""
     return [str(w.message) for w in caught if issubclass(w.category, FeatCalWarning)
-            and str(w.message).startswith("on the held-out examples")]
+            and str(w.message).startswith(prefix)]
 
 
 def test_a_task_hurt_on_held_out_examples_is_warned_about_with_the_reports_values(generator):
@@ -148,15 +151,14 @@ def test_a_task_hurt_on_held_out_examples_is_warned_about_with_the_reports_value
     assert report.heldout_rising_tasks() == ["merge_itself"]  # its held-out drift starts at 0
     stages = report.tasks["merge_itself"]
     assert stages["heldout_head_before"][-1] == 0.0 < stages["heldout_head_after"][-1]
-    held_out = _held_out_warnings(caught)
+    held_out = _warnings_starting(caught, HELD_OUT)
     assert len(held_out) == 1
     assert held_out[0].startswith("on the held-out examples what the head reads moved away from the expert for "
                                   "task(s) ['merge_itself'] (relative drift at the last block merge_itself: "
                                   f"0.00% → {stages['heldout_head_after'][-1]:.2%})")
     assert "guard='no_rise'" in held_out[0]
     # the in-sample warning keeps coming beside it, for the tasks that rose in sample
-    in_sample = [str(w.message) for w in caught if issubclass(w.category, FeatCalWarning)
-                 and str(w.message).startswith("what the head reads moved away")]
+    in_sample = _warnings_starting(caught, IN_SAMPLE)
     assert len(in_sample) == (1 if report.rising_tasks() else 0)
     assert all(w.filename == __file__ for w in caught if issubclass(w.category, FeatCalWarning)
                and "head reads" in str(w.message))  # pointed at the caller of calibrate()
@@ -171,8 +173,9 @@ def test_no_held_out_warning_without_a_held_out_share(generator):
         warnings.simplefilter("always")
         calibrator.calibrate()
     assert calibrator.report.heldout_rising_tasks() == []
-    assert _held_out_warnings(caught) == []
-    assert any(str(w.message).startswith("what the head reads moved away") for w in caught)
+    assert _warnings_starting(caught, HELD_OUT) == []
+    assert _warnings_starting(caught, IN_SAMPLE)
+
 
 # ---------------------------------------------------------------------------- 3. effective tokens
 def test_effective_token_warning_fires_on_the_pooled_last_block_only(generator):
