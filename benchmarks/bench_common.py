@@ -4,7 +4,8 @@ triangles, triangular products) and the per-stage table of seconds, TFLOP, TFLOP
 the peak of each stage's dtype. And the set-up of the checkpoint-cost benchmarks
 (`fingerprint_cost.py`, `checkpoint_digest_cost.py`): a random CLIP ViT-B/32-shaped tower with two
 experts, their merge and image batches (`clip_tower_run`), and the seconds spent in library functions
-(`timing_calls`).
+(`timing_calls`). And `ProductCount`: the arithmetic of the matrix products a run dispatches, counted
+the same way for any code (the side-by-side counts the authors' demo and hf_featcal with it).
 
 The scripts run with their own folder on `sys.path`, so they import this module as `bench_common`.
 """
@@ -23,6 +24,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import conv_flop_count
 
 #: dtype of each timed stage's products, by mode: block forwards run in the forward dtype (fast mode's
 #: autocast dtype, else the model's); statistics accumulate in float32 except that fast mode's Gram
@@ -36,6 +39,71 @@ def stage_dtypes(model_dtype: str, forward_dtype: str | None, low_products: bool
     forward = forward_dtype or model_dtype
     statistics = forward_dtype if forward_dtype is not None and low_products else "float32"
     return {**{stage: forward for stage in FORWARD_STAGES}, "statistics": statistics, "solving": "float32"}
+
+
+def _product_flop(name: str, args: tuple, out: Any) -> int | None:
+    """Floating-point operations (2 per multiply-add) of one dispatched product, by the op's name
+    (overload packet, without the namespace); None for an op that is not a product."""
+    def dims(t: Any) -> list[int]:
+        return list(t.shape)
+
+    if name in ("mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_"):
+        a, b = (args[0], args[1]) if name in ("mm", "bmm") else (args[1], args[2])
+        *batch, m, k = dims(a)
+        n = dims(b)[-1]
+        return 2 * (batch[0] if batch else 1) * m * k * n
+    if name in ("mv", "addmv", "addmv_"):
+        m, n = dims(args[0] if name == "mv" else args[1])
+        return 2 * m * n
+    if name in ("addr", "addr_"):
+        return 2 * dims(args[1])[0] * dims(args[2])[0]
+    if name == "_linear_pointwise":  # oneDNN's inner product (mkldnn), x (..., in) by W (out, in)
+        x, w = args[0], args[1]
+        return 2 * (x.numel() // x.shape[-1]) * w.shape[0] * w.shape[1]
+    if name.startswith("_scaled_dot_product") and "backward" not in name:
+        q, k, v = args[0], args[1], args[2]  # (B, H, L, E), (B, H, S, E), (B, H, S, Ev)
+        *lead, length, e = dims(q)
+        return 2 * (q.numel() // (length * e)) * length * k.shape[-2] * (e + v.shape[-1])
+    if name in ("convolution", "_convolution"):
+        result = out[0] if isinstance(out, (tuple, list)) else out
+        return int(conv_flop_count(dims(args[0]), dims(args[1]), dims(result), bool(args[6])))
+    return None
+
+
+class ProductCount(TorchDispatchMode):
+    """While active, the floating-point operations of every matrix product dispatched (mm, addmm and
+    its in-place form, batched products, matrix-vector and outer products, attention, convolutions,
+    oneDNN's inner product), summed by op: a count that reads any code the same way, as torch runs it.
+
+    Not counted: factorisations and solves (their cost is not a product's; their calls are listed in
+    `solver_calls`), element-wise work, and products a library calls outside torch's dispatcher
+    (hf_featcal's MKL syrk: run with `HF_FEATCAL_CPU_GRAM=blocked` to count its Grams)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flop: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+        self.solver_calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        flop = _product_flop(name, args, out)
+        if flop is not None:
+            self.flop[name] = self.flop.get(name, 0) + flop
+            self.calls[name] = self.calls.get(name, 0) + 1
+        elif name.startswith(("linalg_", "_linalg_", "cholesky", "triangular_solve")) and "check" not in name:
+            self.solver_calls[name] = self.solver_calls.get(name, 0) + 1
+        return out
+
+    @property
+    def total(self) -> int:
+        """All counted products' floating-point operations."""
+        return sum(self.flop.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"flop": self.total, "by_op": dict(self.flop), "calls": dict(self.calls),
+                "solver_calls": dict(self.solver_calls)}
 
 
 def peak_rss_gib() -> float:

@@ -22,6 +22,7 @@ difference of the calibrated block weights.
     python benchmarks/side_by_side_demo.py --library-src /tmp/before/src ...           # another hf_featcal
     python benchmarks/side_by_side_demo.py --demo-path /tmp/featcal_demo --paired      # both at once, a core each
     python benchmarks/side_by_side_demo.py --demo-path /tmp/featcal_demo --rounds 3    # three pairs, medians
+    python benchmarks/side_by_side_demo.py --demo-path /tmp/featcal_demo --count-products
 
 With `--paired` both run at the same time, each pinned to its own half of the CPUs (as
 `compare_revisions.py --paired` runs two revisions): on a machine shared with other work both then
@@ -30,6 +31,14 @@ each round after the first in the other order (with `--paired`: on the other hal
 every pair and, over the rounds, each side's lowest, highest and median time and peak, the ratios of the
 medians and the lowest and highest ratio of a single round: the demo's own time moves by several per
 cent from run to run, so one pair's ratio lands on either side of its typical value.
+
+With `--count-products`, after the timed rounds one more pair runs (one after the other) with every matrix
+product counted as torch dispatches it (`bench_common.ProductCount`; hf_featcal with its Grams as torch
+products, `HF_FEATCAL_CPU_GRAM=blocked`, which is already the choice on a CPU not made by Intel). The
+script prints each side's product arithmetic, their ratio (the speed-up a run would show if both ran their
+products equally fast and did nothing else) and, for every timed round, each side's arithmetic rate:
+counted operations over its timed seconds. The counted runs' own times carry the counter's overhead and
+are not compared.
 
 The demo's code is imported from `--demo-path` (a folder holding the `featcal` package, or its `src`
 folder) or, without it, from an installed `featcal` package; where neither is there, the script says so
@@ -40,6 +49,7 @@ this checkout's `src`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -59,10 +69,11 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 from bench_clip import _Library, prepare  # noqa: E402  (this folder's modules, as the other benchmarks import them)
-from bench_common import peak_rss_gib  # noqa: E402
+from bench_common import ProductCount, peak_rss_gib  # noqa: E402
 from compare_revisions import THREAD_VARIABLES, _check_ran, _pinned_to, cpu_halves  # noqa: E402
 
 DEMO_MODULE = "featcal.featcal"
+GRAM_KERNEL_VARIABLE = "HF_FEATCAL_CPU_GRAM"  # hf_featcal's choice of Gram kernel on the CPU (`_kernels.gemm`)
 DEMO_SOURCE = "https://github.com/egangu/featcal (src/featcal)"
 
 
@@ -114,6 +125,18 @@ def encoder_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for name, value in model.state_dict().items() if "encoder.layers." in name}
 
 
+def measured(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """What the timed part of a side's run runs under: the product count with `--count`, else nothing."""
+    return ProductCount() if args.count else contextlib.nullcontext()
+
+
+def counted(result: dict, measure: contextlib.AbstractContextManager) -> dict:
+    """A side's result with its product count, where counted."""
+    if isinstance(measure, ProductCount):
+        result["products"] = measure.to_dict()
+    return result
+
+
 def run_demo(args: argparse.Namespace) -> dict:
     """The demo's own `calibrate()` on the generated images (see the module docstring for what is adapted)."""
     root = demo_root(args.demo_path)
@@ -144,9 +167,10 @@ def run_demo(args: argparse.Namespace) -> dict:
     config = demo.FeatCalConfig(num_calibration_examples=args.samples, calibration_batch_size=args.batch_size)
     calibrator = demo.CLIPFeatCalibrator(config, processor=None, device=torch.device("cpu"))
     start = time.perf_counter()
-    calibrator.calibrate(merged_model=merged, base_model=base, expert_models=experts, tasks=tasks)
+    with measured(args) as measure:
+        calibrator.calibrate(merged_model=merged, base_model=base, expert_models=experts, tasks=tasks)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "peak_rss_gib": peak_rss_gib(), "weights": encoder_state(merged)}
+    return counted({"seconds": seconds, "peak_rss_gib": peak_rss_gib(), "weights": encoder_state(merged)}, measure)
 
 
 def run_featcal(args: argparse.Namespace) -> dict:
@@ -165,30 +189,36 @@ def run_featcal(args: argparse.Namespace) -> dict:
         "drift_samples_per_task": None if args.drift_samples == "all" else int(args.drift_samples)}
     config = FeatCalConfig(num_samples_per_task=args.samples, batch_size=args.batch_size, **extra)
     start = time.perf_counter()
-    calibrator = FeatCalCalibrator(merged, os.path.join(args.workdir, "base"), experts, data, config, device="cpu",
-                                   show_progress=False)
-    calibrator.calibrate()
+    with measured(args) as measure:
+        calibrator = FeatCalCalibrator(merged, os.path.join(args.workdir, "base"), experts, data, config,
+                                       device="cpu", show_progress=False)
+        calibrator.calibrate()
     seconds = time.perf_counter() - start
     report = calibrator.report.to_dict() if calibrator.report is not None else None
-    return {
+    return counted({
         "seconds": seconds, "peak_rss_gib": peak_rss_gib(), "weights": encoder_state(merged),
         "library": os.path.dirname(os.path.dirname(os.path.abspath(hf_featcal.__file__))),
         "stages": dict(calibrator.timings), "drift_sample": None if report is None else report.get("sample"),
         "config": {k: v for k, v in config.to_dict().items() if k in ("report_drift", "forward_dtype",
                                                                        "drift_samples_per_task")},
-    }
+    }, measure)
 
 
-def start(side: str, args: argparse.Namespace, folder: str, cpus: set[int] | None) -> subprocess.Popen:
-    """One side's run in a process of its own (pinned to `cpus` with as many threads, where given)."""
+def start(side: str, args: argparse.Namespace, folder: str, cpus: set[int] | None,
+          count: bool = False) -> subprocess.Popen:
+    """One side's run in a process of its own (pinned to `cpus` with as many threads, where given;
+    with `count`, its products counted)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--run", side, "--out", os.path.join(folder, side),
            "--tasks", str(args.tasks), "--samples", str(args.samples), "--batch-size", str(args.batch_size),
            "--layers", str(args.layers), "--workdir", args.workdir,
            *(["--demo-path", args.demo_path] if args.demo_path else []),
-           *(["--drift-samples", args.drift_samples] if args.drift_samples is not None else [])]
+           *(["--drift-samples", args.drift_samples] if args.drift_samples is not None else []),
+           *(["--count"] if count else [])]
     env = dict(os.environ)
     if side == "featcal":
         env["PYTHONPATH"] = os.pathsep.join([args.library_src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        if count:  # every Gram as a torch product, which the count sees (not MKL's syrk, called outside it)
+            env[GRAM_KERNEL_VARIABLE] = "blocked"
     if cpus is not None:
         env.update({name: str(len(cpus)) for name in THREAD_VARIABLES})
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -253,8 +283,12 @@ def main() -> None:
                         help="pairs of runs (default 1); each round after the first swaps the order, and with "
                              "--paired the halves of the CPUs, of the one before; with more than one the script "
                              "also prints the medians over the rounds and their ratios")
+    parser.add_argument("--count-products", action="store_true",
+                        help="after the timed rounds, run one more pair with every matrix product counted, and "
+                             "print both sides' product arithmetic, its ratio and each timed round's rates")
     parser.add_argument("--output", default=None, help="also write the results (JSON) here")
     parser.add_argument("--run", choices=["demo", "featcal"], help=argparse.SUPPRESS)
+    parser.add_argument("--count", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -281,6 +315,7 @@ def main() -> None:
     load_before = os.getloadavg()
     first = ["demo", "featcal"] if args.order == "demo-first" else ["featcal", "demo"]
     rounds = [run_round(args, first if index % 2 == 0 else first[::-1]) for index in range(args.rounds)]
+    products = count_products(args, rounds) if args.count_products else None
     load_after = os.getloadavg()
     summary = {
         "cpu": cpu_name(), "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
@@ -290,6 +325,8 @@ def main() -> None:
     }
     # one round: its record at the top level, as before rounds existed
     summary.update(rounds[0] if args.rounds == 1 else {"rounds": rounds, "over_rounds": rounds_summary(rounds)})
+    if products is not None:
+        summary["products"] = products
     ours = rounds[0]["hf_featcal"]
     how = "at once, a half of the CPUs each" if args.paired else "one after the other"
     print(f"{summary['cpu']} ({summary['cpus']} CPUs), torch {summary['torch']}; {args.tasks} tasks × {args.samples} "
@@ -315,9 +352,48 @@ def main() -> None:
               f"{over['speed_up_of_medians']:.2f}× faster on the medians, {over['speed_up_min']:.2f}–"
               f"{over['speed_up_max']:.2f}× per round; {over['memory_ratio_of_medians']:.2f}× leaner on the medians, "
               f"{over['memory_ratio_min']:.2f}–{over['memory_ratio_max']:.2f}× per round")
+    if products is not None:
+        print(products_text(products))
     if args.output:
         with open(args.output, "w", encoding="utf-8") as handle:
             json.dump(summary, handle, indent=2)
+
+
+def count_products(args: argparse.Namespace, rounds: list[dict]) -> dict:
+    """One more pair, one after the other, with every product counted: each side's count, their ratio
+    and each timed round's rates (counted operations over that round's seconds)."""
+    with tempfile.TemporaryDirectory(prefix="counts_", dir=args.workdir) as folder:
+        results = {side: finished(side, start(side, args, folder, None, count=True), folder)
+                   for side in ("demo", "featcal")}
+    counts = {"demo": results["demo"]["products"], "hf_featcal": results["featcal"]["products"]}
+    return products_summary(counts, rounds)
+
+
+def products_summary(counts: dict[str, dict], rounds: list[dict]) -> dict:
+    """`counts` (side → `ProductCount.to_dict()`) with the ratio of the totals (the demo's over
+    hf_featcal's) and, per timed round, each side's rate in GFLOP/s."""
+    demo, ours = counts["demo"]["flop"], counts["hf_featcal"]["flop"]
+    rates = [{side: counts[side]["flop"] / result[side]["seconds"] / 1e9 for side in ("demo", "hf_featcal")}
+             for result in rounds]
+    return {**counts, "ratio": demo / ours, "gflop_per_s": rates}
+
+
+def products_text(products: dict) -> str:
+    """The printed account of `products_summary`."""
+    demo, ours = products["demo"], products["hf_featcal"]
+
+    def ops(count: dict) -> str:
+        return ", ".join(f"{name} {flop / 1e12:.2f}" for name, flop in sorted(count["by_op"].items(),
+                                                                                key=lambda item: -item[1]))
+
+    lines = [f"\nmatrix products (TFLOP, counted as dispatched; solves not counted): the demo "
+             f"{demo['flop'] / 1e12:.2f} ({ops(demo)}), hf_featcal {ours['flop'] / 1e12:.2f} ({ops(ours)}): "
+             f"the demo does "
+             f"{products['ratio']:.3f}× hf_featcal's arithmetic"]
+    for index, rate in enumerate(products["gflop_per_s"]):
+        lines.append(f"round {index + 1}: the demo ran its products' arithmetic at {rate['demo']:.1f} GFLOP/s, "
+                     f"hf_featcal at {rate['hf_featcal']:.1f} GFLOP/s (counted operations over timed seconds)")
+    return "\n".join(lines)
 
 
 def run_round(args: argparse.Namespace, sides: list[str]) -> dict:
