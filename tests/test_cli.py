@@ -362,6 +362,158 @@ def test_run_flan_t5_recipe_end_to_end(tmp_path, capsys):
     assert os.path.isfile(tmp_path / "t5-out" / "featcal_drift.png")
 
 
+# ============================================================== another post-merging step
+def _re_score(world, recipe_path, model, modules=None) -> dict:
+    """The recipe's evaluation of `model` (loaded back from a save), task by task, inside each task's
+    module where `modules` is given."""
+    import dataclasses as dc
+
+    from hf_featcal.recipes import evaluate_model, prepare_recipe_inputs
+
+    recipe = load_recipe(recipe_path)
+    inputs = prepare_recipe_inputs(recipe, evaluate=True, log=lambda message: None)
+    scores = {}
+    for task in recipe.evaluation.tasks:
+        spec = dc.replace(recipe.evaluation, tasks=[task])
+        if modules is None:
+            scores[task] = evaluate_model("clip", model, spec, processing=inputs.processing,
+                                          clip_model=inputs.clip_model)[0][task]
+        else:
+            with modules.for_task(model, task):
+                scores[task] = evaluate_model("clip", model, spec, processing=inputs.processing,
+                                              clip_model=inputs.clip_model)[0][task]
+    return scores
+
+
+def test_a_recipe_runs_another_post_merging_step_and_saves_its_modules(world, capsys):
+    """post_merging: surgery runs Surgery on the merge in place of FeatCal: the save holds the merged
+    model (unchanged, as Surgery leaves it) and the per-task modules; the scores after equal the saved
+    model's own, re-scored with each task's module loaded back from the folder."""
+    from transformers import CLIPModel
+
+    from hf_featcal.merging import merge_models
+    from hf_featcal.post_merging.task_modules import TaskModules
+
+    out_dir = world / "out-surgery"
+    path = _write(world / "surgery.yaml", _recipe(world, post_merging={"surgery": {"steps": 20, "lr": 0.1}},
+                                                  output_dir=str(out_dir)))
+    assert cli.main(["run", path, "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "post-merging surgery" in out and "task_arithmetic (scaling_factor=0.3) + surgery" in out
+    assert "per-task modules" in out and "drift report" not in out
+
+    model = CLIPModel.from_pretrained(out_dir).eval()
+    modules = TaskModules.from_pretrained(out_dir)
+    assert modules.tasks == list(TASKS) and modules.needs_task
+    merged = merge_models(str(world / "base"), {t: str(world / "experts" / t) for t in TASKS}, "task_arithmetic",
+                          scaling_factor=0.3)
+    saved = model.state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in merged.state_dict().items())
+    card = (out_dir / "README.md").read_text()
+    assert "**Task needed at inference:** yes" in card and "before and after surgery" in card
+    assert not (out_dir / "featcal_drift.png").exists()
+
+    evaluation = json.loads((out_dir / "featcal_evaluation.json").read_text())
+    assert evaluation["after"] != evaluation["before"]  # in this seeded world the modules move a task's score
+    assert _re_score(world, path, model, modules) == pytest.approx(evaluation["after"])
+    assert _re_score(world, path, model) == pytest.approx(evaluation["before"])  # the merge, without modules
+    pixels = torch.rand(2, 3, IMAGE_SIZE, IMAGE_SIZE)
+
+    def features() -> torch.Tensor:  # transformers 5 wraps them in an output with the projection as pooler_output
+        out = model.get_image_features(pixel_values=pixels)
+        return out if isinstance(out, torch.Tensor) else out.pooler_output
+
+    with torch.no_grad():
+        plain = features()
+        with modules.for_task(model, "zorbs"):
+            corrected = features()
+    assert not torch.allclose(plain, corrected)  # the module does change what the head reads
+
+    again = load_recipe(out_dir / "featcal_recipe.yaml")  # the resolved recipe keeps the step and its parameters
+    assert (again.post_merging, again.post_merging_parameters) == ("surgery", {"steps": 20, "lr": 0.1})
+
+    # the modules are Surgery's from the Python API on the recipe's merge, data and parameters
+    from safetensors.torch import load_file
+
+    from hf_featcal.model_io import load_model
+    from hf_featcal.post_merging import get_step
+    from hf_featcal.recipes import prepare_recipe_inputs
+
+    recipe = load_recipe(path)
+    inputs = prepare_recipe_inputs(recipe, evaluate=False, log=lambda message: None)
+    experts = {t: load_model(str(world / "experts" / t), t) for t in TASKS}
+    direct = get_step("surgery").run(merged, inputs.base, experts, inputs.calibration, config=recipe.featcal,
+                                     processing_class=recipe.family.calibration_processing_class(inputs.processing),
+                                     steps=20, lr=0.1)
+    direct.task_modules.save_pretrained(world / "direct-surgery")
+    want = load_file(world / "direct-surgery" / "post_merging_modules.safetensors")
+    got = load_file(out_dir / "post_merging_modules.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_recipe_with_a_one_model_step_saves_that_model(world, capsys):
+    """post_merging: svc saves SVC's model, equal to SVC computed on the merge here; no module files."""
+    from transformers import CLIPModel, CLIPVisionModel
+
+    from hf_featcal.merging import merge_models, singular_value_calibration
+    from hf_featcal.merging.svc import svc_alpha_for
+
+    out_dir = world / "out-svc"
+    path = _write(world / "svc.yaml", _recipe(world, post_merging="svc", output_dir=str(out_dir)))
+    assert cli.main(["run", path, "--check"]) == 0
+    checked = capsys.readouterr().out
+    assert "post-merging svc" in checked and "The recipe is valid" in checked
+    assert "FeatCal module selection" not in checked  # FeatCal's pre-flight is not this step's
+    assert cli.main(["run", path, "--quiet"]) == 0
+    assert "+ svc" in capsys.readouterr().out
+    experts = {t: CLIPVisionModel.from_pretrained(world / "experts" / t) for t in TASKS}
+    base = CLIPModel.from_pretrained(world / "base")
+    merged = merge_models(base, experts, "task_arithmetic", scaling_factor=0.3)
+    want = singular_value_calibration(merged, base, experts, alpha=svc_alpha_for("task_arithmetic")).state_dict()
+    got = CLIPModel.from_pretrained(out_dir).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    fc1 = "vision_model.encoder.layers.0.mlp.fc1.weight"
+    assert not torch.equal(got[fc1], merged.state_dict()[fc1])  # SVC did change the merge
+    assert not (out_dir / "post_merging_modules.safetensors").exists()
+    card = (out_dir / "README.md").read_text()
+    assert card.startswith("# task_arithmetic (scaling_factor=0.3) + svc") and "## Evaluation" in card
+    evaluation = json.loads((out_dir / "featcal_evaluation.json").read_text())
+    assert _re_score(world, path, CLIPModel.from_pretrained(out_dir).eval()) == pytest.approx(evaluation["after"])
+
+
+@pytest.mark.parametrize("step,fields", [("featcal_module", "featcal.granularity"),
+                                         ("featcal_guarded", "featcal.heldout_fraction, featcal.guard")])
+def test_a_featcal_variant_as_the_step_points_to_the_featcal_section(world, step, fields):
+    path = _write(world / "variant.yaml", _recipe(world, post_merging={step: None}))
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    assert info.value.key == "post_merging" and f"set {fields} in the featcal section" in str(info.value)
+
+
+def test_another_post_merging_step_is_refused_under_several_processes(world, tmp_path):
+    """Two processes (torch.distributed.run, gloo): each refuses post_merging: surgery, naming the key,
+    before anything is loaded; nothing is written."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out_dir = tmp_path / "never"
+    path = _write(tmp_path / "two.yaml", _recipe(world, post_merging="surgery", output_dir=str(out_dir),
+                                                 base=str(world / "base"),
+                                                 experts={t: str(world / "experts" / t) for t in TASKS},
+                                                 calibration={"default": {"dataset": str(world / "data") + "/{task}",
+                                                                          "split": "train", "num_examples": 16}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                           "127.0.0.1", "--master_port", str(port), "-m", "hf_featcal", "run", path, "--no-push"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert done.stderr.count("post_merging: 'surgery' runs in one process, this run has 2") == 2
+    assert not out_dir.exists()
+
+
 # ============================================================================ bad recipes
 BAD = [
     ("merge.density", {"merge": {"method": "ties", "scaling_factor": 0.3, "density": 1.5}}),
@@ -386,6 +538,10 @@ BAD = [
     ("private", {"private": "yes"}),
     ("overwrite", {"overwrite": 1}),
     ("surprise", {"surprise": 1}),
+    ("post_merging", {"post_merging": "magic"}),
+    ("post_merging", {"post_merging": "featcal_module"}),
+    ("post_merging", {"post_merging": {"surgery": None, "svc": None}}),
+    ("post_merging.surgery", {"post_merging": {"surgery": {"steps": 0}}}),
 ]
 
 

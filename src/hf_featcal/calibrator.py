@@ -131,7 +131,7 @@ class FeatCalCalibrator:
         self.parameters = ModelParameters(model)
         # Processes (accelerate launch / torchrun): each takes a disjoint shard of every task's
         # batches; statistics are sums, reduced across processes before every solve.
-        self.state = accelerator.state if accelerator is not None else _default_state()
+        self.state = accelerator.state if accelerator is not None else default_process_state()
         #: What every stage shares (device, accumulation dtype, timings, solve log, process group).
         self.context = RunContext(
             model=model, layer_map=layer_map, config=config, parameters=self.parameters, process=self.state,
@@ -810,7 +810,9 @@ def _source_paths(source: ModelSource) -> list[str]:
     return [name] if isinstance(name, str) and os.path.isdir(name) else []
 
 
-def _default_state() -> PartialState:
+def default_process_state() -> PartialState:
+    """The process state of a run given no `Accelerator`: accelerate's, from the launcher's environment
+    (one process without a launcher)."""
     # without a GPU, `cpu=True` lets accelerate set up gloo when launched with several processes
     return PartialState(cpu=not torch.cuda.is_available())
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from .merging import MergeParameter, get_method, merge_methods
 from .merging.params import show_value as _show
-from .post_merging import step_names
+from .post_merging import recipe_step_names, step_names
 
 __all__ = [
     "MergeParameter",
@@ -235,6 +235,11 @@ RECIPE_SECTIONS: dict[str, tuple[RecipeKey, ...]] = {
         RecipeKey("merge", "section", "how the experts are merged: a method and its parameters", required=True),
         RecipeKey("featcal", "section", "any FeatCalConfig field", default_text="FeatCalConfig defaults"),
         RecipeKey("calibration", "section", "where each task's calibration examples come from", required=True),
+        # choices: the registered steps that are not FeatCal variants (`recipe_step_names`), read when asked
+        RecipeKey("post_merging", "choice", "the post-merging step run on the merge: featcal as the featcal section "
+                  "sets it (its variants are that section's fields), or another registered step, saved with its "
+                  "per-task modules where it has them; {<step>: {<param>: <value>}} sets the step's parameters",
+                  default="featcal", choices_of=recipe_step_names),
         RecipeKey("evaluation", "section", "what is scored before and after calibration (false: nothing)",
                   value_text="false | {...}",
                   default_text="enabled with defaults; bert / vit: false, they have none"),

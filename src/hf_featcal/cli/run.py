@@ -27,7 +27,9 @@ the FeatCal module selection and every calibration batch against the base, and t
 against the evaluation data (the pre-flight; --check runs it too, loading local sources only, no
 merge) → merge → evaluate the merged model → FeatCal → evaluate again →
 save model, processor, model card (with the evaluation), drift report, drift plot (featcal_drift.png),
-featcal_evaluation.json and the recipe → push to the hub if asked.
+featcal_evaluation.json and the recipe → push to the hub if asked. With post_merging set to another
+step (e.g. surgery, svc) that step runs in place of FeatCal, and its per-task modules, where it has
+them, are saved beside the model.
 
 recipe schema ("?": optional, [default]; generated from hf_featcal.schema, as in docs/recipes.md):
 {schema}
@@ -58,6 +60,7 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..post_merging import get_step
     from ..recipes import load_recipe, run_recipe
     from ..recipes.preflight import check_recipe_targets
 
@@ -72,8 +75,9 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, overrides)
     check_device(args.device)
     check_recipe_targets(recipe, push=not args.no_push)  # output folder and push, as the run checks them
+    step = "" if recipe.post_merging == "featcal" else f", post-merging {recipe.post_merging}"
     print(f"Recipe {args.recipe}: {recipe.model_family}, base {recipe.base}, {len(recipe.experts)} experts "
-          f"({', '.join(recipe.tasks)}), merge {recipe.merge.describe()}, output {recipe.output_dir}")
+          f"({', '.join(recipe.tasks)}), merge {recipe.merge.describe()}{step}, output {recipe.output_dir}")
     if args.check:
         return _check(args, recipe)
     finish = quiet_warnings()
@@ -99,8 +103,11 @@ def run(args: argparse.Namespace) -> int:
     if ridge:
         print(f"\n{ridge} module groups had input directions without data (set by the ridge).")
     timing = ", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items())
-    print(f"\nSaved to {result.output_dir} (model, processor, model card, drift report"
-          + (", drift plot" if result.plot_path else "") + f"). Timings: {timing}.")
+    saved = ("model, processor, model card" + (", drift report" if result.report is not None else "")
+             + (", drift plot" if result.plot_path else "")
+             + (", per-task modules" if recipe.post_merging != "featcal"
+                and get_step(recipe.post_merging).per_task_modules else ""))
+    print(f"\nSaved to {result.output_dir} ({saved}). Timings: {timing}.")
     if result.pushed_to:
         print(f"Pushed to https://huggingface.co/{result.pushed_to}")
     return 0
@@ -113,12 +120,14 @@ def _check(args: argparse.Namespace, recipe: Any) -> int:
     from ..recipes.run import prepare_recipe_inputs
 
     evaluation = "off" if recipe.evaluation is None else f"{len(recipe.evaluation.tasks)} tasks"
+    featcal = recipe.post_merging == "featcal"  # FeatCal's pre-flight on the base (another step has none)
     if recipe_sources_are_local(recipe, evaluate=not args.no_eval):
         with ProgressBars(True):
             inputs = prepare_recipe_inputs(recipe, evaluate=not args.no_eval, log=log)
-            check_recipe_inputs(recipe, inputs, evaluate=not args.no_eval, device=args.device)
-        checked = ("the output folder, the push, the FeatCal module selection and every calibration batch against "
-                   "the base" + (", the class names against the evaluation data" if evaluation != "off" else ""))
+            check_recipe_inputs(recipe, inputs, featcal=featcal, evaluate=not args.no_eval, device=args.device)
+        checked = ("the output folder, the push"
+                   + (", the FeatCal module selection and every calibration batch against the base" if featcal else "")
+                   + (", the class names against the evaluation data" if evaluation != "off" else ""))
     else:
         checked = ("the output folder and the push; some sources (base, datasets) are on the hub and are not "
                    "downloaded: the module selection, the batches and the class names are checked when the run "

@@ -23,6 +23,7 @@ from .registry import (
     PostMergingStep,
     get_step,
     post_merging_steps,
+    recipe_step_names,
     register_step,
     step_names,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "PostMergingStep",
     "get_step",
     "post_merging_steps",
+    "recipe_step_names",
     "register_step",
     "step_names",
 ]

@@ -19,6 +19,7 @@ __all__ = [
     "PostMergingStep",
     "get_step",
     "post_merging_steps",
+    "recipe_step_names",
     "register_step",
     "step_names",
 ]
@@ -60,10 +61,13 @@ class PostMergingStep(DeclaredFunction):
     ``function(merged, base, experts, calibration_data, *, config, processing_class, device,
     **parameters)`` returns a `PostMergingResult` and leaves its inputs unmodified.
     ``per_task_modules``: the result is the merged model plus per-task modules, applied given the task
-    (else one model). ``fusionbench``: FusionBench's class for it, where there is one."""
+    (else one model). ``fusionbench``: FusionBench's class for it, where there is one.
+    ``featcal_fields``: for FeatCal and its variants, the `FeatCalConfig` fields the step sets (a recipe
+    sets them in its ``featcal`` section and runs FeatCal's own path); None for every other step."""
 
     per_task_modules: bool = False
     fusionbench: str | None = None
+    featcal_fields: tuple[str, ...] | None = None
 
     kind_text = "post-merging step"
 
@@ -136,4 +140,10 @@ def post_merging_steps(*, calibration_data: bool | None = None) -> dict[str, Pos
 def step_names() -> tuple[str, ...]:
     """The registered steps' names, in registration order (read when asked: a step registered later is in it)."""
     return tuple(_STEPS)
+
+
+def recipe_step_names() -> tuple[str, ...]:
+    """The steps a recipe's ``post_merging`` runs: ``featcal`` (FeatCal as the ``featcal`` section sets it)
+    and every step that is not a FeatCal variant (whose settings are the ``featcal`` section's fields)."""
+    return tuple(name for name, step in _STEPS.items() if name == "featcal" or step.featcal_fields is None)
 

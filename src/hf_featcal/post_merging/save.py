@@ -12,7 +12,7 @@ from typing import Any
 
 from .registry import PostMergingResult
 
-__all__ = ["save_post_merged"]
+__all__ = ["save_post_merged", "write_post_merged"]
 
 
 def save_post_merged(result: PostMergingResult, output_dir: str | os.PathLike, *, step: str,
@@ -20,19 +20,28 @@ def save_post_merged(result: PostMergingResult, output_dir: str | os.PathLike, *
     """Save `result` of post-merging step `step` into `output_dir` (checked as every save is: an empty or
     new folder, or an earlier hf_featcal save; `overwrite` as in `check_output_dir`); returns the entries
     the save wrote (its manifest's)."""
-    from ..saving import atomic_folder, read_manifest, save_model_files
+    from ..saving import atomic_folder, read_manifest
     from .registry import get_step
 
-    declared = get_step(step)  # KeyError naming the known steps for an unknown one, before writing
+    get_step(step)  # KeyError naming the known steps for an unknown one, before writing
     if not isinstance(result, PostMergingResult):
         raise TypeError(f"`result` must be a PostMergingResult, got {type(result).__name__}")
     with atomic_folder(output_dir, overwrite=overwrite) as folder:
-        save_model_files(result.model, folder, processing_class=processing_class)
-        if result.task_modules is not None:
-            result.task_modules.save_pretrained(folder)
-            with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as handle:
-                handle.write(_card(result, declared))
+        write_post_merged(result, folder, step=step, processing_class=processing_class)
     return read_manifest(output_dir) or []
+
+
+def write_post_merged(result: PostMergingResult, folder: str, *, step: str, processing_class: Any = None) -> None:
+    """Write `result` of step `step` into `folder`, a save being made (`hf_featcal.saving.atomic_folder`):
+    the model's files, and for a result with per-task modules their files and the model card."""
+    from ..saving import save_model_files
+    from .registry import get_step
+
+    save_model_files(result.model, folder, processing_class=processing_class)
+    if result.task_modules is not None:
+        result.task_modules.save_pretrained(folder)
+        with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as handle:
+            handle.write(_card(result, get_step(step)))
 
 
 def _card(result: PostMergingResult, step: Any) -> str:

@@ -69,6 +69,7 @@ from .run import (
     CalibrationRun,
     RecipeInputs,
     RecipeResult,
+    StepRun,
     build_calibrator,
     calibrate_merged,
     check_fast_mode,
@@ -76,6 +77,7 @@ from .run import (
     lm_eval_table,
     load_calibration_data,
     merge_experts,
+    post_merge,
     prepare_recipe_inputs,
     push_run,
     recipe_evaluator,
@@ -83,6 +85,7 @@ from .run import (
     run_recipe,
     save_calibrated,
     save_run,
+    save_step_run,
     upload_folder,
 )
 from .spec import CompareSpec, DatasetSpec, EvaluationSpec, KeyChecker, MergeSpec, RecipeError
@@ -103,6 +106,7 @@ __all__ = [
     "RecipeError",
     "RecipeInputs",
     "RecipeResult",
+    "StepRun",
     "build_calibrator",
     "calibrate_merged",
     "check_family",
@@ -121,6 +125,7 @@ __all__ = [
     "parse_calibration",
     "parse_featcal",
     "parse_recipe",
+    "post_merge",
     "prepare_calibration",
     "prepare_recipe_inputs",
     "push_run",
@@ -129,6 +134,7 @@ __all__ = [
     "run_recipe",
     "save_calibrated",
     "save_run",
+    "save_step_run",
     "upload_folder",
     "validate_merge_spec",
 ]

@@ -82,6 +82,10 @@ class Recipe:
     overwrite: bool = False
     private: bool | None = None
     compare: CompareSpec | None = None
+    #: the post-merging step run on the merge (`hf_featcal.post_merging.recipe_step_names`) and the
+    #: parameters given for it (laid over its declared defaults)
+    post_merging: str = "featcal"
+    post_merging_parameters: dict[str, Any] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)  # the recipe as given
 
     @property
@@ -135,6 +139,9 @@ class Recipe:
         result["push_to_hub"] = self.push_to_hub
         result["private"] = self.private
         result["overwrite"] = self.overwrite
+        if self.post_merging != "featcal":
+            result["post_merging"] = ({self.post_merging: copy.deepcopy(self.post_merging_parameters)}
+                                      if self.post_merging_parameters else self.post_merging)
         if self.compare is not None:
             result["compare"] = {"merges": copy.deepcopy(self.compare.merges)}
             if self.compare.post_merging is not None:
@@ -273,6 +280,7 @@ def parse_recipe(
     private = v.checked("private", data.get("private"))
     overwrite = v.checked("overwrite", data.get("overwrite", False))
     compare = _parse_compare(v, data["compare"]) if data.get("compare") is not None else None
+    step, step_parameters = _parse_run_step(v, data.get("post_merging"))
     return Recipe(
         model_family=family,
         base=base,
@@ -287,8 +295,34 @@ def parse_recipe(
         overwrite=overwrite,
         private=private,
         compare=compare,
+        post_merging=step,
+        post_merging_parameters=step_parameters,
         raw=copy.deepcopy(dict(data)),
     )
+
+
+def _parse_run_step(v: KeyChecker, raw: Any) -> tuple[str, dict[str, Any]]:
+    """``post_merging``: a step of `recipe_step_names` (null: featcal), or a mapping of one such step to
+    its parameters (checked by the step's declarations; null: its defaults)."""
+    if raw is None:
+        return "featcal", {}
+    values: Any = None
+    if isinstance(raw, Mapping):
+        if len(raw) != 1:
+            raise v.error("post_merging", f"a mapping names exactly one step and its parameters, got {show(raw)}")
+        ((raw, values),) = raw.items()
+        if values is not None and not isinstance(values, Mapping):
+            raise v.error(f"post_merging.{raw}", f"must be a mapping of parameters or null, got {show(values)}")
+    if raw in step_names() and get_step(raw).featcal_fields:
+        fields = ", ".join(f"featcal.{name}" for name in get_step(raw).featcal_fields or ())
+        raise v.error("post_merging", f"{raw!r} is FeatCal with other settings: leave post_merging at featcal and "
+                      f"set {fields} in the featcal section")
+    step = v.checked("post_merging", raw)
+    try:
+        parameters = get_step(step).checked_parameters(values)
+    except ValueError as err:
+        raise v.error(f"post_merging.{step}", str(err)) from None
+    return step, parameters
 
 
 # ---------------------------------------------------------------------------------- merge

@@ -29,6 +29,7 @@ __all__ = [
     "CalibrationRun",
     "RecipeInputs",
     "RecipeResult",
+    "StepRun",
     "build_calibrator",
     "calibrate_merged",
     "check_fast_mode",
@@ -36,6 +37,7 @@ __all__ = [
     "lm_eval_table",
     "load_calibration_data",
     "merge_experts",
+    "post_merge",
     "prepare_recipe_inputs",
     "push_run",
     "recipe_evaluator",
@@ -43,6 +45,7 @@ __all__ = [
     "run_recipe",
     "save_calibrated",
     "save_run",
+    "save_step_run",
     "upload_folder",
 ]
 
@@ -324,7 +327,8 @@ def run_recipe(
 ) -> RecipeResult:
     """Execute a recipe: merge → calibrate (checks first) → evaluate before/after → save (+ push), the
     stages `check_output_dir` → `prepare_recipe_inputs` → `merge_experts` → `build_calibrator` →
-    `calibrate_merged` → `save_run` → `push_run`.
+    `calibrate_merged` → `save_run` → `push_run`. A recipe whose ``post_merging`` is another step runs
+    `post_merge` and `save_step_run` in place of the calibration's stages (in one process).
 
     The output folder gets the calibrated model (``save_pretrained``; open_clip: its own format), its
     processor / tokenizer,
@@ -335,16 +339,27 @@ def run_recipe(
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     inputs_read = recipe_input_folders(recipe)
+    featcal = recipe.post_merging == "featcal"
+    if not featcal:
+        check_one_process(recipe)
     # the pre-flight: output folder and push before anything is loaded; module selection, batches and
     # class names against the base and the data before anything is merged
     check_recipe_targets(recipe, push=push_to_hub)
     inputs = prepare_recipe_inputs(recipe, evaluate=evaluate, log=log)
-    check_recipe_inputs(recipe, inputs, evaluate=evaluate, device=device)
+    check_recipe_inputs(recipe, inputs, featcal=featcal, evaluate=evaluate, device=device)
     timings["load"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
     merged = merge_experts(inputs.base, recipe.experts, recipe.merge, log=log)
     timings["merge"] = time.perf_counter() - clock
+    if not featcal:
+        step_run = post_merge(recipe, inputs, merged, device=device, evaluate=evaluate, log=log)
+        timings.update(step_run.timings)
+        table = save_step_run(step_run, recipe, inputs, inputs_read)
+        pushed = push_run(recipe.output_dir, recipe.push_to_hub if push_to_hub else None, private=recipe.private,
+                          log=log)
+        return RecipeResult(output_dir=recipe.output_dir, report=step_run.result.report, before=step_run.before,
+                            after=step_run.after, plot_path=None, timings=timings, table=table, pushed_to=pushed)
 
     calibrator = build_calibrator(merged, inputs.base, recipe.experts, inputs.calibration, recipe.featcal,
                                   recipe.family,
@@ -367,7 +382,119 @@ def run_recipe(
     )
 
 
-def _append_to_card(output_dir: str, table: str, recipe: Recipe) -> None:
+def check_one_process(recipe: Recipe) -> None:
+    """A post-merging step other than FeatCal runs in one process: a RecipeError naming ``post_merging``
+    under a launcher that started several (each would run the whole step and write the same folder)."""
+    from ..calibrator import default_process_state
+
+    processes = default_process_state().num_processes
+    if processes > 1:
+        raise RecipeError("post_merging", f"{recipe.post_merging!r} runs in one process, this run has {processes}: "
+                          "start it without accelerate launch (FeatCal alone spreads over processes)", recipe.source)
+
+
+@dataclass
+class StepRun:
+    """What `post_merge` produced: the step's `PostMergingResult`, the scores before / after (None when
+    not evaluated), their details and the seconds per stage."""
+
+    step: str
+    result: Any
+    before: dict[str, float] | None
+    after: dict[str, float] | None
+    details: dict[str, Any]
+    timings: dict[str, float]
+
+
+def post_merge(recipe: Recipe, inputs: RecipeInputs, merged: Any, *, device: Any = None, evaluate: bool = True,
+               log: Callable[[str], None] = print) -> StepRun:
+    """Stage *post-merge* of a recipe whose ``post_merging`` is not FeatCal: the step (its parameters laid
+    over its declared defaults) on `merged`, with the experts in memory (an adapter on the recipe's base,
+    as the merge reads it) and the recipe's calibration data, evaluated before and after when asked. A
+    result with per-task modules is scored task by task, each inside ``task_modules.for_task``."""
+    from ..model_io import load_model
+    from ..post_merging import get_step
+
+    step = get_step(recipe.post_merging)
+    family = recipe.family
+    evaluation = recipe.evaluation if evaluate else None
+    timings: dict[str, float] = {}
+    details: dict[str, Any] = {}
+
+    def scores(model: Any, when: str, what: str, modules: Any = None) -> dict[str, float]:
+        assert evaluation is not None
+        clock = time.perf_counter()
+        log(f"Evaluating the {what} model ...")
+        if modules is None:
+            out, details[when] = evaluate_model(family.name, model, evaluation, processing=inputs.processing,
+                                                clip_model=inputs.clip_model, device=device)
+        else:  # each task with its own module applied
+            out, details[when] = {}, {}
+            for task in evaluation.tasks:
+                with modules.for_task(model, task):
+                    task_scores, details[when][task] = evaluate_model(
+                        family.name, model, dataclasses.replace(evaluation, tasks=[task]),
+                        processing=inputs.processing, clip_model=inputs.clip_model, device=device)
+                out[task] = task_scores[task]
+        timings[f"evaluate_{when}"] = time.perf_counter() - clock
+        return out
+
+    before = scores(merged, "before", "merged") if evaluation is not None else None
+    experts = {t: load_model(source, f"experts.{t}", base=inputs.base) for t, source in recipe.experts.items()}
+    clock = time.perf_counter()
+    log(f"Running the post-merging step {step.name} ...")
+    result = step.run(merged, inputs.base, experts, inputs.calibration, config=recipe.featcal,
+                      processing_class=family.calibration_processing_class(inputs.processing), device=device,
+                      **recipe.post_merging_parameters)
+    timings[step.name] = time.perf_counter() - clock
+    after = None
+    if evaluation is not None:
+        after = scores(result.model, "after", f"{step.name}", result.task_modules)
+    return StepRun(step=step.name, result=result, before=before, after=after, details=details, timings=timings)
+
+
+def save_step_run(run: StepRun, recipe: Recipe, inputs: RecipeInputs, inputs_read: Mapping[str, Any]) -> str | None:
+    """Stage *save* of a `post_merge` run: one save of the step's result (`write_post_merged`: the model,
+    its processing classes and, where the step has them, its per-task modules with their card), the
+    before / after table (``featcal_evaluation.json``, the card's evaluation section) and the resolved
+    recipe. Returns the scores table."""
+    import yaml
+
+    from ..evaluation.results import scores_table
+    from ..post_merging.save import write_post_merged
+    from ..saving import atomic_folder
+
+    merge = recipe.merge.describe()
+    table = None
+    if recipe.evaluation is not None and run.before is not None and run.after is not None:
+        table = scores_table({merge: run.before, f"{merge} + {run.step}": run.after}, recipe.evaluation.tasks,
+                             percent=recipe.family.score_in_percent)
+    with atomic_folder(recipe.output_dir, inputs=inputs_read, overwrite=recipe.overwrite,
+                       written_by=recipe_writer(recipe)) as folder:
+        write_post_merged(run.result, folder, step=run.step,
+                          processing_class=recipe.family.processing_to_save(inputs.processing))
+        card = os.path.join(folder, "README.md")
+        if not os.path.exists(card):  # a one-model result: the card says what made it
+            from ..post_merging import get_step
+
+            with open(card, "w", encoding="utf-8") as handle:
+                handle.write(f"# {merge} + {run.step}\n\nThe experts {', '.join(recipe.tasks)} merged ({merge}) "
+                             f"and the merge post-processed by {run.step} ({get_step(run.step).reference}), saved "
+                             "by `hf_featcal` from a recipe (`featcal_recipe.yaml`).\n")
+        if table is not None:
+            with open(os.path.join(folder, "featcal_evaluation.json"), "w", encoding="utf-8") as handle:
+                json.dump({"before": run.before, "after": run.after, "details": run.details}, handle, indent=2,
+                          default=str)
+                handle.write("\n")
+            _append_to_card(folder, table, recipe, after=run.step)
+        with open(os.path.join(folder, "featcal_recipe.yaml"), "w", encoding="utf-8") as handle:
+            handle.write(f"# The recipe of this run (from {recipe.source or 'a dict'}), resolved: hf-featcal run "
+                         "<this file>\n")
+            yaml.safe_dump(recipe.to_dict(), handle, sort_keys=False, allow_unicode=True)
+    return table
+
+
+def _append_to_card(output_dir: str, table: str, recipe: Recipe, after: str = "FeatCal") -> None:
     path = os.path.join(output_dir, "README.md")
     assert recipe.evaluation is not None
     splits = sorted({recipe.evaluation.datasets[t].split or "" for t in recipe.evaluation.tasks})
@@ -376,7 +503,8 @@ def _append_to_card(output_dir: str, table: str, recipe: Recipe) -> None:
     heading = recipe.family.score_heading("Headline score per task")
     text = (
         f"\n## Evaluation\n\n{heading}, split {', '.join(splits)}{limit}, "
-        f"before and after FeatCal:\n\n{table}\n\n![feature drift per block](featcal_drift.png)\n"
+        f"before and after {after}:\n\n{table}\n"
+        + ("\n![feature drift per block](featcal_drift.png)\n" if after == "FeatCal" else "")
     )
     with open(path, "a", encoding="utf-8") as handle:
         handle.write(text)

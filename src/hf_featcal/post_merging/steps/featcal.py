@@ -36,5 +36,5 @@ def apply(merged: Any, base: Any, experts: Mapping[str, Any], calibration_data: 
 
 STEP = register_step(PostMergingStep(
     "featcal", apply, summary="closed-form feature calibration, block by block (FeatCalConfig's settings)",
-    reference=REFERENCE, needs_calibration_data=True,
+    reference=REFERENCE, featcal_fields=(), needs_calibration_data=True,
 ))

@@ -44,5 +44,6 @@ def apply(merged: Any, base: Any, experts: Mapping[str, Any], calibration_data: 
 STEP = register_step(PostMergingStep(
     "featcal_guarded", apply,
     summary="FeatCal with a held-out guard: each block blended towards the merged one where held-out drift rises",
-    reference=REFERENCE, needs_calibration_data=True, parameters=(HELDOUT_FRACTION, GUARD),
+    reference=REFERENCE, featcal_fields=("heldout_fraction", "guard"), needs_calibration_data=True,
+    parameters=(HELDOUT_FRACTION, GUARD),
 ))

@@ -18,5 +18,5 @@ def apply(merged: Any, base: Any, experts: Mapping[str, Any], calibration_data: 
 
 STEP = register_step(PostMergingStep(
     "featcal_module", apply, summary="FeatCal, module-granular (granularity: module)",
-    reference=REFERENCE, needs_calibration_data=True,
+    reference=REFERENCE, featcal_fields=("granularity",), needs_calibration_data=True,
 ))
