@@ -148,17 +148,24 @@ def merge_experts(base: Any, experts: Mapping[str, Any], merge: MergeSpec, *,
     return merge_models(base, dict(experts), merge.method, **merge.params)
 
 
-@dataclass
-class CalibrationRun:
-    """What `calibrate_merged` produced: the calibrator (its report, its ``save_model``), the calibrated
-    model, the scores before / after (None when not evaluated), their details and the seconds per step."""
+@dataclass(kw_only=True)
+class ScoredRun:
+    """The scores of a run's model before / after its post-merging step (None when not evaluated),
+    their details and the seconds per stage."""
 
-    calibrator: Any
-    calibrated: Any
     before: dict[str, float] | None
     after: dict[str, float] | None
     details: dict[str, Any]
     timings: dict[str, float]
+
+
+@dataclass(kw_only=True)
+class CalibrationRun(ScoredRun):
+    """What `calibrate_merged` produced: the calibrator (its report, its ``save_model``) and the
+    calibrated model, with the scores (`ScoredRun`)."""
+
+    calibrator: Any
+    calibrated: Any
 
 
 def calibrate_merged(
@@ -215,37 +222,49 @@ def save_run(
     sources besides the calibrator's own; `overwrite`; `written_by`, recorded in the manifest: an
     earlier save of another writer is replaced only with `overwrite`). Returns (drift plot path, scores
     table)."""
-    import yaml
-
-    from ..evaluation.results import scores_table
     from ..saving import atomic_folder
 
-    table = None
-    if recipe is not None and recipe.evaluation is not None and run.before is not None and run.after is not None:
-        rows = {recipe.merge.describe(): run.before, f"{recipe.merge.describe()} + FeatCal": run.after}
-        table = scores_table(rows, recipe.evaluation.tasks, percent=model_family.score_in_percent)
-        harness = lm_eval_table(run.details, {recipe.merge.describe(): "before",
-                                              f"{recipe.merge.describe()} + FeatCal": "after"})
-        if harness:
-            table += "\n\nlm-evaluation-harness (zero-shot)\n\n" + harness
+    table = None if recipe is None else _scores_table(recipe, run.before, run.after, run.details, "FeatCal")
     if not run.calibrator.state.is_main_process:
         return None, table
     with atomic_folder(output_dir, inputs={**run.calibrator.input_folders(), **(inputs or {})},
                        overwrite=overwrite, written_by=written_by) as folder:
         plot_name = _write_calibrated(run.calibrator, folder, model_family, processing)
-        if table is not None:
-            assert recipe is not None
-            with open(os.path.join(folder, "featcal_evaluation.json"), "w", encoding="utf-8") as handle:
-                json.dump({"before": run.before, "after": run.after, "details": run.details}, handle, indent=2,
-                          default=str)
-                handle.write("\n")
-            _append_to_card(folder, table, recipe)
         if recipe is not None:
-            with open(os.path.join(folder, "featcal_recipe.yaml"), "w", encoding="utf-8") as handle:
-                handle.write(f"# The recipe of this run (from {recipe.source or 'a dict'}), resolved: hf-featcal run "
-                             "<this file>\n")
-                yaml.safe_dump(recipe.to_dict(), handle, sort_keys=False, allow_unicode=True)
+            _write_records(folder, recipe, table, run.before, run.after, run.details, "FeatCal")
     return (None if plot_name is None else os.path.join(output_dir, plot_name)), table
+
+
+def _scores_table(recipe: Recipe, before: dict[str, float] | None, after: dict[str, float] | None,
+                  details: Mapping[str, Any], step: str) -> str | None:
+    """The before / after table of a run (rows: the merge, the merge + `step`), with the
+    lm-evaluation-harness scores in `details` where there are any; None when not evaluated."""
+    from ..evaluation.results import scores_table
+
+    if recipe.evaluation is None or before is None or after is None:
+        return None
+    rows = {recipe.merge.describe(): "before", f"{recipe.merge.describe()} + {step}": "after"}
+    table = scores_table({row: before if key == "before" else after for row, key in rows.items()},
+                         recipe.evaluation.tasks, percent=recipe.family.score_in_percent)
+    harness = lm_eval_table(details, rows)
+    return table if not harness else table + "\n\nlm-evaluation-harness (zero-shot)\n\n" + harness
+
+
+def _write_records(folder: str, recipe: Recipe, table: str | None, before: dict[str, float] | None,
+                   after: dict[str, float] | None, details: Mapping[str, Any], step: str) -> None:
+    """Into a save being made: the evaluation (``featcal_evaluation.json`` and the card's section, where
+    `table` is given) and the resolved recipe (``featcal_recipe.yaml``)."""
+    import yaml
+
+    if table is not None:
+        with open(os.path.join(folder, "featcal_evaluation.json"), "w", encoding="utf-8") as handle:
+            json.dump({"before": before, "after": after, "details": details}, handle, indent=2, default=str)
+            handle.write("\n")
+        _append_to_card(folder, table, recipe, after=step)
+    with open(os.path.join(folder, "featcal_recipe.yaml"), "w", encoding="utf-8") as handle:
+        handle.write(f"# The recipe of this run (from {recipe.source or 'a dict'}), resolved: hf-featcal run "
+                     "<this file>\n")
+        yaml.safe_dump(recipe.to_dict(), handle, sort_keys=False, allow_unicode=True)
 
 
 def push_run(
@@ -393,17 +412,12 @@ def check_one_process(recipe: Recipe) -> None:
                           "start it without accelerate launch (FeatCal alone spreads over processes)", recipe.source)
 
 
-@dataclass
-class StepRun:
-    """What `post_merge` produced: the step's `PostMergingResult`, the scores before / after (None when
-    not evaluated), their details and the seconds per stage."""
+@dataclass(kw_only=True)
+class StepRun(ScoredRun):
+    """What `post_merge` produced: the step's name and `PostMergingResult`, with the scores (`ScoredRun`)."""
 
     step: str
     result: Any
-    before: dict[str, float] | None
-    after: dict[str, float] | None
-    details: dict[str, Any]
-    timings: dict[str, float]
 
 
 def post_merge(recipe: Recipe, inputs: RecipeInputs, merged: Any, *, device: Any = None, evaluate: bool = True,
@@ -458,17 +472,11 @@ def save_step_run(run: StepRun, recipe: Recipe, inputs: RecipeInputs, inputs_rea
     its processing classes and, where the step has them, its per-task modules with their card), the
     before / after table (``featcal_evaluation.json``, the card's evaluation section) and the resolved
     recipe. Returns the scores table."""
-    import yaml
-
-    from ..evaluation.results import scores_table
     from ..post_merging.save import write_post_merged
     from ..saving import atomic_folder
 
     merge = recipe.merge.describe()
-    table = None
-    if recipe.evaluation is not None and run.before is not None and run.after is not None:
-        table = scores_table({merge: run.before, f"{merge} + {run.step}": run.after}, recipe.evaluation.tasks,
-                             percent=recipe.family.score_in_percent)
+    table = _scores_table(recipe, run.before, run.after, run.details, run.step)
     with atomic_folder(recipe.output_dir, inputs=inputs_read, overwrite=recipe.overwrite,
                        written_by=recipe_writer(recipe)) as folder:
         write_post_merged(run.result, folder, step=run.step,
@@ -481,16 +489,7 @@ def save_step_run(run: StepRun, recipe: Recipe, inputs: RecipeInputs, inputs_rea
                 handle.write(f"# {merge} + {run.step}\n\nThe experts {', '.join(recipe.tasks)} merged ({merge}) "
                              f"and the merge post-processed by {run.step} ({get_step(run.step).reference}), saved "
                              "by `hf_featcal` from a recipe (`featcal_recipe.yaml`).\n")
-        if table is not None:
-            with open(os.path.join(folder, "featcal_evaluation.json"), "w", encoding="utf-8") as handle:
-                json.dump({"before": run.before, "after": run.after, "details": run.details}, handle, indent=2,
-                          default=str)
-                handle.write("\n")
-            _append_to_card(folder, table, recipe, after=run.step)
-        with open(os.path.join(folder, "featcal_recipe.yaml"), "w", encoding="utf-8") as handle:
-            handle.write(f"# The recipe of this run (from {recipe.source or 'a dict'}), resolved: hf-featcal run "
-                         "<this file>\n")
-            yaml.safe_dump(recipe.to_dict(), handle, sort_keys=False, allow_unicode=True)
+        _write_records(folder, recipe, table, run.before, run.after, run.details, run.step)
     return table
 
 
