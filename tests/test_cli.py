@@ -481,6 +481,25 @@ def test_a_recipe_with_a_one_model_step_saves_that_model(world, capsys):
     assert _re_score(world, path, CLIPModel.from_pretrained(out_dir).eval()) == pytest.approx(evaluation["after"])
 
 
+def test_a_recipe_with_no_post_merging_step_saves_the_merge_scored_once(world, capsys):
+    from transformers import CLIPModel
+
+    from hf_featcal.merging import merge_models
+
+    out_dir = world / "out-none"
+    path = _write(world / "none.yaml", _recipe(world, post_merging="none", output_dir=str(out_dir)))
+    assert cli.main(["run", path]) == 0
+    timings = capsys.readouterr().out.split("Timings:")[1]
+    assert "evaluate_before" in timings and "evaluate_after" not in timings  # the merge is the result: scored once
+    merged = merge_models(str(world / "base"), {t: str(world / "experts" / t) for t in TASKS}, "task_arithmetic",
+                          scaling_factor=0.3).state_dict()
+    got = CLIPModel.from_pretrained(out_dir).state_dict()
+    assert got.keys() == merged.keys() and all(torch.equal(got[k], merged[k]) for k in merged)
+    evaluation = json.loads((out_dir / "featcal_evaluation.json").read_text())
+    assert evaluation["after"] == evaluation["before"]
+    assert evaluation["before"] == pytest.approx(_re_score(world, path, CLIPModel.from_pretrained(out_dir).eval()))
+
+
 @pytest.mark.parametrize("step,fields", [("featcal_module", "featcal.granularity"),
                                          ("featcal_guarded", "featcal.heldout_fraction, featcal.guard")])
 def test_a_featcal_variant_as_the_step_points_to_the_featcal_section(world, step, fields):

@@ -462,8 +462,10 @@ def post_merge(recipe: Recipe, inputs: RecipeInputs, merged: Any, *, device: Any
                       **recipe.post_merging_parameters)
     timings[step.name] = time.perf_counter() - clock
     after = None
-    if evaluation is not None:
-        after = scores(result.model, "after", f"{step.name}", result.task_modules)
+    if evaluation is not None and result.model is merged and result.task_modules is None:
+        after, details["after"] = dict(before or {}), details["before"]  # the merge itself ("none"): scored above
+    elif evaluation is not None:
+        after = scores(result.model, "after", step.name, result.task_modules)
     return StepRun(step=step.name, result=result, before=before, after=after, details=details, timings=timings)
 
 
