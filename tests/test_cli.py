@@ -611,9 +611,11 @@ def test_not_yaml_and_missing_file(tmp_path, capsys):
 
 
 # ======================================================================== shipped recipes
-@pytest.mark.parametrize("name", ["clip_vit_b32_ta8.yaml", "clip_vit_b32_ties8.yaml", "flan_t5_base_glue8.yaml"])
+@pytest.mark.parametrize("name", ["clip_vit_b32_ta8.yaml", "clip_vit_b32_ties8.yaml", "flan_t5_base_glue8.yaml",
+                                  "clip_vit_b32_ta8_surgery.yaml"])
 def test_shipped_recipes_validate(name, capsys):
     recipe = load_recipe(os.path.join(SHIPPED, name))
+    assert recipe.post_merging == ("surgery" if "surgery" in name else "featcal")
     assert recipe.push_to_hub is None
     assert all(spec.split == "train" and spec.num_examples == 256 for spec in recipe.calibration.values())
     assert recipe.merge.params["scaling_factor"] == 0.3
