@@ -317,6 +317,49 @@ def test_zero_shot_evaluation_of_open_clip_models(generator):
     assert tower.predictions["toy"] == predictions.tolist()
 
 
+def test_open_clip_recipe_with_surgery_saves_the_modules_the_way_open_clip_loads_the_model(
+        generator, tmp_path, tiny_model_name, capsys):
+    """`post_merging: surgery` on open_clip folders: the save is open_clip's (the merge, unchanged) with the
+    per-task modules beside it, and each task's reported score is the reloaded model's with its module."""
+    import datasets
+    import yaml
+
+    from hf_featcal import cli
+    from hf_featcal.evaluation import evaluate_clip_zeroshot
+    from hf_featcal.merging import task_arithmetic
+    from hf_featcal.post_merging.task_modules import TaskModules
+
+    names = {"zorbs": ["red", "green", "blue"], "glyphs": ["cat", "dog"]}
+    path = write_open_clip_recipe_world(tmp_path, generator, tiny_model_name, names, {"train": 12, "test": 8},
+                                        featcal_batch_size=4, num_examples=8)
+    recipe = yaml.safe_load(path.read_text())
+    recipe["post_merging"] = {"surgery": {"steps": 20, "lr": 0.1}}
+    path.write_text(yaml.safe_dump(recipe))
+    assert cli.main(["run", str(path), "--quiet"]) == 0
+    assert "task_arithmetic (scaling_factor=0.3) + surgery" in capsys.readouterr().out
+
+    out = tmp_path / "out"
+    reloaded = open_clip.create_model(f"local-dir:{out}").eval()
+    merged = task_arithmetic(f"local-dir:{tmp_path / 'base'}",
+                             {t: f"local-dir:{tmp_path / 'experts' / t}" for t in names}, 0.3)
+    assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in merged.state_dict().items())
+    modules = TaskModules.from_pretrained(out)
+    evaluation = json.loads((out / "featcal_evaluation.json").read_text())
+    pixels = torch.rand(2, 3, IMAGE, IMAGE)
+    with torch.no_grad():
+        plain = reloaded.encode_image(pixels)
+        with modules.for_task(reloaded, "zorbs"):
+            assert not torch.allclose(reloaded.encode_image(pixels), plain)  # the module changes the features
+    tokenizer = open_clip.get_tokenizer(f"local-dir:{out}")
+    preprocess = open_clip.image_transform(IMAGE, is_train=False)
+    for task in names:
+        test = datasets.load_from_disk(str(tmp_path / "data" / task))["test"]
+        with modules.for_task(reloaded, task):
+            direct = evaluate_clip_zeroshot(reloaded, None, (tokenizer, preprocess), tasks=task,
+                                            datasets={task: test}, class_names={task: names[task]})
+        assert evaluation["after"][task] == pytest.approx(direct[task])
+
+
 def test_open_clip_recipe_and_commands_end_to_end(generator, tmp_path, tiny_model_name, capsys):
     """`hf-featcal run` with `model_family: open_clip` (base and experts as open_clip folders, local
     datasets), then `merge` / `calibrate` / `evaluate` on the same folders."""
