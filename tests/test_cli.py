@@ -361,6 +361,28 @@ def test_run_flan_t5_recipe_end_to_end(tmp_path, capsys):
     assert evaluation["details"]["after"]["cola"]["num_examples"] == {"cola": 4}
     assert os.path.isfile(tmp_path / "t5-out" / "featcal_drift.png")
 
+    # the same recipe with Surgery in place of FeatCal: T5 saved with its per-task modules, each task's
+    # reported score the reloaded model's, generating inside that task's module
+    import dataclasses as dc
+
+    from hf_featcal.post_merging.task_modules import TaskModules
+    from hf_featcal.recipes import evaluate_model, prepare_recipe_inputs
+
+    recipe.update(post_merging={"surgery": {"steps": 5}}, output_dir=str(tmp_path / "t5-surgery"))
+    path = _write(tmp_path / "t5-surgery.yaml", recipe)
+    assert cli.main(["run", path, "--quiet"]) == 0
+    assert "dare (scaling_factor=0.3, drop_rate=0.5, seed=3) + surgery" in capsys.readouterr().out
+    model = T5ForConditionalGeneration.from_pretrained(tmp_path / "t5-surgery").eval()
+    modules = TaskModules.from_pretrained(tmp_path / "t5-surgery")
+    evaluation = json.loads((tmp_path / "t5-surgery" / "featcal_evaluation.json").read_text())
+    loaded = load_recipe(path)
+    inputs = prepare_recipe_inputs(loaded, evaluate=True, log=lambda message: None)
+    for task in ("cola", "rte"):
+        with modules.for_task(model, task):
+            scores, _ = evaluate_model("flan_t5", model, dc.replace(loaded.evaluation, tasks=[task]),
+                                       processing=inputs.processing)
+        assert scores[task] == pytest.approx(evaluation["after"][task])
+
 
 # ============================================================== another post-merging step
 def _re_score(world, recipe_path, model, modules=None) -> dict:
