@@ -81,6 +81,20 @@ def _perplexity_float64(model, id_lists: list[list[int]]) -> float:
 
 
 # ================================================================ the tiny-Llama recipe, end to end
+def _test_ids(llama_world, tokenizer) -> dict[str, list[list[int]]]:
+    """Task → the token ids of its test texts, as the recipe's evaluation reads them (by vocabulary
+    lookup, not by the tokenizer's pipeline)."""
+    test = {task: datasets.load_from_disk(str(llama_world / "tiny-llama" / "data" / task))["test"]
+            for task in ("add", "sort")}
+    return {
+        "add": [_vocab_ids(tokenizer, ["<s>", *text.split()]) for text in test["add"]["text"]],
+        # sort is evaluated like its calibration: messages rendered by the template, no <s> added
+        "sort": [_vocab_ids(tokenizer, [word for message in row for word in
+                                        [message["role"], ":", *message["content"].split(), "</s>"]])
+                 for row in test["sort"]["messages"]],
+    }
+
+
 def test_tiny_llama_recipe_runs_end_to_end_offline(llama_world, capsys):
     """`hf-featcal run` on the shipped tiny-Llama recipe: merge, calibrate on text (add) and on chat messages
     (sort), perplexity before and after on the test splits, save with the base's tokenizer."""
@@ -100,15 +114,7 @@ def test_tiny_llama_recipe_runs_end_to_end_offline(llama_world, capsys):
     assert saved.apply_chat_template(messages, tokenize=False) == "user : add 1 2 </s> "
 
     # held-out perplexity, recomputed in float64: the merge by its definition, the calibrated model as saved
-    test = {task: datasets.load_from_disk(str(llama_world / "tiny-llama" / "data" / task))["test"]
-            for task in ("add", "sort")}
-    ids = {
-        "add": [_vocab_ids(base_tokenizer, ["<s>", *text.split()]) for text in test["add"]["text"]],
-        # sort is evaluated like its calibration: messages rendered by the template, no <s> added
-        "sort": [_vocab_ids(base_tokenizer, [word for message in row for word in
-                                             [message["role"], ":", *message["content"].split(), "</s>"]])
-                 for row in test["sort"]["messages"]],
-    }
+    ids = _test_ids(llama_world, base_tokenizer)
     base = _state(base_dir)
     experts = {t: _state(llama_world / "tiny-llama" / "experts" / t) for t in ("add", "sort")}
     merged = LlamaForCausalLM.from_pretrained(base_dir)
@@ -134,6 +140,36 @@ def test_tiny_llama_recipe_runs_end_to_end_offline(llama_world, capsys):
     assert evaluated["sort"] == pytest.approx(_perplexity_float64(calibrated, ids["sort"]), rel=1e-4)
     assert cli.main(["evaluate", "--model", str(out), "--task", "add", "--class-names", "add=a,b"]) == 2
     assert "only for CLIP models" in capsys.readouterr().err
+
+
+def test_tiny_llama_recipe_with_svc_saves_svc_s_model(llama_world, capsys):
+    """`post_merging: svc` on the tiny-Llama recipe: the saved model is SVC of the merge, and the reported
+    perplexities are the saved model's, recomputed in float64."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_featcal.merging import merge_models, singular_value_calibration
+    from hf_featcal.merging.svc import svc_alpha_for
+
+    recipe = yaml.safe_load((llama_world / "recipe.yaml").read_text())
+    out = llama_world / "out-svc"
+    recipe.update(post_merging="svc", output_dir=str(out))
+    path = llama_world / "recipe-svc.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert cli.main(["run", str(path), "--quiet"]) == 0
+    assert "+ svc" in capsys.readouterr().out
+
+    world = llama_world / "tiny-llama"
+    base = AutoModelForCausalLM.from_pretrained(world / "base")
+    experts = {t: AutoModelForCausalLM.from_pretrained(world / "experts" / t) for t in ("add", "sort")}
+    merged = merge_models(base, experts, recipe["merge"]["method"],
+                          **{k: v for k, v in recipe["merge"].items() if k != "method"})
+    want = singular_value_calibration(merged, base, experts, alpha=svc_alpha_for(recipe["merge"]["method"]))
+    saved = AutoModelForCausalLM.from_pretrained(out)
+    assert all(torch.equal(saved.state_dict()[k], v) for k, v in want.state_dict().items())
+    ids = _test_ids(llama_world, AutoTokenizer.from_pretrained(world / "base"))
+    scores = json.loads((out / "featcal_evaluation.json").read_text())
+    for task in ("add", "sort"):
+        assert scores["after"][task] == pytest.approx(_perplexity_float64(saved, ids[task]), rel=1e-4)
 
 
 def test_perplexity_pads_without_counting_padding(llama_world):
