@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -153,7 +154,7 @@ def test_run_recipe_end_to_end(world, capsys):
     assert card.data.featcal["tasks"] == list(TASKS)
     assert card.data.featcal["merge"]["method"] == "task_arithmetic"
     assert card.data.featcal["samples_per_task"] == {task: 16 for task in TASKS}
-    assert "## Evaluation" in card.text
+    assert "## Evaluation" in card.text and "![feature drift per block](featcal_drift.png)" in card.text
 
     with open(out_dir / "featcal_drift.png", "rb") as handle:
         assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -191,6 +192,16 @@ def _hub_stand_in(monkeypatch) -> dict:
     from testing_utils import hub_stand_in
 
     return hub_stand_in(monkeypatch)
+
+
+def test_a_run_without_a_drift_report_links_no_drift_plot(world, capsys):
+    out_dir = world / "out-no-drift"
+    path = _write(world / "no-drift.yaml", _recipe(world, featcal={"batch_size": 8, "report_drift": False},
+                                                   output_dir=str(out_dir)))
+    assert cli.main(["run", path, "--quiet"]) == 0
+    card = (out_dir / "README.md").read_text()
+    assert "## Evaluation" in card and "+ FeatCal" in card
+    assert not (out_dir / "featcal_drift.png").exists() and "featcal_drift.png" not in card
 
 
 def test_run_pushes_exactly_the_files_of_the_save(world, monkeypatch, capsys):
@@ -396,14 +407,9 @@ def _re_score(world, recipe_path, model, modules=None) -> dict:
     inputs = prepare_recipe_inputs(recipe, evaluate=True, log=lambda message: None)
     scores = {}
     for task in recipe.evaluation.tasks:
-        spec = dc.replace(recipe.evaluation, tasks=[task])
-        if modules is None:
-            scores[task] = evaluate_model("clip", model, spec, processing=inputs.processing,
-                                          clip_model=inputs.clip_model)[0][task]
-        else:
-            with modules.for_task(model, task):
-                scores[task] = evaluate_model("clip", model, spec, processing=inputs.processing,
-                                              clip_model=inputs.clip_model)[0][task]
+        with modules.for_task(model, task) if modules is not None else contextlib.nullcontext():
+            scores[task] = evaluate_model("clip", model, dc.replace(recipe.evaluation, tasks=[task]),
+                                          processing=inputs.processing, clip_model=inputs.clip_model)[0][task]
     return scores
 
 
@@ -433,7 +439,7 @@ def test_a_recipe_runs_another_post_merging_step_and_saves_its_modules(world, ca
     assert all(torch.equal(saved[k], v) for k, v in merged.state_dict().items())
     card = (out_dir / "README.md").read_text()
     assert "**Task needed at inference:** yes" in card and "before and after surgery" in card
-    assert not (out_dir / "featcal_drift.png").exists()
+    assert not (out_dir / "featcal_drift.png").exists() and "featcal_drift.png" not in card
 
     evaluation = json.loads((out_dir / "featcal_evaluation.json").read_text())
     assert evaluation["after"] != evaluation["before"]  # in this seeded world the modules move a task's score

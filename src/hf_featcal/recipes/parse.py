@@ -313,8 +313,9 @@ def _parse_run_step(v: KeyChecker, raw: Any) -> tuple[str, dict[str, Any]]:
         ((raw, values),) = raw.items()
         if values is not None and not isinstance(values, Mapping):
             raise v.error(f"post_merging.{raw}", f"must be a mapping of parameters or null, got {show(values)}")
-    if raw in step_names() and get_step(raw).featcal_fields:
-        fields = ", ".join(f"featcal.{name}" for name in get_step(raw).featcal_fields or ())
+    variant_fields = get_step(raw).featcal_fields if raw in step_names() else None
+    if variant_fields:  # a FeatCal variant (FeatCal itself sets no field)
+        fields = ", ".join(f"featcal.{name}" for name in variant_fields)
         raise v.error("post_merging", f"{raw!r} is FeatCal with other settings: leave post_merging at featcal and "
                       f"set {fields} in the featcal section")
     step = v.checked("post_merging", raw)

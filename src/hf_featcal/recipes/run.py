@@ -231,7 +231,7 @@ def save_run(
                        overwrite=overwrite, written_by=written_by) as folder:
         plot_name = _write_calibrated(run.calibrator, folder, model_family, processing)
         if recipe is not None:
-            _write_records(folder, recipe, table, run.before, run.after, run.details, "FeatCal")
+            _write_records(folder, recipe, table, run.before, run.after, run.details, "FeatCal", plot=plot_name)
     return (None if plot_name is None else os.path.join(output_dir, plot_name)), table
 
 
@@ -251,16 +251,18 @@ def _scores_table(recipe: Recipe, before: dict[str, float] | None, after: dict[s
 
 
 def _write_records(folder: str, recipe: Recipe, table: str | None, before: dict[str, float] | None,
-                   after: dict[str, float] | None, details: Mapping[str, Any], step: str) -> None:
+                   after: dict[str, float] | None, details: Mapping[str, Any], step: str,
+                   plot: str | None = None) -> None:
     """Into a save being made: the evaluation (``featcal_evaluation.json`` and the card's section, where
-    `table` is given) and the resolved recipe (``featcal_recipe.yaml``)."""
+    `table` is given; the card shows the drift plot `plot` where one was written) and the resolved recipe
+    (``featcal_recipe.yaml``)."""
     import yaml
 
     if table is not None:
         with open(os.path.join(folder, "featcal_evaluation.json"), "w", encoding="utf-8") as handle:
             json.dump({"before": before, "after": after, "details": details}, handle, indent=2, default=str)
             handle.write("\n")
-        _append_to_card(folder, table, recipe, after=step)
+        _append_to_card(folder, table, recipe, step, plot)
     with open(os.path.join(folder, "featcal_recipe.yaml"), "w", encoding="utf-8") as handle:
         handle.write(f"# The recipe of this run (from {recipe.source or 'a dict'}), resolved: hf-featcal run "
                      "<this file>\n")
@@ -495,7 +497,7 @@ def save_step_run(run: StepRun, recipe: Recipe, inputs: RecipeInputs, inputs_rea
     return table
 
 
-def _append_to_card(output_dir: str, table: str, recipe: Recipe, after: str = "FeatCal") -> None:
+def _append_to_card(output_dir: str, table: str, recipe: Recipe, step: str, plot: str | None) -> None:
     path = os.path.join(output_dir, "README.md")
     assert recipe.evaluation is not None
     splits = sorted({recipe.evaluation.datasets[t].split or "" for t in recipe.evaluation.tasks})
@@ -504,8 +506,8 @@ def _append_to_card(output_dir: str, table: str, recipe: Recipe, after: str = "F
     heading = recipe.family.score_heading("Headline score per task")
     text = (
         f"\n## Evaluation\n\n{heading}, split {', '.join(splits)}{limit}, "
-        f"before and after {after}:\n\n{table}\n"
-        + ("\n![feature drift per block](featcal_drift.png)\n" if after == "FeatCal" else "")
+        f"before and after {step}:\n\n{table}\n"
+        + (f"\n![feature drift per block]({plot})\n" if plot is not None else "")
     )
     with open(path, "a", encoding="utf-8") as handle:
         handle.write(text)
