@@ -540,22 +540,15 @@ def test_a_featcal_variant_as_the_step_points_to_the_featcal_section(world, step
 def test_another_post_merging_step_is_refused_under_several_processes(world, tmp_path):
     """Two processes (torch.distributed.run, gloo): each refuses post_merging: surgery, naming the key,
     before anything is loaded; nothing is written."""
-    import socket
+    from testing_utils import launch_two_processes
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     out_dir = tmp_path / "never"
     path = _write(tmp_path / "two.yaml", _recipe(world, post_merging="surgery", output_dir=str(out_dir),
                                                  base=str(world / "base"),
                                                  experts={t: str(world / "experts" / t) for t in TASKS},
                                                  calibration={"default": {"dataset": str(world / "data") + "/{task}",
                                                                           "split": "train", "num_examples": 16}}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(port), "-m", "hf_featcal", "run", path, "--no-push"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = launch_two_processes("-m", "hf_featcal", "run", path, "--no-push")
     assert done.returncode != 0
     assert done.stderr.count("post_merging: 'surgery' runs in one process, this run has 2") == 2
     assert not out_dir.exists()

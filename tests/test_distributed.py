@@ -8,31 +8,18 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
-from testing_utils import as_float64, build_clip_setting
+from testing_utils import as_float64, build_clip_setting, launch_two_processes
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run_two_processes(out, family: str, *extra: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), WORKER, str(out), family, *extra]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    result = launch_two_processes(WORKER, str(out), family, *extra)
     assert result.returncode == 0, result.stderr[-3000:]
 
 

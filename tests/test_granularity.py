@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,7 +17,14 @@ from transformers import AutoModelForCausalLM, CLIPVisionModel
 
 from hf_featcal import FeatCalCalibrator, FeatCalConfig
 from test_llm import llm_config, lm_batch, randomise_rms_norms
-from testing_utils import as_float64, build_clip_setting, pixel_batches, randomise_norms, tiny_vision_config
+from testing_utils import (
+    as_float64,
+    build_clip_setting,
+    launch_two_processes,
+    pixel_batches,
+    randomise_norms,
+    tiny_vision_config,
+)
 
 WORKER = os.path.join(os.path.dirname(__file__), "granularity_worker.py")
 EXACT = dict(teacher_alpha=1.0, lambda_ratio=1e-10, epsilon=1e-15, compute_dtype="float64")
@@ -179,14 +183,7 @@ def test_module_granularity_resumes_from_a_checkpoint(generator, tmp_path, monke
 def test_module_granularity_on_two_processes_matches_one(tmp_path):
     """Every step's statistics are reduced across processes as a block's are: two gloo processes, each
     with its shard of the batches, end with the single-process model (float64: to 1e-9)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), WORKER, str(tmp_path)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    result = launch_two_processes(WORKER, str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
 
     torch.manual_seed(0)

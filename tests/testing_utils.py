@@ -155,6 +155,22 @@ def import_source(folder, file_name: str, source: str, module_name: str) -> Modu
     return module
 
 
+def launch_two_processes(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`args` (a script and its arguments, or ``-m module ...``) run as two CPU processes by
+    ``torch.distributed.run`` on a free local port, one thread each, without the launcher variables
+    this process may carry; its output captured."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def loads_torch(code: str) -> bool:
     """Whether running `code` in a fresh interpreter (this tree's package first) imports torch."""
     script = f"import json, sys\n{code}\nprint(json.dumps('torch' in sys.modules))"
